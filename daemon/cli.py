@@ -1,0 +1,2 @@
+def main():
+    raise SystemExit("gossipd: the daemon is not built yet")

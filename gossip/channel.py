@@ -1,0 +1,413 @@
+"""The secure channel: an authenticated, encrypted record stream between two nodes.
+
+Theory of operation
+-------------------
+:func:`handshake` runs the Noise XXpsk0 handshake of :mod:`gossip.handshake` over any trio
+stream, each handshake message framed by a 4-byte big-endian length. The result is a
+:class:`SecureChannel` that carries *records*: up to :data:`MAX_RECORD` bytes of plaintext,
+each sent as::
+
+    length   u32 big-endian, = len(ciphertext) = len(plaintext) + 16
+    ciphertext  ChaCha20-Poly1305(key, nonce = 0^32 || u64le(counter), ad = length bytes)
+
+The counter starts at 0 in each direction and counts records, so a replayed, reordered,
+dropped or truncated record fails authentication; the length is authenticated as associated
+data. Records are far larger than Noise transport messages (64 KiB) so bulk tensors move in
+few system calls and few AEAD invocations.
+
+Every read is bounded before allocation: a record header announcing more than
+``MAX_RECORD + 16`` bytes is a protocol error, and the body is read into a buffer allocated
+once per channel. Every read is bounded in time too: the wait for the *next* record is the
+caller's phase deadline (``trio.fail_after`` around the call), and once a record has begun,
+the rest of it must arrive within ``Timeouts.record`` (the slowloris guard).
+
+Any failure (bad length, failed authentication, truncation, a reset) breaks the channel: the
+stream is closed, the error is raised, nothing from the bad record is delivered, and every
+later call raises. A clean end of stream between records raises :class:`PeerGone`.
+
+:func:`connect` and :func:`serve` compose a :class:`~gossip.network.Network` with the
+handshake under the connect and handshake deadlines of :class:`Timeouts`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Awaitable, Callable
+
+import trio
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+from .errors import (
+    ChannelClosed,
+    GossipError,
+    HandshakeError,
+    LocalProtocolError,
+    PeerGone,
+    PeerTimeout,
+    RemoteProtocolError,
+    WireError,
+)
+from .handshake import (
+    MAX_HANDSHAKE_MESSAGE,
+    TAGLEN,
+    CipherState,
+    NoiseHandshake,
+    Swarm,
+    _public_bytes,
+    check_hello,
+    make_hello,
+)
+from .identity import Identity, PeerId
+from .messages import Message
+from .network import Network
+from .wire import FRAME_HEADER, decode, encode, frame_length
+
+__all__ = [
+    "MAX_RECORD",
+    "Timeouts",
+    "ChannelStatistics",
+    "SecureChannel",
+    "handshake",
+    "connect",
+    "serve",
+]
+
+log = logging.getLogger(__name__)
+
+MAX_RECORD = 1 << 20  # plaintext bytes in one record
+_HEADER = FRAME_HEADER.size
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Deadlines, in seconds, one per phase."""
+
+    connect: float = 5.0  # opening the TCP connection
+    handshake: float = 5.0  # the whole three-message handshake
+    record: float = 10.0  # from a record's length header to its last byte (>= 1 MiB / 100 kB/s)
+
+
+@dataclass(frozen=True)
+class ChannelStatistics:
+    records_sent: int
+    records_received: int
+    bytes_sent: int  # on the wire, headers and tags included
+    bytes_received: int
+
+
+class _Reader:
+    """Reads exact byte counts from a stream. On a trio socket stream it reads straight into
+    the caller's buffer (``recv_into``), saving one copy of every byte received."""
+
+    def __init__(self, stream: trio.abc.ReceiveStream) -> None:
+        self._stream = stream
+        self._sock = stream.socket if isinstance(stream, trio.SocketStream) else None
+
+    async def read_into(self, view: memoryview) -> int:
+        """Fill ``view``; returns the number of bytes read, less than ``len(view)`` only at
+        end of stream."""
+        got, size = 0, len(view)
+        while got < size:
+            if self._sock is not None:
+                try:
+                    n = await self._sock.recv_into(view[got:])
+                except OSError as exc:
+                    raise trio.BrokenResourceError(str(exc)) from exc
+            else:
+                chunk = await self._stream.receive_some(size - got)
+                n = len(chunk)
+                view[got : got + n] = chunk
+            if n == 0:
+                break
+            got += n
+        return got
+
+
+class SecureChannel(trio.abc.AsyncResource):
+    """An established channel to one peer. Use as ``async with channel:`` or call
+    :meth:`aclose`. One task may send and another receive at the same time; two concurrent
+    senders (or receivers) are a :class:`LocalProtocolError`.
+
+    Attributes:
+        peer: the remote node's peer id, authenticated by the handshake.
+    """
+
+    def __init__(
+        self,
+        stream: trio.abc.Stream,
+        send_cipher: CipherState,
+        receive_cipher: CipherState,
+        peer: PeerId,
+        *,
+        record_timeout: float = Timeouts.record,
+    ) -> None:
+        self.peer = peer
+        self._stream = stream
+        self._reader = _Reader(stream)
+        self._send_cipher = send_cipher
+        self._receive_cipher = receive_cipher
+        self._record_timeout = record_timeout
+        self._send_buf = bytearray(_HEADER + MAX_RECORD + TAGLEN)
+        self._receive_buf = bytearray(MAX_RECORD + TAGLEN)
+        self._sending = self._receiving = self._mid_record = False
+        self._closed = False
+        self._broken: GossipError | None = None
+        self._stats = [0, 0, 0, 0]
+
+    def statistics(self) -> ChannelStatistics:
+        return ChannelStatistics(*self._stats)
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise ChannelClosed(f"channel to {self.peer.short} was closed")
+        if self._broken is not None:
+            raise ChannelClosed(f"channel to {self.peer.short} was closed after an error: {self._broken}")
+
+    async def _break(self, error: GossipError) -> GossipError:
+        if self._broken is None:
+            self._broken = error
+        await trio.aclose_forcefully(self._stream)
+        return error
+
+    async def send(self, data: bytes | bytearray | memoryview) -> None:
+        """Send one record of at most :data:`MAX_RECORD` bytes.
+
+        Raises:
+            PeerGone: the connection was reset or closed by the peer.
+            ChannelClosed: we closed the channel.
+            LocalProtocolError: record too large, or another task is sending.
+        """
+        self._check_usable()
+        size = len(data)
+        if size > MAX_RECORD:
+            raise LocalProtocolError(f"record of {size} bytes exceeds MAX_RECORD={MAX_RECORD}")
+        if self._sending:
+            raise LocalProtocolError("another task is already sending on this channel")
+        self._sending = True
+        try:
+            view = memoryview(self._send_buf)
+            end = _HEADER + size + TAGLEN
+            FRAME_HEADER.pack_into(self._send_buf, 0, size + TAGLEN)
+            self._send_cipher.encrypt_into(view[:_HEADER], data, view[_HEADER:end])
+            await self._stream.send_all(view[:end])
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            raise await self._break(PeerGone(f"connection to {self.peer.short} lost: {exc}")) from None
+        except BaseException:
+            # Cancelled half-way: the peer may hold part of a record, so the stream can never
+            # carry another one.
+            await self._break(PeerGone("a send was interrupted mid-record"))
+            raise
+        finally:
+            self._sending = False
+        self._stats[0] += 1
+        self._stats[2] += end
+
+    async def receive(self) -> bytes:
+        """Wait for the next record and return its plaintext.
+
+        Raises:
+            PeerGone: the peer closed the connection between records, or reset it.
+            RemoteProtocolError: oversized length, failed authentication, or a record cut
+                short; the channel is closed.
+            PeerTimeout: a record started but did not complete within the record deadline.
+            ChannelClosed: we closed the channel.
+        """
+        self._check_usable()
+        if self._receiving:
+            raise LocalProtocolError("another task is already receiving on this channel")
+        self._receiving = True
+        try:
+            return await self._receive()
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            if self._closed:
+                raise ChannelClosed(f"channel to {self.peer.short} was closed") from None
+            raise await self._break(PeerGone(f"connection to {self.peer.short} lost: {exc}")) from None
+        except (RemoteProtocolError, PeerTimeout, PeerGone) as exc:
+            raise await self._break(exc) from None
+        except BaseException:
+            if self._mid_record:  # cancelled inside a record: the stream is out of step
+                await self._break(PeerGone("a receive was interrupted mid-record"))
+            raise
+        finally:
+            self._receiving = False
+            self._mid_record = False
+
+    async def _receive(self) -> bytes:
+        header = bytearray(_HEADER)
+        got = await self._reader.read_into(memoryview(header))
+        if got == 0:
+            raise PeerGone(f"{self.peer.short} closed the connection")
+        self._mid_record = True
+        try:
+            with trio.fail_after(self._record_timeout):
+                if got < _HEADER:
+                    got += await self._reader.read_into(memoryview(header)[got:])
+                    if got < _HEADER:
+                        raise RemoteProtocolError("connection closed inside a record header")
+                try:
+                    size = frame_length(header, MAX_RECORD + TAGLEN)
+                except WireError as exc:
+                    raise RemoteProtocolError(str(exc)) from None
+                if size < TAGLEN:
+                    raise RemoteProtocolError(f"record of {size} bytes is shorter than its tag")
+                body = memoryview(self._receive_buf)[:size]
+                if await self._reader.read_into(body) < size:
+                    raise RemoteProtocolError("connection closed inside a record (truncated)")
+        except trio.TooSlowError:
+            raise PeerTimeout(self.peer.short, "record") from None
+        plaintext = self._receive_cipher.decrypt(bytes(header), body)
+        self._mid_record = False
+        self._stats[1] += 1
+        self._stats[3] += _HEADER + size
+        return plaintext
+
+    async def send_message(self, message: Message) -> None:
+        """Send one protocol message as one record."""
+        await self.send(encode(message))
+
+    async def receive_message(self) -> Message:
+        """Receive one record and decode it as a protocol message.
+
+        Raises:
+            RemoteProtocolError: the record is not a valid message (the channel is closed).
+        """
+        data = await self.receive()
+        try:
+            return decode(data)
+        except WireError as exc:
+            raise await self._break(RemoteProtocolError(f"bad message from {self.peer.short}: {exc}")) from None
+
+    async def aclose(self) -> None:
+        if self._closed:
+            await trio.lowlevel.checkpoint()
+            return
+        self._closed = True
+        await trio.aclose_forcefully(self._stream)
+
+
+async def _read_handshake_message(reader: _Reader) -> bytes:
+    header = bytearray(_HEADER)
+    if await reader.read_into(memoryview(header)) < _HEADER:
+        raise PeerGone("connection closed during the handshake")
+    try:
+        size = frame_length(header, MAX_HANDSHAKE_MESSAGE)
+    except WireError as exc:
+        raise HandshakeError(str(exc)) from None
+    body = bytearray(size)
+    if await reader.read_into(memoryview(body)) < size:
+        raise PeerGone("connection closed during the handshake")
+    return bytes(body)
+
+
+async def handshake(
+    stream: trio.abc.Stream,
+    *,
+    identity: Identity,
+    swarm: Swarm,
+    initiator: bool,
+    allow: frozenset[str] | None = None,
+    record_timeout: float = Timeouts.record,
+) -> SecureChannel:
+    """Run the secure handshake over ``stream`` and return the channel. Takes no deadline:
+    wrap it in ``trio.fail_after`` (``connect`` and ``serve`` do). On any failure the stream
+    is closed.
+
+    Raises:
+        HandshakeError: wrong swarm key, bad signature, version or swarm mismatch, or a peer
+            not on the allow-list.
+        PeerGone: the connection closed or reset before the handshake completed.
+    """
+    static = X25519PrivateKey.generate()  # per connection: the Ed25519 identity is what lasts
+    hs = NoiseHandshake(initiator=initiator, psk=swarm.key, static=static)
+    reader = _Reader(stream)
+    hello = make_hello(identity, _public_bytes(static), swarm)
+
+    async def send(message: bytes) -> None:
+        await stream.send_all(FRAME_HEADER.pack(len(message)) + message)
+
+    try:
+        if initiator:
+            await send(hs.write_message())
+            payload = hs.read_message(await _read_handshake_message(reader))
+            peer = check_hello(payload, hs.remote_static, swarm, allow)
+            await send(hs.write_message(hello))
+        else:
+            if hs.read_message(await _read_handshake_message(reader)) != b"":
+                raise HandshakeError("unexpected payload in the first handshake message")
+            await send(hs.write_message(hello))
+            payload = hs.read_message(await _read_handshake_message(reader))
+            peer = check_hello(payload, hs.remote_static, swarm, allow)
+    except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+        await trio.aclose_forcefully(stream)
+        raise PeerGone(f"connection lost during the handshake: {exc}") from None
+    except BaseException:
+        await trio.aclose_forcefully(stream)
+        raise
+    send_cipher, receive_cipher = hs.split()
+    return SecureChannel(stream, send_cipher, receive_cipher, peer, record_timeout=record_timeout)
+
+
+async def connect(
+    network: Network,
+    address: str,
+    *,
+    identity: Identity,
+    swarm: Swarm,
+    allow: frozenset[str] | None = None,
+    timeouts: Timeouts = Timeouts(),
+) -> SecureChannel:
+    """Dial ``address`` and run the handshake as initiator, each under its deadline.
+
+    Raises:
+        PeerTimeout: the connect or handshake phase ran past its deadline.
+        PeerGone, HandshakeError: as for :meth:`Network.dial` and :func:`handshake`.
+    """
+    try:
+        with trio.fail_after(timeouts.connect):
+            stream = await network.dial(address)
+    except trio.TooSlowError:
+        raise PeerTimeout(address, "connect") from None
+    try:
+        with trio.fail_after(timeouts.handshake):
+            return await handshake(
+                stream, identity=identity, swarm=swarm, initiator=True, allow=allow,
+                record_timeout=timeouts.record,
+            )
+    except trio.TooSlowError:
+        raise PeerTimeout(address, "handshake") from None
+
+
+ChannelHandler = Callable[[SecureChannel], Awaitable[None]]
+
+
+async def serve(
+    network: Network,
+    address: str,
+    handler: ChannelHandler,
+    *,
+    identity: Identity,
+    swarm: Swarm,
+    allow: frozenset[str] | None = None,
+    timeouts: Timeouts = Timeouts(),
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Accept connections on ``address``; run the handshake as responder under its deadline,
+    then ``handler(channel)`` in a task of its own. A connection that fails the handshake, or
+    whose handler raises a :class:`GossipError`, is closed and logged; the server goes on.
+    Calls ``task_status.started(bound_address)`` once listening.
+    """
+
+    async def on_stream(stream: trio.abc.Stream) -> None:
+        try:
+            with trio.fail_after(timeouts.handshake):
+                channel = await handshake(
+                    stream, identity=identity, swarm=swarm, initiator=False, allow=allow,
+                    record_timeout=timeouts.record,
+                )
+        except trio.TooSlowError:
+            raise PeerTimeout("incoming", "handshake") from None
+        async with channel:
+            await handler(channel)
+
+    await network.serve(address, on_stream, task_status=task_status)

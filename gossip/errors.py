@@ -1,0 +1,109 @@
+"""Every exception gossip raises.
+
+All derive from :class:`GossipError`, so ``except gossip.GossipError`` catches everything the
+library raises on purpose. Each docstring says whose fault the error is: ours (a bug or a
+misuse of the API), the remote peer's (it sent something it must not), or nobody's (the
+network or the clock).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "GossipError",
+    "IdentityError",
+    "WireError",
+    "LocalProtocolError",
+    "RemoteProtocolError",
+    "HandshakeError",
+    "PeerTimeout",
+    "PeerGone",
+    "ChannelClosed",
+    "SchemaMismatch",
+    "AveragingFailed",
+]
+
+
+class GossipError(Exception):
+    """Base class of every error raised by gossip."""
+
+
+class IdentityError(GossipError):
+    """A node key file is missing, malformed, or readable by other users.
+
+    The operator's fault: the message says which file and what to do about it.
+    """
+
+
+class WireError(GossipError):
+    """Bytes that do not decode to a valid frame or message.
+
+    Raised by the pure codec; whoever handed it the bytes decides who is at fault. Over a
+    channel this surfaces as :class:`RemoteProtocolError`.
+    """
+
+
+class LocalProtocolError(GossipError):
+    """We tried to do something the protocol does not allow.
+
+    Our fault (a bug, or a misuse of the API): sending on a closed or broken channel,
+    encoding an out-of-range field, sending a record larger than the limit.
+    """
+
+
+class RemoteProtocolError(GossipError):
+    """The peer broke the protocol: a malformed, oversized, tampered, replayed or truncated
+    record, or a message that is not valid at this point.
+
+    The peer's fault. The connection is closed; nothing from the bad record was delivered.
+    """
+
+
+class HandshakeError(RemoteProtocolError):
+    """The secure handshake failed: wrong swarm key, bad identity signature, protocol
+    version or swarm mismatch, or a peer not on the allow-list.
+
+    Usually the peer's fault, or a configuration mismatch between the two operators.
+    """
+
+
+class PeerTimeout(GossipError):
+    """The peer did not answer within the deadline for this phase.
+
+    Nobody's fault for sure: the peer may be slow, overloaded or gone, or the network lossy.
+    """
+
+    def __init__(self, peer: object, phase: str) -> None:
+        super().__init__(f"peer {peer} timed out during {phase}")
+        self.peer = peer
+        self.phase = phase
+
+
+class PeerGone(GossipError):
+    """The peer closed or reset the connection, or cannot be reached.
+
+    The network's or the peer's doing (it crashed, left, or was never there); not a protocol
+    violation.
+    """
+
+
+class ChannelClosed(GossipError):
+    """The channel was used after *we* closed it.
+
+    Our fault: compare :class:`PeerGone`, which means the other side went away.
+    """
+
+
+class SchemaMismatch(GossipError):
+    """Tensor data does not fit the schema of the local model (names, shapes, dtypes or
+    sizes differ), or a payload is incomplete.
+
+    The peer's fault when it comes from the network; ours when the caller passed the wrong
+    model.
+    """
+
+
+class AveragingFailed(GossipError):
+    """An averaging round with a peer did not complete; the local model is untouched.
+
+    Expected now and then in a real swarm: log it, count it, carry on.
+    """

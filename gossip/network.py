@@ -1,0 +1,233 @@
+"""How nodes reach each other: the network seam.
+
+Everything above this module talks to a :class:`Network`: dial an address and get a byte
+stream, serve an address with a handler, or bind a datagram endpoint. Two implementations
+pass the same conformance suite (``tests/unit/test_network_conformance.py``):
+
+* :class:`TcpNetwork`: real sockets through trio.
+* :class:`gossip.simnet.SimNetwork`: an in-memory network on trio's clock (works under
+  ``trio.testing.MockClock``) with per-link latency, bandwidth, loss, resets, partitions and
+  crashes, all drawn from a seeded RNG.
+
+Addresses are ``"host:port"`` strings (``"[::1]:7070"`` for IPv6). The network layer moves
+bytes and nothing else: authentication and framing live in :mod:`gossip.channel`. Neither
+:meth:`Network.dial` nor the stream reads take a timeout: callers wrap them in
+``trio.fail_after`` with the deadline of their phase.
+
+Errors: a dial to an address with nobody listening, a reset connection, or a crashed host
+raise :class:`~gossip.errors.PeerGone`; stream reads return ``b""`` at a clean end of stream
+and raise ``trio.BrokenResourceError`` on a reset, as trio's own streams do.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import socket
+from typing import Awaitable, Callable, Protocol, runtime_checkable
+
+import trio
+
+from .errors import GossipError, PeerGone
+
+__all__ = [
+    "MAX_DATAGRAM",
+    "Handler",
+    "Network",
+    "DatagramEndpoint",
+    "TcpNetwork",
+    "parse_address",
+    "format_address",
+]
+
+log = logging.getLogger(__name__)
+
+# The largest datagram either network carries. Larger sends are refused (LocalProtocolError
+# is not right here: the caller picked the size, so it is a ValueError). 1400 bytes fits in one
+# Ethernet frame with room for IP and UDP headers, as memberlist chooses.
+MAX_DATAGRAM = 1400
+
+Handler = Callable[[trio.abc.Stream], Awaitable[None]]
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """Split ``"host:port"`` (or ``"[v6]:port"``) into ``(host, port)``.
+
+    Raises:
+        ValueError: the string is not of that form or the port is out of range.
+    """
+    if not isinstance(address, str):
+        raise ValueError(f"address must be a 'host:port' string, not {type(address).__name__}")
+    host, sep, port_text = address.rpartition(":")
+    if not sep or not host or not port_text.isdigit():
+        raise ValueError(f"bad address {address!r}: expected 'host:port'")
+    if host.startswith("["):
+        if not host.endswith("]"):
+            raise ValueError(f"bad address {address!r}: unclosed '['")
+        host = host[1:-1]
+    elif ":" in host:
+        raise ValueError(f"bad address {address!r}: write IPv6 hosts as '[addr]:port'")
+    port = int(port_text)
+    if not 0 <= port <= 65535:
+        raise ValueError(f"bad address {address!r}: port out of range")
+    return host, port
+
+
+def format_address(host: str, port: int) -> str:
+    """The inverse of :func:`parse_address`."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+@runtime_checkable
+class DatagramEndpoint(Protocol):
+    """A bound datagram socket. Unreliable: datagrams may be lost, duplicated or reordered."""
+
+    @property
+    def local_address(self) -> str: ...
+
+    async def send(self, data: bytes, address: str) -> None:
+        """Send one datagram of at most :data:`MAX_DATAGRAM` bytes. Never blocks for long;
+        a datagram that cannot be delivered is silently lost."""
+
+    async def receive(self) -> tuple[bytes, str]:
+        """Wait for the next datagram; returns ``(data, sender_address)``."""
+
+    async def aclose(self) -> None: ...
+
+
+@runtime_checkable
+class Network(Protocol):
+    """The seam between gossip and the wire."""
+
+    async def dial(self, address: str) -> trio.abc.Stream:
+        """Open a byte stream to ``address``.
+
+        Raises:
+            PeerGone: nobody listens there, or the host cannot be reached.
+        """
+
+    async def serve(
+        self,
+        address: str,
+        handler: Handler,
+        *,
+        task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Accept connections on ``address`` forever, running ``handler(stream)`` for each in
+        its own task. Calls ``task_status.started(bound_address)`` once listening (port 0
+        picks a free port; the bound address names it). The stream is closed when the handler
+        returns; a handler that raises :class:`~gossip.errors.GossipError` or
+        ``trio.BrokenResourceError`` closes that connection only.
+        """
+
+    async def open_datagram(self, address: str) -> DatagramEndpoint:
+        """Bind a datagram endpoint on ``address`` (port 0 picks a free port)."""
+
+
+async def run_handler(handler: Handler, stream: trio.abc.Stream, peer: str) -> None:
+    """Run one connection's handler; a failure of that connection never escapes it."""
+    try:
+        await handler(stream)
+    except (GossipError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+        log.debug("connection closed peer=%s error=%s: %s", peer, type(exc).__name__, exc)
+    finally:
+        await trio.aclose_forcefully(stream)
+
+
+class TcpNetwork:
+    """Real TCP and UDP through trio. Stateless: one instance serves any number of nodes."""
+
+    async def dial(self, address: str) -> trio.abc.Stream:
+        host, port = parse_address(address)
+        try:
+            stream = await trio.open_tcp_stream(host, port)
+        except OSError as exc:
+            raise PeerGone(f"cannot connect to {address}: {exc.strerror or exc}") from None
+        _tune(stream.socket)
+        return stream
+
+    async def serve(
+        self,
+        address: str,
+        handler: Handler,
+        *,
+        task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        host, port = parse_address(address)
+        listeners = await trio.open_tcp_listeners(port, host=host or None)
+        sockname = listeners[0].socket.getsockname()
+        task_status.started(format_address(sockname[0], sockname[1]))
+        async with trio.open_nursery() as nursery:
+            while True:
+                stream = await _accept(listeners)
+                _tune(stream.socket)
+                peer = format_address(*stream.socket.getpeername()[:2])
+                nursery.start_soon(run_handler, handler, stream, peer)
+
+    async def open_datagram(self, address: str) -> DatagramEndpoint:
+        host, port = parse_address(address)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = trio.socket.socket(family, socket.SOCK_DGRAM)
+        try:
+            await sock.bind((host, port))
+        except OSError:
+            sock.close()
+            raise
+        return _UdpEndpoint(sock)
+
+
+async def _accept(listeners: list[trio.SocketListener]) -> trio.SocketStream:
+    # trio.open_tcp_listeners returns one listener per address family; a node listens on one
+    # explicit host, so one listener is the normal case. Accepting from several would need a
+    # task per listener; keep it simple and honest.
+    while True:
+        try:
+            return await listeners[0].accept()
+        except OSError as exc:
+            # Running out of file descriptors must not kill the server: wait and retry, as
+            # trio.serve_listeners does.
+            if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS):
+                log.warning("accept failed error=%s; retrying in 0.1 s", errno.errorcode[exc.errno])
+                await trio.sleep(0.1)
+            else:
+                raise
+
+
+def _tune(sock: trio.socket.SocketType) -> None:
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+class _UdpEndpoint:
+    def __init__(self, sock: trio.socket.SocketType) -> None:
+        self._sock = sock
+        host, port = sock.getsockname()[:2]
+        self._local = format_address(host, port)
+
+    @property
+    def local_address(self) -> str:
+        return self._local
+
+    async def send(self, data: bytes, address: str) -> None:
+        if len(data) > MAX_DATAGRAM:
+            raise ValueError(f"datagram of {len(data)} bytes exceeds MAX_DATAGRAM={MAX_DATAGRAM}")
+        try:
+            await self._sock.sendto(data, parse_address(address))
+        except OSError as exc:
+            # UDP is fire and forget: an unreachable destination is a lost datagram.
+            log.debug("datagram lost to=%s error=%s", address, exc)
+
+    async def receive(self) -> tuple[bytes, str]:
+        while True:
+            try:
+                # Bounded read: anything beyond MAX_DATAGRAM + 1 is truncated by the kernel,
+                # and an oversized datagram is dropped rather than delivered in part.
+                data, sender = await self._sock.recvfrom(MAX_DATAGRAM + 1)
+            except ConnectionResetError:
+                continue  # ICMP port unreachable from an earlier send: not for the reader
+            if len(data) <= MAX_DATAGRAM:
+                return data, format_address(sender[0], sender[1])
+
+    async def aclose(self) -> None:
+        self._sock.close()
+        await trio.lowlevel.checkpoint()

@@ -1,0 +1,113 @@
+"""The wire codec: messages to bytes and back, and length-prefixed frames. Pure: no I/O.
+
+A message is encoded as canonical CBOR (RFC 8949 §4.2: shortest forms, sorted map keys) of
+``[tag, field1, field2, ...]``. Decoding is strict, because every byte comes from a peer that
+may be hostile or buggy:
+
+* the input is bounded by :data:`MAX_MESSAGE` before cbor2 sees it;
+* cbor2 runs with a depth limit, no indefinite-length items and no duplicate map keys;
+* the bytes must be exactly the canonical encoding of what they decode to, so trailing
+  garbage, non-shortest integers, bignums and other alternative spellings are all refused
+  and every message has exactly one valid encoding (signatures over them are stable);
+* the tag must be in :data:`gossip.messages.TAGS` and the array must have exactly that
+  message's number of fields, each of which the message class checks for type and range.
+
+Any violation raises :class:`~gossip.errors.WireError` naming what was wrong.
+
+A frame is a 4-byte big-endian unsigned length followed by that many bytes. The length is
+checked against the reader's limit (:func:`frame_length`) before a single payload byte is
+read or buffered.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import fields
+
+import cbor2
+
+from .errors import WireError
+from .messages import TAGS, Message
+
+__all__ = [
+    "MAX_MESSAGE",
+    "MAX_DEPTH",
+    "FRAME_HEADER",
+    "encode",
+    "decode",
+    "encode_frame",
+    "frame_length",
+]
+
+MAX_MESSAGE = 64 * 1024  # bytes of one encoded control message
+MAX_DEPTH = 8  # CBOR nesting; our messages need 2
+FRAME_HEADER = struct.Struct(">I")
+
+
+def encode(message: Message) -> bytes:
+    """Canonical CBOR of ``message``.
+
+    Raises:
+        ValueError: the encoding exceeds :data:`MAX_MESSAGE` (the caller's bug).
+    """
+    data = cbor2.dumps([message.TAG, *message.to_fields()], canonical=True)
+    if len(data) > MAX_MESSAGE:
+        raise ValueError(f"{type(message).__name__} encodes to {len(data)} bytes > MAX_MESSAGE")
+    return data
+
+
+def decode(data: bytes | bytearray | memoryview) -> Message:
+    """Decode one message, strictly.
+
+    Raises:
+        WireError: not canonical CBOR, unknown tag, wrong arity, or a bad field.
+    """
+    if len(data) > MAX_MESSAGE:
+        raise WireError(f"message of {len(data)} bytes exceeds MAX_MESSAGE={MAX_MESSAGE}")
+    data = bytes(data)
+    try:
+        obj = cbor2.loads(
+            data,
+            max_depth=MAX_DEPTH,
+            allow_indefinite=False,
+            allow_duplicate_keys=False,
+            str_errors="strict",
+        )
+    except (cbor2.CBORDecodeError, ValueError, TypeError, OverflowError, RecursionError) as exc:
+        raise WireError(f"malformed CBOR: {exc}") from None
+    try:
+        canonical = cbor2.dumps(obj, canonical=True)
+    except (cbor2.CBOREncodeError, ValueError, TypeError) as exc:
+        raise WireError(f"undecodable value: {exc}") from None
+    if canonical != data:
+        raise WireError("not the canonical CBOR encoding (trailing bytes or non-shortest form)")
+    if type(obj) is not list or not obj:
+        raise WireError("a message is a non-empty CBOR array")
+    tag, *values = obj
+    cls = TAGS.get(tag) if type(tag) is int else None
+    if cls is None:
+        raise WireError(f"unknown message tag {tag!r}")
+    arity = len(fields(cls))  # type: ignore[arg-type]
+    if len(values) != arity:
+        raise WireError(f"{cls.__name__}: expected {arity} fields, got {len(values)}")
+    try:
+        return cls(*values)
+    except (ValueError, TypeError) as exc:
+        raise WireError(str(exc)) from None
+
+
+def encode_frame(payload: bytes) -> bytes:
+    """``payload`` behind its 4-byte length."""
+    return FRAME_HEADER.pack(len(payload)) + payload
+
+
+def frame_length(header: bytes | bytearray | memoryview, limit: int) -> int:
+    """The payload length in a 4-byte frame header, checked against ``limit``.
+
+    Raises:
+        WireError: the length exceeds ``limit``.
+    """
+    (length,) = FRAME_HEADER.unpack(header)
+    if length > limit:
+        raise WireError(f"frame of {length} bytes exceeds the limit of {limit}")
+    return length
