@@ -289,7 +289,8 @@ class SecureChannel(trio.abc.AsyncResource):
 async def _read_handshake_message(reader: _Reader) -> bytes:
     header = bytearray(_HEADER)
     if await reader.read_into(memoryview(header)) < _HEADER:
-        raise PeerGone("connection closed during the handshake")
+        # A responder that does not hold our swarm key closes right after message 1.
+        raise PeerGone("connection closed during the handshake (as a peer with another swarm key does)")
     try:
         size = frame_length(header, MAX_HANDSHAKE_MESSAGE)
     except WireError as exc:

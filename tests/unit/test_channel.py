@@ -1,0 +1,313 @@
+"""The secure channel over in-memory streams: the happy path and every failure of the spec.
+
+An attacker here is a test that holds one end of the raw stream and writes whatever bytes it
+likes; ``Tap`` lets a test capture an honest side's records and forward them altered.
+"""
+
+import tracemalloc
+
+import pytest
+import trio
+import trio.testing
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gossip.channel import MAX_RECORD, SecureChannel, Timeouts, connect, handshake, serve
+from gossip.errors import (
+    ChannelClosed,
+    HandshakeError,
+    LocalProtocolError,
+    PeerGone,
+    PeerTimeout,
+    RemoteProtocolError,
+)
+from gossip.handshake import SIGNATURE_PREFIX, NoiseHandshake, Swarm, _public_bytes
+from gossip.identity import Identity
+from gossip.messages import Close, Hello
+from gossip.wire import FRAME_HEADER, encode
+
+from tests.util import ALICE, BOB, SWARM, Tap, pair
+
+
+async def both(fa, fb):
+    """Run two coroutine functions concurrently; return their results or exceptions."""
+    out = {}
+
+    async def run(key, fn):
+        try:
+            out[key] = await fn()
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            out[key] = exc
+
+    async with trio.open_nursery() as n:
+        n.start_soon(run, "a", fa)
+        n.start_soon(run, "b", fb)
+    return out["a"], out["b"]
+
+
+async def test_handshake_authenticates_both_sides_and_carries_records():
+    alice, bob, _ = await pair()
+    assert alice.peer == BOB.peer_id and bob.peer == ALICE.peer_id
+    big = bytes(range(256)) * (MAX_RECORD // 256)
+    async with trio.open_nursery() as n:
+        n.start_soon(alice.send, big)
+        assert await bob.receive() == big
+    async with trio.open_nursery() as n:
+        n.start_soon(bob.send_message, Close(Close.NORMAL, "bye"))
+        assert await alice.receive_message() == Close(Close.NORMAL, "bye")
+    assert alice.statistics().records_sent == 1 and bob.statistics().records_received == 1
+    assert alice.statistics().bytes_sent == 4 + len(big) + 16
+
+
+async def test_empty_record_and_record_limit():
+    alice, bob, _ = await pair()
+    async with trio.open_nursery() as n:
+        n.start_soon(alice.send, b"")
+        assert await bob.receive() == b""
+    with pytest.raises(LocalProtocolError, match="exceeds MAX_RECORD"):
+        await alice.send(bytes(MAX_RECORD + 1))
+
+
+async def test_wrong_swarm_key_fails_at_message_one_and_reveals_nothing():
+    s1, s2 = trio.testing.memory_stream_pair()
+    outsider = NoiseHandshake(initiator=True, psk=bytes(32), static=X25519PrivateKey.generate())
+    message1 = outsider.write_message()
+    await s1.send_all(FRAME_HEADER.pack(len(message1)) + message1)
+    with pytest.raises(HandshakeError, match="wrong swarm key"):
+        await handshake(s2, identity=BOB, swarm=SWARM, initiator=False)
+    assert await s1.receive_some() == b""  # closed without sending a single byte
+
+
+async def test_wrong_swarm_key_between_two_nodes():
+    other = Swarm("test", bytes(32))
+    with pytest.raises(BaseExceptionGroup) as info:
+        await pair(swarm_b=other)
+    kinds = {type(e) for e in info.value.exceptions}
+    assert HandshakeError in kinds  # the responder saw the bad key; the initiator saw it leave
+
+
+async def test_swarm_name_mismatch():
+    with pytest.raises(BaseExceptionGroup) as info:
+        await pair(swarm_b=Swarm("other", SWARM.key))
+    assert any("swarm mismatch" in str(e) for e in info.value.exceptions)
+
+
+async def test_allow_list_refuses_before_revealing_identity():
+    s1, s2 = trio.testing.memory_stream_pair()
+    a, b = await both(
+        lambda: handshake(s1, identity=ALICE, swarm=SWARM, initiator=True,
+                          allow=frozenset({Identity.generate().peer_id})),
+        lambda: handshake(s2, identity=BOB, swarm=SWARM, initiator=False),
+    )
+    assert isinstance(a, HandshakeError) and "allow-list" in str(a)
+    assert isinstance(b, PeerGone)  # Alice closed before message 3: Bob never learned who she is
+
+
+async def test_allow_list_on_the_responder():
+    s1, s2 = trio.testing.memory_stream_pair()
+    a, b = await both(
+        lambda: handshake(s1, identity=ALICE, swarm=SWARM, initiator=True),
+        lambda: handshake(s2, identity=BOB, swarm=SWARM, initiator=False,
+                          allow=frozenset({BOB.peer_id})),
+    )
+    assert isinstance(b, HandshakeError) and "allow-list" in str(b)
+    assert isinstance(a, SecureChannel)  # completes its side; its first receive will see the close
+    with pytest.raises(PeerGone):
+        await a.receive()
+
+
+async def forged_responder(stream, *, hello_for):
+    """A responder holding the swarm key that sends the Hello built by ``hello_for``."""
+    static = X25519PrivateKey.generate()
+    hs = NoiseHandshake(initiator=False, psk=SWARM.key, static=static)
+    header = await stream.receive_some(4)
+    hs.read_message(await stream.receive_some(FRAME_HEADER.unpack(header)[0]))
+    message2 = hs.write_message(encode(hello_for(_public_bytes(static))))
+    await stream.send_all(FRAME_HEADER.pack(len(message2)) + message2)
+
+
+@pytest.mark.parametrize(
+    "forge, match",
+    [
+        (lambda s: Hello(1, "test", BOB.public_key, BOB.sign(b"wrong prefix:" + s)), "signature"),
+        (lambda s: Hello(1, "test", BOB.public_key, ALICE.sign(SIGNATURE_PREFIX + s)), "signature"),
+        (lambda s: Hello(1, "test", BOB.public_key, BOB.sign(SIGNATURE_PREFIX + bytes(32))), "signature"),
+        (lambda s: Hello(7, "test", BOB.public_key, BOB.sign(SIGNATURE_PREFIX + s)), "version mismatch"),
+    ],
+    ids=["wrong-prefix", "signed-by-another-key", "other-static-key", "version"],
+)
+async def test_bad_identity_binding_or_version(forge, match):
+    s1, s2 = trio.testing.memory_stream_pair()
+    a, _ = await both(
+        lambda: handshake(s1, identity=ALICE, swarm=SWARM, initiator=True),
+        lambda: forged_responder(s2, hello_for=forge),
+    )
+    assert isinstance(a, HandshakeError) and match in str(a)
+
+
+async def capture(channel_tap: Tap, send, n=1):
+    channel_tap.captured = []
+    for _ in range(n):
+        await send()
+    records, channel_tap.captured = channel_tap.captured, None
+    return records
+
+
+async def assert_broken(bob, error, match):
+    with pytest.raises(error, match=match):
+        await bob.receive()
+    with pytest.raises(ChannelClosed):  # nothing is ever delivered after that
+        await bob.receive()
+
+
+@pytest.mark.parametrize("where", [0, 3, 4, 10, -1])
+async def test_tampered_record(where):
+    alice, bob, tap = await pair()
+    [record] = await capture(tap, lambda: alice.send(b"attack at dawn"))
+    forged = bytearray(record)
+    forged[where] ^= 0x01
+    await tap.inner.send_all(bytes(forged))
+    await tap.inner.aclose()
+    # A changed length makes the record either cut short or fail its tag; any other change
+    # fails the tag.
+    await assert_broken(bob, RemoteProtocolError, "failed authentication|truncated|exceeds")
+
+
+async def test_replayed_record():
+    alice, bob, tap = await pair()
+    [record] = await capture(tap, lambda: alice.send(b"pay 10"))
+    await tap.inner.send_all(record)
+    assert await bob.receive() == b"pay 10"
+    await tap.inner.send_all(record)
+    await assert_broken(bob, RemoteProtocolError, "failed authentication")
+
+
+async def test_reordered_records():
+    alice, bob, tap = await pair()
+    first, second = await capture(tap, lambda: alice.send(b"x"), n=2)
+    await tap.inner.send_all(second + first)
+    await assert_broken(bob, RemoteProtocolError, "failed authentication")
+
+
+@pytest.mark.parametrize("keep", [2, 4, 10])
+async def test_truncated_record(keep):
+    alice, bob, tap = await pair()
+    [record] = await capture(tap, lambda: alice.send(b"y" * 100))
+    await tap.inner.send_all(record[:keep])
+    await tap.inner.aclose()
+    await assert_broken(bob, RemoteProtocolError, "closed inside a record")
+
+
+async def test_clean_close_between_records_is_peer_gone():
+    alice, bob, _ = await pair()
+    await alice.aclose()
+    await assert_broken(bob, PeerGone, "closed the connection")
+    with pytest.raises(ChannelClosed):
+        await alice.send(b"late")
+
+
+async def test_oversized_length_is_refused_before_allocating():
+    alice, bob, tap = await pair()
+    tracemalloc.start()
+    try:
+        await tap.inner.send_all(b"\xff\xff\xff\xff" + bytes(1000))
+        with pytest.raises(RemoteProtocolError, match="exceeds the limit"):
+            await bob.receive()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 256 * 1024  # the receive buffer was allocated with the channel, once
+    with pytest.raises(ChannelClosed):
+        await bob.receive()
+
+
+async def test_record_shorter_than_tag():
+    alice, bob, tap = await pair()
+    await tap.inner.send_all(FRAME_HEADER.pack(15) + bytes(15))
+    await assert_broken(bob, RemoteProtocolError, "shorter than its tag")
+
+
+async def test_stalled_record_times_out(autojump_clock):
+    alice, bob, tap = await pair(record_timeout=5.0)
+    [record] = await capture(tap, lambda: alice.send(b"z" * 1000))
+    await tap.inner.send_all(record[:500])  # then nothing: a slowloris
+    start = trio.current_time()
+    await assert_broken(bob, PeerTimeout, "record")
+    assert trio.current_time() - start == pytest.approx(5.0)
+
+
+async def test_concurrent_senders_are_refused():
+    alice, bob, tap = await pair(make=trio.testing.lockstep_stream_pair)
+    async with trio.open_nursery() as n:
+        n.start_soon(alice.send, bytes(MAX_RECORD))  # blocks: nobody reads
+        await trio.testing.wait_all_tasks_blocked()
+        with pytest.raises(LocalProtocolError, match="already sending"):
+            await alice.send(b"second")
+        n.cancel_scope.cancel()
+    # Cancelled mid-record: the stream can never carry another record.
+    with pytest.raises(ChannelClosed):
+        await alice.send(b"after")
+
+
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.binary(max_size=2000))
+def test_random_bytes_after_handshake_raise_only_typed_errors(data):
+    async def main():
+        alice, bob, tap = await pair()
+        await tap.inner.send_all(data)
+        await tap.inner.aclose()
+        with pytest.raises((RemoteProtocolError, PeerGone)):
+            await bob.receive()
+    trio.run(main)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.binary(max_size=300))
+def test_random_bytes_as_a_handshake_raise_only_typed_errors(data):
+    async def main():
+        s1, s2 = trio.testing.memory_stream_pair()
+        await s1.send_all(data)
+        await s1.aclose()
+        with pytest.raises((HandshakeError, PeerGone)):
+            await handshake(s2, identity=BOB, swarm=SWARM, initiator=False)
+    trio.run(main)
+
+
+class SilentNetwork:
+    """A network whose dials connect to a peer that never says a word."""
+
+    def __init__(self):
+        self.held = []
+
+    async def dial(self, address):
+        s1, s2 = trio.testing.memory_stream_pair()
+        self.held.append(s2)
+        return s1
+
+    async def serve(self, address, handler, *, task_status=trio.TASK_STATUS_IGNORED):
+        task_status.started(address)
+        s1, s2 = trio.testing.memory_stream_pair()
+        self.held.append(s1)
+        await handler(s2)
+
+
+async def test_connect_times_out_in_the_handshake(autojump_clock):
+    start = trio.current_time()
+    with pytest.raises(PeerTimeout, match="handshake"):
+        await connect(SilentNetwork(), "x:1", identity=ALICE, swarm=SWARM,
+                      timeouts=Timeouts(handshake=3.0))
+    assert trio.current_time() - start == pytest.approx(3.0)
+
+
+async def test_serve_times_out_a_silent_client(autojump_clock):
+    async def handler(channel):
+        raise AssertionError("no channel should be handed out")
+
+    start = trio.current_time()
+    with pytest.raises(PeerTimeout, match="handshake"):
+        await serve(SilentNetwork(), "x:1", handler, identity=BOB, swarm=SWARM,
+                    timeouts=Timeouts(handshake=2.0))
+    assert trio.current_time() - start == pytest.approx(2.0)

@@ -1,0 +1,148 @@
+"""The Noise state machine against an independent implementation (the noiseprotocol package),
+and the identity layer on top of it."""
+
+import os
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+from noise.connection import Keypair, NoiseConnection
+
+from gossip.errors import HandshakeError, LocalProtocolError
+from gossip.handshake import (
+    PROLOGUE,
+    PROTOCOL_NAME,
+    SIGNATURE_PREFIX,
+    NoiseHandshake,
+    Swarm,
+    _public_bytes,
+    check_hello,
+    make_hello,
+)
+from gossip.identity import Identity
+from gossip.messages import Hello
+from gossip.wire import encode
+
+
+def reference(initiator: bool, psk: bytes) -> NoiseConnection:
+    conn = NoiseConnection.from_name(PROTOCOL_NAME)
+    conn.set_as_initiator() if initiator else conn.set_as_responder()
+    conn.set_psks(psk)
+    conn.set_prologue(PROLOGUE)
+    conn.set_keypair_from_private_bytes(Keypair.STATIC, os.urandom(32))
+    conn.start_handshake()
+    return conn
+
+
+def ours(initiator: bool, psk: bytes) -> NoiseHandshake:
+    return NoiseHandshake(initiator=initiator, psk=psk, static=X25519PrivateKey.generate())
+
+
+def test_our_responder_completes_against_reference_initiator():
+    psk = os.urandom(32)
+    ref, me = reference(True, psk), ours(False, psk)
+    assert me.read_message(ref.write_message(b"")) == b""
+    assert bytes(ref.read_message(me.write_message(b"from responder"))) == b"from responder"
+    assert me.read_message(ref.write_message(b"from initiator")) == b"from initiator"
+    assert ref.handshake_finished and me.complete
+    assert bytes(ref.get_handshake_hash()) == me.handshake_hash
+    send, receive = me.split()
+    assert receive.decrypt(b"", bytes(ref.encrypt(b"transport i->r"))) == b"transport i->r"
+    assert bytes(ref.decrypt(send.encrypt(b"", b"transport r->i"))) == b"transport r->i"
+
+
+def test_our_initiator_completes_against_reference_responder():
+    psk = os.urandom(32)
+    me, ref = ours(True, psk), reference(False, psk)
+    assert bytes(ref.read_message(me.write_message(b""))) == b""
+    assert me.read_message(ref.write_message(b"r")) == b"r"
+    assert bytes(ref.read_message(me.write_message(b"i"))) == b"i"
+    assert ref.handshake_finished and me.complete
+    assert bytes(ref.get_handshake_hash()) == me.handshake_hash
+    send, receive = me.split()
+    assert bytes(ref.decrypt(send.encrypt(b"", b"x" * 1000))) == b"x" * 1000
+    assert receive.decrypt(b"", bytes(ref.encrypt(b"y"))) == b"y"
+    # Static keys each side learned are the ones the other holds.
+    assert me.remote_static == bytes(ref.noise_protocol.keypairs["s"].public_bytes)
+
+
+def test_wrong_psk_fails_at_the_first_message():
+    initiator, responder = ours(True, os.urandom(32)), ours(False, os.urandom(32))
+    message1 = initiator.write_message()
+    assert len(message1) == 48  # ephemeral key + the tag of an empty, PSK-keyed payload
+    with pytest.raises(HandshakeError, match="wrong swarm key"):
+        responder.read_message(message1)
+
+
+@pytest.mark.parametrize("cut", [1, 16, 47])
+def test_truncated_messages_are_refused(cut):
+    psk = os.urandom(32)
+    initiator, responder = ours(True, psk), ours(False, psk)
+    with pytest.raises(HandshakeError):
+        responder.read_message(initiator.write_message()[:-cut])
+
+
+def test_low_order_ephemeral_is_refused():
+    psk = os.urandom(32)
+    responder = ours(False, psk)
+    with pytest.raises(HandshakeError):
+        responder.read_message(bytes(32) + bytes(16))  # the all-zero point
+
+
+def test_out_of_turn_use_is_a_local_error():
+    psk = os.urandom(32)
+    with pytest.raises(LocalProtocolError, match="turn"):
+        ours(False, psk).write_message()
+    with pytest.raises(LocalProtocolError, match="not complete"):
+        ours(True, psk).split()
+
+
+def hello_case(identity, static_pub, own_swarm, **change):
+    fields = dict(version=1, swarm=own_swarm.name, identity_key=identity.public_key,
+                  signature=identity.sign(SIGNATURE_PREFIX + static_pub))
+    fields.update(change)
+    return encode(Hello(**fields))
+
+
+def test_hello_binds_identity_to_static_key():
+    swarm, ident = Swarm.generate("s"), Identity.generate()
+    static = _public_bytes(X25519PrivateKey.generate())
+    assert check_hello(make_hello(ident, static, swarm), static, swarm) == ident.peer_id
+    other_static = _public_bytes(X25519PrivateKey.generate())
+    with pytest.raises(HandshakeError, match="signature"):
+        check_hello(make_hello(ident, static, swarm), other_static, swarm)
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(version=2), "version mismatch"),
+        (dict(swarm="other"), "swarm mismatch"),
+        (dict(signature=bytes(64)), "signature"),
+        (dict(identity_key=Identity.generate().public_key), "signature"),
+    ],
+)
+def test_bad_hello_is_refused(change, match):
+    swarm, ident = Swarm.generate("s"), Identity.generate()
+    static = _public_bytes(X25519PrivateKey.generate())
+    with pytest.raises(HandshakeError, match=match):
+        check_hello(hello_case(ident, static, swarm, **change), static, swarm)
+
+
+def test_allow_list():
+    swarm, ident = Swarm.generate("s"), Identity.generate()
+    static = _public_bytes(X25519PrivateKey.generate())
+    payload = make_hello(ident, static, swarm)
+    assert check_hello(payload, static, swarm, frozenset({ident.peer_id}))
+    with pytest.raises(HandshakeError, match="allow-list"):
+        check_hello(payload, static, swarm, frozenset({Identity.generate().peer_id}))
+
+
+def test_garbage_payload_is_a_handshake_error():
+    swarm = Swarm.generate("s")
+    with pytest.raises(HandshakeError, match="bad handshake payload"):
+        check_hello(b"\xff\x00", bytes(32), swarm)
+
+
+def test_swarm_key_is_never_printed():
+    swarm = Swarm(name="s", key=b"\xab" * 32)
+    assert "ab" not in repr(swarm).lower().replace("swarm", "")

@@ -1,0 +1,135 @@
+"""The wire codec: round trips, strictness, and fuzzing with random and mutated bytes."""
+
+import cbor2
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gossip import messages as m
+from gossip.errors import WireError
+from gossip.wire import MAX_MESSAGE, decode, encode, encode_frame, frame_length
+
+FP = bytes(range(16))
+
+EXAMPLES = [
+    m.Hello(version=1, swarm="demo", identity_key=b"k" * 32, signature=b"s" * 64),
+    m.Close(code=m.Close.BUSY, reason="busy"),
+    m.StateRequest(fingerprint=FP, codec="bf16"),
+    m.StateHeader(fingerprint=FP, codec="fp32", step=2**40, samples=0, nbytes=100_000_000),
+]
+
+
+def test_every_tagged_message_has_an_example():
+    assert {type(x) for x in EXAMPLES} == set(m.TAGS.values())
+
+
+@pytest.mark.parametrize("message", EXAMPLES, ids=lambda x: type(x).__name__)
+def test_round_trip(message):
+    data = encode(message)
+    assert decode(data) == message
+    assert cbor2.loads(data)[0] == message.TAG
+    assert encode(decode(data)) == data  # one canonical encoding
+
+
+@pytest.mark.parametrize(
+    "obj, match",
+    [
+        ([99, 1], "unknown message tag 99"),
+        (["x", 1], "unknown message tag"),
+        ([], "non-empty CBOR array"),
+        ({"tag": 2}, "non-empty CBOR array"),
+        ([2, 0], "Close: expected 2 fields, got 1"),
+        ([2, 0, "ok", 3], "Close: expected 2 fields, got 3"),
+        ([2, -1, "ok"], "Close.code"),
+        ([2, True, "ok"], "Close.code: expected an unsigned integer, got bool"),
+        ([2, 2**16, "ok"], "Close.code"),
+        ([2, 0, "x" * 257], "Close.reason"),
+        ([2, 0, b"bytes"], "Close.reason: expected text"),
+        ([3, FP[:15], "fp32"], "StateRequest.fingerprint: expected 16 bytes"),
+        ([3, FP, "int8"], "StateRequest.codec"),
+        ([4, FP, "fp32", 0, 0, 2**63], "StateHeader.nbytes"),
+        ([4, FP, "fp32", 0, 1.5, 0], "StateHeader.samples"),
+        ([1, 1, "s", b"k" * 31, b"s" * 64], "Hello.identity_key"),
+    ],
+)
+def test_bad_fields_name_the_problem(obj, match):
+    with pytest.raises(WireError, match=match):
+        decode(cbor2.dumps(obj, canonical=True))
+
+
+@pytest.mark.parametrize(
+    "data, match",
+    [
+        (encode(EXAMPLES[1]) + b"\x00", "canonical"),  # trailing garbage
+        (b"\x82\x18\x02\x00\x60", "canonical"),  # non-shortest integer for tag 2
+        (b"\x82\x02\xc2\x41\x00", "canonical"),  # bignum where a small int belongs
+        (b"\x9f\x02\x00\x60\xff", "indefinite"),  # indefinite-length array
+        (b"\xa2\x01\x01\x01\x02", "duplicate"),  # duplicate map keys
+        (b"\x81" * 20 + b"\x00", "depth"),  # nesting beyond MAX_DEPTH
+        (b"\x83\x02\x00", "malformed"),  # truncated
+        (b"", "malformed"),
+        (b"\x9b" + (2**40).to_bytes(8, "big"), "malformed"),  # claims 2**40 items
+        (bytes(MAX_MESSAGE + 1), "exceeds MAX_MESSAGE"),
+    ],
+)
+def test_malformed_bytes_are_refused(data, match):
+    with pytest.raises(WireError, match=f"(?i){match}"):
+        decode(data)
+
+
+def test_invalid_messages_cannot_be_built():
+    with pytest.raises(ValueError, match="Close.reason"):
+        m.Close(code=0, reason=7)
+    with pytest.raises(ValueError, match="StateHeader.step"):
+        m.StateHeader(fingerprint=FP, codec="fp32", step=-1, samples=0, nbytes=0)
+
+
+def test_tag_table_is_append_only_so_far():
+    # Shipped tags keep their meaning: changing this table needs a new tag, not an edit.
+    assert {t: c.__name__ for t, c in m.TAGS.items()} == {
+        1: "Hello", 2: "Close", 3: "StateRequest", 4: "StateHeader",
+    }
+
+
+def test_frame_length_checks_before_reading():
+    assert frame_length(encode_frame(b"abc")[:4], 3) == 3
+    with pytest.raises(WireError, match="exceeds the limit"):
+        frame_length(b"\xff\xff\xff\xff", MAX_MESSAGE)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.binary(max_size=512))
+def test_random_bytes_raise_only_wire_error(data):
+    try:
+        message = decode(data)
+    except WireError:
+        return
+    assert encode(message) == data
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    st.sampled_from([encode(x) for x in EXAMPLES]),
+    st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)), min_size=1, max_size=4),
+    st.integers(0, 3),
+)
+def test_mutated_messages_raise_only_wire_error(data, flips, cut):
+    buf = bytearray(data)
+    for pos, value in flips:
+        buf[pos % len(buf)] = value
+    if cut:
+        buf = buf[: len(buf) - cut]
+    try:
+        message = decode(bytes(buf))
+    except WireError:
+        return
+    assert encode(message) == bytes(buf)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(min_size=4, max_size=4), st.integers(0, 2**32 - 1))
+def test_frame_length_never_exceeds_limit(header, limit):
+    try:
+        assert frame_length(header, limit) <= limit
+    except WireError:
+        assert int.from_bytes(header, "big") > limit

@@ -1,0 +1,52 @@
+"""Shared test helpers: a tapping stream and a handshaken channel pair."""
+
+import trio
+import trio.testing
+
+from gossip.channel import handshake
+from gossip.handshake import Swarm
+from gossip.identity import Identity
+
+SWARM = Swarm.generate("test")
+ALICE, BOB = Identity.generate(), Identity.generate()
+
+
+class Tap(trio.abc.Stream):
+    """Forwards to ``inner``; while ``captured`` is a list, sends are captured instead."""
+
+    def __init__(self, inner: trio.abc.Stream) -> None:
+        self.inner = inner
+        self.captured: list[bytes] | None = None
+
+    async def send_all(self, data) -> None:
+        if self.captured is not None:
+            self.captured.append(bytes(data))
+            await trio.lowlevel.checkpoint()
+        else:
+            await self.inner.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.inner.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes=None) -> bytes:
+        return await self.inner.receive_some(max_bytes)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def pair(*, swarm_a=SWARM, swarm_b=SWARM, allow_a=None, allow_b=None, record_timeout=10.0,
+               make=trio.testing.memory_stream_pair):
+    """Handshake over a stream pair; returns (alice, bob, alice's tap)."""
+    s1, s2 = make()
+    tap = Tap(s1)
+    result = {}
+
+    async def run(name, stream, ident, swarm, initiator, allow):
+        result[name] = await handshake(stream, identity=ident, swarm=swarm, initiator=initiator,
+                                       allow=allow, record_timeout=record_timeout)
+
+    async with trio.open_nursery() as n:
+        n.start_soon(run, "a", tap, ALICE, swarm_a, True, allow_a)
+        n.start_soon(run, "b", s2, BOB, swarm_b, False, allow_b)
+    return result["a"], result["b"], tap
