@@ -2,7 +2,8 @@
 
 Everything above this module talks to a :class:`Network`: dial an address and get a byte
 stream, serve an address with a handler, or bind a datagram endpoint. Two implementations
-pass the same conformance suite (``tests/unit/test_network_conformance.py``):
+pass the same conformance suite (``tests/conformance.py``, run by
+``tests/unit/test_tcp_network.py`` and ``tests/sim/test_simnet.py``):
 
 * :class:`TcpNetwork`: real sockets through trio.
 * :class:`gossip.simnet.SimNetwork`: an in-memory network on trio's clock (works under
@@ -59,11 +60,11 @@ def parse_address(address: str) -> tuple[str, int]:
     if not isinstance(address, str):
         raise ValueError(f"address must be a 'host:port' string, not {type(address).__name__}")
     host, sep, port_text = address.rpartition(":")
-    if not sep or not host or not port_text.isdigit():
+    if not sep or not host or not (port_text.isascii() and port_text.isdigit()):
         raise ValueError(f"bad address {address!r}: expected 'host:port'")
     if host.startswith("["):
-        if not host.endswith("]"):
-            raise ValueError(f"bad address {address!r}: unclosed '['")
+        if not host.endswith("]") or len(host) == 2:
+            raise ValueError(f"bad address {address!r}: expected '[IPv6 address]:port'")
         host = host[1:-1]
     elif ":" in host:
         raise ValueError(f"bad address {address!r}: write IPv6 hosts as '[addr]:port'")
@@ -155,14 +156,20 @@ class TcpNetwork:
     ) -> None:
         host, port = parse_address(address)
         listeners = await trio.open_tcp_listeners(port, host=host or None)
-        sockname = listeners[0].socket.getsockname()
-        task_status.started(format_address(sockname[0], sockname[1]))
-        async with trio.open_nursery() as nursery:
-            while True:
-                stream = await _accept(listeners)
-                _tune(stream.socket)
-                peer = format_address(*stream.socket.getpeername()[:2])
-                nursery.start_soon(run_handler, handler, stream, peer)
+        try:
+            sockname = listeners[0].socket.getsockname()
+            task_status.started(format_address(sockname[0], sockname[1]))
+            async with trio.open_nursery() as nursery:
+                # A name like "localhost" can give one listener per address family on the
+                # same port: accept on every one, or a dial that resolves to the other family
+                # would connect and then hang with no handler.
+                for listener in listeners:
+                    nursery.start_soon(_accept_loop, listener, handler, nursery)
+        finally:
+            # Closed here, not left to the garbage collector: once serve returns, a dial to
+            # this port must be refused, and a new serve must be able to bind it.
+            for listener in listeners:
+                listener.socket.close()
 
     async def open_datagram(self, address: str) -> DatagramEndpoint:
         host, port = parse_address(address)
@@ -176,13 +183,27 @@ class TcpNetwork:
         return _UdpEndpoint(sock)
 
 
-async def _accept(listeners: list[trio.SocketListener]) -> trio.SocketStream:
-    # trio.open_tcp_listeners returns one listener per address family; a node listens on one
-    # explicit host, so one listener is the normal case. Accepting from several would need a
-    # task per listener; keep it simple and honest.
+async def _accept_loop(
+    listener: trio.SocketListener, handler: Handler, nursery: trio.Nursery
+) -> None:
+    while True:
+        stream = await _accept(listener)
+        try:
+            _tune(stream.socket)
+            peer = format_address(*stream.socket.getpeername()[:2])
+        except OSError as exc:
+            # The peer reset the connection between the kernel's accept and ours (a port
+            # scanner, a crashed client): that connection is gone, the server is not.
+            log.debug("accepted connection already gone error=%s", exc)
+            await trio.aclose_forcefully(stream)
+            continue
+        nursery.start_soon(run_handler, handler, stream, peer)
+
+
+async def _accept(listener: trio.SocketListener) -> trio.SocketStream:
     while True:
         try:
-            return await listeners[0].accept()
+            return await listener.accept()
         except OSError as exc:
             # Running out of file descriptors must not kill the server: wait and retry, as
             # trio.serve_listeners does.
@@ -201,6 +222,7 @@ def _tune(sock: trio.socket.SocketType) -> None:
 class _UdpEndpoint:
     def __init__(self, sock: trio.socket.SocketType) -> None:
         self._sock = sock
+        self._closed = False
         host, port = sock.getsockname()[:2]
         self._local = format_address(host, port)
 
@@ -211,6 +233,10 @@ class _UdpEndpoint:
     async def send(self, data: bytes, address: str) -> None:
         if len(data) > MAX_DATAGRAM:
             raise ValueError(f"datagram of {len(data)} bytes exceeds MAX_DATAGRAM={MAX_DATAGRAM}")
+        if self._closed:
+            # Checked first: the OSError a closed socket raises would be taken for a lost
+            # datagram below, and the caller would never learn it used a closed endpoint.
+            raise trio.ClosedResourceError("datagram endpoint was closed")
         try:
             await self._sock.sendto(data, parse_address(address))
         except OSError as exc:
@@ -219,6 +245,8 @@ class _UdpEndpoint:
 
     async def receive(self) -> tuple[bytes, str]:
         while True:
+            if self._closed:
+                raise trio.ClosedResourceError("datagram endpoint was closed")
             try:
                 # Bounded read: anything beyond MAX_DATAGRAM + 1 is truncated by the kernel,
                 # and an oversized datagram is dropped rather than delivered in part.
@@ -229,5 +257,6 @@ class _UdpEndpoint:
                 return data, format_address(sender[0], sender[1])
 
     async def aclose(self) -> None:
+        self._closed = True
         self._sock.close()
         await trio.lowlevel.checkpoint()

@@ -1,0 +1,398 @@
+"""An in-memory network on trio's clock, for tests: :class:`SimNetwork`.
+
+Theory of operation
+-------------------
+A :class:`SimNetwork` holds named hosts; ``net.host(name)`` is that host's view of the
+network and implements :class:`gossip.network.Network`, so every dial and datagram knows
+where it comes from. Nothing here starts a task or touches a socket: every delay is a
+``trio.sleep`` or a deadline, so a whole swarm runs under ``trio.testing.MockClock`` with
+autojump, and one virtual second costs no wall time.
+
+Streams are lazy. A connection is two :class:`~gossip.simhost._Pipe` objects, one per
+direction, each a queue of byte strings stamped with the virtual time they *arrive*;
+``receive_some`` returns the head once the clock has passed its stamp and otherwise parks
+until then (or until something changes). No task carries bytes anywhere. Arrival is::
+
+    serialized = max(now, link busy until) + len / bandwidth    # one queue per direction
+    arrival    = max(serialized + latency (+ rto if lost), previous arrival on this pipe)
+
+so order is kept and nothing is lost (TCP). ``send_all`` cuts its data into segments of
+:data:`SEGMENT` bytes and draws one loss per segment: a lost segment arrives ``rto`` late.
+Flow control: the bytes in flight plus unread on a pipe never exceed ``window``; ``send_all``
+puts as much of a segment as fits and parks for the rest, so a stalled reader bounds memory.
+Credit comes back the instant the reader consumes, not one latency later. ``send_all``
+returns once its last byte is serialized.
+
+Faults are state changes that wake every parked task, which then re-checks the state:
+
+* ``partition(*groups)``: segments not yet arrived on a cut link are stamped "never" and are
+  restamped, serialized again, when the link heals; dials across the cut wait for the heal
+  (the caller's deadline ends them, as SYN retries would). Datagrams across it are lost.
+  Hosts named in no group form one more group together, so ``partition(["a"])`` isolates a.
+* ``crash(host)``: its streams are reset (``trio.BrokenResourceError`` at both ends), its
+  datagram endpoints die (:class:`~gossip.errors.PeerGone`), its ``serve`` calls cancel their
+  handlers and raise ``PeerGone``, and dials to or from it raise ``PeerGone``. ``restart``
+  lets it bind and dial again; what the crash closed stays closed. Tasks the test runs "on"
+  the host are the test's to cancel.
+* ``reset(a, b)``: a connection-reset fault on every stream between a and b.
+
+Randomness: each link direction draws from its own ``random.Random`` seeded from the
+network's seed and the two names, so the faults a link sees depend only on the seed and the
+operations on that link, not on how trio happened to interleave other links' tasks.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Union
+
+import trio
+
+from .errors import PeerGone
+from .network import format_address, parse_address
+from .simhost import (
+    _NEVER,
+    SEGMENT,
+    SimDatagramEndpoint,
+    SimHost,
+    SimStream,
+    _Connection,
+    _Listener,
+    _Pipe,
+    _Segment,
+)
+
+__all__ = ["SimNetwork", "SimHost", "SimStream", "SimDatagramEndpoint", "SimStatistics"]
+__all__ += ["SEGMENT", "MAX_DATAGRAM_QUEUE"]
+
+MAX_DATAGRAM_QUEUE = 1024  # datagrams an endpoint holds (in flight + unread) before dropping
+FIRST_EPHEMERAL_PORT = 49152  # ports handed out for port 0 and for the dialing side
+
+HostLike = Union[str, SimHost]  # faults and links accept a name or the host itself
+
+
+@dataclass(frozen=True)
+class SimStatistics:
+    """Counters since the network was created (``bytes_buffered`` is a gauge)."""
+
+    connections_opened: int
+    connections_refused: int  # dials that found no listener or a crashed host
+    connections_reset: int  # by crash() or reset()
+    bytes_sent: int  # stream payload handed to send_all
+    bytes_buffered: int  # stream bytes sent but not yet read, over all open streams
+    segments_retransmitted: int  # stream segments "lost" and delivered one rto late
+    datagrams_sent: int
+    datagrams_dropped: int  # lost, partitioned, unbound or crashed destination, queue full
+
+
+@dataclass
+class _Link:
+    latency: float
+    bandwidth: float | None  # bytes/s; None = unlimited
+    loss: float
+
+
+@dataclass
+class _Direction:
+    rng: random.Random
+    busy_until: float = -_NEVER  # virtual time the link finishes serializing what it has
+
+
+@dataclass(eq=False)
+class _HostState:
+    up: bool = True
+    listeners: dict[int, _Listener] = field(default_factory=dict)
+    endpoints: dict[int, SimDatagramEndpoint] = field(default_factory=dict)
+    next_port: int = FIRST_EPHEMERAL_PORT
+
+    def ephemeral_port(self, taken: Iterable[int] = ()) -> int:
+        taken = set(taken)
+        for _ in range(65536 - FIRST_EPHEMERAL_PORT):
+            port, self.next_port = self.next_port, self.next_port + 1
+            if self.next_port > 65535:
+                self.next_port = FIRST_EPHEMERAL_PORT
+            if port not in taken:
+                return port
+        raise OSError(errno.EADDRINUSE, "no free ephemeral port")
+
+
+class SimNetwork:
+    """A simulated network of named hosts. See the module docstring.
+
+    Args:
+        seed: seeds every random choice (loss draws).
+        latency: one-way delay of every link, seconds.
+        bandwidth: bytes/s of each direction of every link; None or ``math.inf`` = unlimited.
+        loss: probability that a datagram is lost, or that a stream segment needs one
+            retransmission (arrives ``rto`` late).
+        window: most bytes a stream direction holds in flight plus unread before
+            ``send_all`` waits for the reader.
+        rto: extra delay of a retransmitted stream segment, seconds.
+    """
+
+    def __init__(
+        self,
+        seed: int = 0,
+        *,
+        latency: float = 0.001,
+        bandwidth: float | None = None,
+        loss: float = 0.0,
+        window: int = 256 * 1024,
+        rto: float = 0.2,
+    ) -> None:
+        if window < 1 or rto < 0:
+            raise ValueError("window must be >= 1 and rto >= 0")
+        self.seed = seed
+        self.window = window
+        self.rto = rto
+        self._default = _check_link(_Link(latency, bandwidth, loss))
+        self._links: dict[frozenset[str], _Link] = {}
+        self._directions: dict[tuple[str, str], _Direction] = {}
+        self._hosts: dict[str, _HostState] = {}
+        self._views: dict[str, SimHost] = {}
+        self._groups: dict[str, int] = {}  # host -> partition group; absent = group 0
+        self._connections: dict[_Connection, None] = {}  # insertion-ordered set
+        self._topology = trio.lowlevel.ParkingLot()  # woken on partition/heal/crash/restart
+        self._stats = dict.fromkeys(SimStatistics.__dataclass_fields__, 0)
+
+    # ---- configuration and faults -------------------------------------------------------
+
+    def host(self, name: str) -> SimHost:
+        """The host called ``name`` (created on first use), as a :class:`Network`."""
+        if name not in self._views:
+            if not name or any(c in name for c in ":[] \t\n"):
+                raise ValueError(f"bad host name {name!r}")
+            self._hosts[name] = _HostState()
+            self._views[name] = SimHost(self, name)
+        return self._views[name]
+
+    def set_link(
+        self,
+        a: HostLike,
+        b: HostLike,
+        *,
+        latency: float | None = None,
+        bandwidth: float | None = None,
+        loss: float | None = None,
+    ) -> None:
+        """Override the defaults on the link between a and b, both ways (None = unchanged;
+        ``bandwidth=math.inf`` = unlimited). Applies to what is sent from now on."""
+        key = frozenset((_name(a), _name(b)))
+        old = self._links.get(key, self._default)
+        latency = old.latency if latency is None else latency
+        bandwidth = old.bandwidth if bandwidth is None else bandwidth
+        loss = old.loss if loss is None else loss
+        self._links[key] = _check_link(_Link(latency, bandwidth, loss))
+
+    def partition(self, *groups: Iterable[HostLike]) -> None:
+        """Cut the network: hosts in different groups exchange nothing until :meth:`heal`.
+        Hosts named in no group form one group together. Replaces any earlier partition."""
+        new: dict[str, int] = {}
+        for index, group in enumerate(groups, start=1):
+            for host in group:
+                name = _name(host)
+                if name in new:
+                    raise ValueError(f"host {name!r} is in more than one group")
+                new[name] = index
+        self._set_groups(new)
+
+    def heal(self) -> None:
+        """Remove the partition; stalled stream data resumes, dials waiting on it go on."""
+        self._set_groups({})
+
+    def crash(self, host: HostLike) -> None:
+        """Crash ``host``: reset its streams, stop its servers and datagram endpoints, and
+        refuse dials to and from it until :meth:`restart`."""
+        name = _name(host)
+        state = self._hosts[self.host(name).name]
+        state.up = False
+        self._reset_where(lambda conn: name in (conn.ends[0].host, conn.ends[1].host))
+        for listener in state.listeners.values():
+            listener.nursery.cancel_scope.cancel()  # its serve() then raises PeerGone
+        for endpoint in state.endpoints.values():
+            endpoint._crashed = True
+            endpoint._inbox.clear()
+            endpoint._lot.unpark_all()
+        state.listeners.clear()
+        state.endpoints.clear()
+        self._topology.unpark_all()
+
+    def restart(self, host: HostLike) -> None:
+        """Let a crashed host bind and dial again."""
+        self._hosts[self.host(_name(host)).name].up = True
+        self._topology.unpark_all()
+
+    def reset(self, a: HostLike, b: HostLike) -> None:
+        """Reset every open stream between a and b (either direction of dial)."""
+        pair = {_name(a), _name(b)}
+        self._reset_where(lambda conn: {conn.ends[0].host, conn.ends[1].host} == pair)
+
+    def statistics(self) -> SimStatistics:
+        return SimStatistics(**self._stats)
+
+    # ---- internals shared by hosts, streams and endpoints ------------------------------
+
+    def _link(self, src: str, dst: str) -> _Link:
+        return self._links.get(frozenset((src, dst)), self._default)
+
+    def _direction(self, src: str, dst: str) -> _Direction:
+        key = (src, dst)
+        if key not in self._directions:
+            self._directions[key] = _Direction(random.Random(f"{self.seed}:{src}->{dst}"))
+        return self._directions[key]
+
+    def _blocked(self, src: str, dst: str) -> bool:
+        return self._groups.get(src, 0) != self._groups.get(dst, 0)
+
+    def _check_up(self, name: str) -> None:
+        if not self._hosts[name].up:
+            raise PeerGone(f"host {name} has crashed")
+
+    def _serialize(self, src: str, dst: str, nbytes: int) -> tuple[float, float]:
+        """Put ``nbytes`` on the link; returns (when serialized, when it arrives)."""
+        link, direction = self._link(src, dst), self._direction(src, dst)
+        start = max(trio.current_time(), direction.busy_until)
+        done = start + (nbytes / link.bandwidth if link.bandwidth else 0.0)
+        direction.busy_until = done
+        return done, done + link.latency
+
+    def _lost(self, src: str, dst: str) -> bool:
+        loss = self._link(src, dst).loss
+        return loss > 0 and self._direction(src, dst).rng.random() < loss
+
+    def _lost_segment(self, pipe: _Pipe) -> bool:
+        if self._lost(pipe.src, pipe.dst):
+            self._stats["segments_retransmitted"] += 1
+            return True
+        return False
+
+    def _transmit(self, pipe: _Pipe, data: bytes | None, lost: bool) -> float:
+        """Queue bytes (``None`` = end of stream) on ``pipe``, ``rto`` late if ``lost``;
+        returns when the link has serialized them."""
+        done, arrival = self._serialize(pipe.src, pipe.dst, len(data or b""))
+        if lost:
+            arrival += self.rto
+        if self._blocked(pipe.src, pipe.dst):
+            arrival = _NEVER
+        pipe.last_arrival = arrival = max(arrival, pipe.last_arrival)
+        pipe.segments.append(_Segment(arrival, data))
+        if data is not None:
+            pipe.unread += len(data)
+            self._stats["bytes_sent"] += len(data)
+            self._stats["bytes_buffered"] += len(data)
+        if len(pipe.segments) == 1:
+            pipe.wake()  # a new head: the reader's deadline changed (a writer gains nothing)
+        return done
+
+    async def _travel(self, src: str, dst: str, owner: str) -> None:
+        """Carry one handshake packet from src to dst: wait out any partition, then the
+        link's latency (plus ``rto`` if lost). Raises PeerGone if ``owner`` crashes."""
+        while True:
+            while self._blocked(src, dst):
+                await self._topology.park()
+                self._check_up(owner)
+            lost = self._lost(src, dst)
+            await trio.sleep(self._link(src, dst).latency + (self.rto if lost else 0.0))
+            self._check_up(owner)
+            if not self._blocked(src, dst):
+                return
+
+    def _connect(self, client: str, server: str, port: int) -> tuple[SimStream, SimStream]:
+        client_address = format_address(client, self._hosts[client].ephemeral_port())
+        server_address = format_address(server, port)
+        up, down = _Pipe(client, server), _Pipe(server, client)
+        conn = _Connection()
+        conn.ends = [
+            SimStream(self, conn, up, down, client_address, server_address),
+            SimStream(self, conn, down, up, server_address, client_address),
+        ]
+        self._connections[conn] = None
+        self._stats["connections_opened"] += 1
+        return conn.ends[0], conn.ends[1]
+
+    def _send_datagram(self, source: SimDatagramEndpoint, data: bytes, address: str) -> None:
+        self._stats["datagrams_sent"] += 1
+        host, port = parse_address(address)
+        src = source._host
+        state = self._hosts.get(host)
+        if state is not None:
+            _, arrival = self._serialize(src, host, len(data))
+            target = state.endpoints.get(port)
+            if (
+                target is not None
+                and not self._blocked(src, host)
+                and not self._lost(src, host)
+                and len(target._inbox) < MAX_DATAGRAM_QUEUE
+            ):
+                target._deliver(arrival, data, source.local_address, src)
+                return
+        self._stats["datagrams_dropped"] += 1
+
+    def _set_groups(self, groups: dict[str, int]) -> None:
+        old, self._groups = self._groups, groups
+        now = trio.current_time()
+        for conn in self._connections:
+            for end in conn.ends:
+                pipe = end._out
+                was = old.get(pipe.src, 0) != old.get(pipe.dst, 0)
+                now_blocked = self._blocked(pipe.src, pipe.dst)
+                if now_blocked and not was:
+                    for segment in pipe.segments:
+                        if segment.arrival > now:
+                            segment.arrival = pipe.last_arrival = _NEVER
+                elif was and not now_blocked:
+                    self._restamp(pipe)
+        for state in self._hosts.values():
+            for endpoint in state.endpoints.values():
+                self._stats["datagrams_dropped"] += endpoint._drop_in_flight(now)
+        self._topology.unpark_all()
+
+    def _restamp(self, pipe: _Pipe) -> None:
+        """A healed link retransmits what the partition held back, in order."""
+        pipe.last_arrival = -_NEVER
+        for segment in pipe.segments:
+            if segment.arrival == _NEVER:
+                _, arrival = self._serialize(pipe.src, pipe.dst, len(segment.data or b""))
+                segment.arrival = max(arrival, pipe.last_arrival)
+            pipe.last_arrival = segment.arrival
+        pipe.wake()
+
+    def _reset_where(self, predicate: Callable[[_Connection], bool]) -> None:
+        for conn in [c for c in self._connections if predicate(c)]:
+            self._stats["connections_reset"] += 1
+            for end in conn.ends:
+                end._out.broken = True
+                self._stats["bytes_buffered"] -= end._out.discard()
+                end._out.wake()
+            del self._connections[conn]
+
+    def _close_end(self, end: SimStream) -> None:
+        out, inbound = end._out, end._in
+        if not (out.eof_sent or out.broken):
+            out.eof_sent = True
+            self._transmit(out, None, lost=False)
+        inbound.reader_gone = True
+        self._stats["bytes_buffered"] -= inbound.discard()
+        out.wake()
+        inbound.wake()
+        end._conn.open_ends -= 1
+        if end._conn.open_ends == 0:
+            self._connections.pop(end._conn, None)
+
+
+def _check_link(link: _Link) -> _Link:
+    if link.bandwidth == math.inf:
+        link.bandwidth = None
+    if link.latency < 0 or not 0.0 <= link.loss <= 1.0:
+        raise ValueError("latency must be >= 0 and loss in [0, 1]")
+    if link.bandwidth is not None and link.bandwidth <= 0:
+        raise ValueError("bandwidth must be > 0 (None or math.inf for unlimited)")
+    return link
+
+
+def _name(host: HostLike) -> str:
+    return host.name if isinstance(host, SimHost) else host
+
