@@ -24,14 +24,12 @@ __all__ = [
     "TAGS",
     "MAX_TEXT",
     "MAX_UINT",
-    "CODEC_NAMES",
 ]
 
 # Limits shared by every message. Anything larger is a protocol violation.
 MAX_TEXT = 256  # characters in any text field
 MAX_UINT = 2**63 - 1  # counters (steps, samples, byte sizes) fit in a signed 64-bit int
 FINGERPRINT_BYTES = 16
-CODEC_NAMES = ("fp32", "bf16", "fp16")  # tensor codecs (gossip.tensors)
 
 
 def _uint(cls: type, name: str, value: object, maximum: int = MAX_UINT) -> None:
@@ -51,13 +49,11 @@ def _bytes(cls: type, name: str, value: object, *, size: int | None = None, maxi
         raise ValueError(f"{cls.__name__}.{name}: {len(value)} bytes exceeds {maximum}")
 
 
-def _text(cls: type, name: str, value: object, *, choices: tuple[str, ...] = ()) -> None:
+def _text(cls: type, name: str, value: object) -> None:
     if type(value) is not str:
         raise ValueError(f"{cls.__name__}.{name}: expected text, got {type(value).__name__}")
     if len(value) > MAX_TEXT:
         raise ValueError(f"{cls.__name__}.{name}: {len(value)} characters exceeds {MAX_TEXT}")
-    if choices and value not in choices:
-        raise ValueError(f"{cls.__name__}.{name}: {value!r} is not one of {', '.join(choices)}")
 
 
 class Message:
@@ -120,11 +116,13 @@ class StateRequest(Message):
 
     TAG: ClassVar[int] = 3
     fingerprint: bytes  # schema fingerprint (gossip.tensors), 16 bytes
+    # A codec name (gossip.tensors.CODECS). Any text is valid on the wire, so a peer that
+    # asks for a codec we do not know is answered Close(REJECTED), not disconnected.
     codec: str
 
     def __post_init__(self) -> None:
         _bytes(StateRequest, "fingerprint", self.fingerprint, size=FINGERPRINT_BYTES)
-        _text(StateRequest, "codec", self.codec, choices=CODEC_NAMES)
+        _text(StateRequest, "codec", self.codec)
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +142,7 @@ class StateHeader(Message):
 
     def __post_init__(self) -> None:
         _bytes(StateHeader, "fingerprint", self.fingerprint, size=FINGERPRINT_BYTES)
-        _text(StateHeader, "codec", self.codec, choices=CODEC_NAMES)
+        _text(StateHeader, "codec", self.codec)
         _uint(StateHeader, "step", self.step)
         _uint(StateHeader, "samples", self.samples)
         _uint(StateHeader, "nbytes", self.nbytes)

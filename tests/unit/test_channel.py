@@ -237,6 +237,35 @@ async def test_stalled_record_times_out(autojump_clock):
     assert trio.current_time() - start == pytest.approx(5.0)
 
 
+async def test_a_stalled_header_is_under_the_record_deadline(autojump_clock):
+    alice, bob, tap = await pair(record_timeout=5.0)
+    await tap.inner.send_all(b"\x00\x00")  # half a length header, then nothing
+    with pytest.raises(PeerTimeout, match="record"):
+        await bob.receive()
+
+
+async def test_cancelled_inside_a_header_breaks_the_channel(autojump_clock):
+    alice, bob, tap = await pair()
+    [record] = await capture(tap, lambda: alice.send(b"hello"))
+    await tap.inner.send_all(record[:2])
+    with trio.move_on_after(1):  # the caller's deadline, shorter than the record deadline
+        await bob.receive()
+    # The two bytes already read are gone: the channel refuses to go on rather than read
+    # the rest out of step and blame the peer.
+    with pytest.raises(ChannelClosed, match="interrupted mid-record"):
+        await bob.receive()
+
+
+async def test_waiting_for_the_next_record_has_no_built_in_deadline(autojump_clock):
+    alice, bob, tap = await pair(record_timeout=5.0)
+    with trio.move_on_after(3600) as scope:  # an idle channel is the caller's business
+        await bob.receive()
+    assert scope.cancelled_caught
+    async with trio.open_nursery() as n:
+        n.start_soon(alice.send, b"still here")
+        assert await bob.receive() == b"still here"
+
+
 async def test_concurrent_senders_are_refused():
     alice, bob, tap = await pair(make=trio.testing.lockstep_stream_pair)
     async with trio.open_nursery() as n:

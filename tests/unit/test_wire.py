@@ -46,7 +46,7 @@ def test_round_trip(message):
         ([2, 0, "x" * 257], "Close.reason"),
         ([2, 0, b"bytes"], "Close.reason: expected text"),
         ([3, FP[:15], "fp32"], "StateRequest.fingerprint: expected 16 bytes"),
-        ([3, FP, "int8"], "StateRequest.codec"),
+        ([3, FP, "x" * 300], "StateRequest.codec"),
         ([4, FP, "fp32", 0, 0, 2**63], "StateHeader.nbytes"),
         ([4, FP, "fp32", 0, 1.5, 0], "StateHeader.samples"),
         ([1, 1, "s", b"k" * 31, b"s" * 64], "Hello.identity_key"),
@@ -75,6 +75,11 @@ def test_bad_fields_name_the_problem(obj, match):
 def test_malformed_bytes_are_refused(data, match):
     with pytest.raises(WireError, match=f"(?i){match}"):
         decode(data)
+
+
+def test_an_unknown_codec_is_valid_on_the_wire():
+    # So that a peer asking for a codec we lack gets a polite refusal, not a disconnect.
+    assert decode(encode(m.StateRequest(FP, "int8"))).codec == "int8"
 
 
 def test_invalid_messages_cannot_be_built():

@@ -1,0 +1,98 @@
+"""Moving a model's state over a secure channel.
+
+A state travels as one :class:`~gossip.messages.StateHeader` record followed by exactly
+``header.nbytes`` bytes of tensor data in records of whole elements (see
+:func:`gossip.tensors.encode_chunks`). The receiver checks the header against the schema it
+already has before reading any tensor byte, so the payload size is fixed locally, never by
+the peer; a peer that says ``Close`` instead is reported with its reason.
+
+Both functions take no deadline: wrap them in ``trio.fail_after`` with the phase's timeout.
+Sending and receiving may run at the same time on one channel (full duplex).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .channel import MAX_RECORD, SecureChannel
+from .errors import GossipError, PeerGone, RemoteProtocolError, SchemaMismatch
+from .messages import Close, StateHeader
+from .tensors import StateDecoder, StateSchema, encode_chunks
+
+__all__ = ["send_state", "receive_state"]
+
+
+async def send_state(
+    channel: SecureChannel,
+    flat: torch.Tensor,
+    schema: StateSchema,
+    codec: str = "fp32",
+    *,
+    step: int = 0,
+    samples: int = 0,
+) -> None:
+    """Send a flat state (from :func:`gossip.tensors.snapshot`) as header plus records.
+
+    ``flat`` must not change until this returns: fp32 records are views of it.
+    """
+    header = StateHeader(
+        fingerprint=schema.fingerprint,
+        codec=codec,
+        step=step,
+        samples=samples,
+        nbytes=schema.encoded_size(codec),
+    )
+    await channel.send_message(header)
+    for record in encode_chunks(flat, codec, MAX_RECORD):
+        await channel.send(record)
+
+
+async def receive_state(
+    channel: SecureChannel,
+    schema: StateSchema,
+    codec: str = "fp32",
+    out: torch.Tensor | None = None,
+) -> tuple[StateHeader, torch.Tensor]:
+    """Receive a state sent by :func:`send_state` into a flat float32 buffer.
+
+    Returns:
+        The header (the sender's step and sample counts) and the flat state.
+
+    On any failure the channel is closed: records of the refused state may already be on
+    their way, so it could never carry another message.
+
+    Raises:
+        SchemaMismatch: the header's fingerprint, codec or size differ from ours, or the
+            records do not add up to the announced size.
+        PeerGone: the peer closed the channel (with its reason, if it sent ``Close``).
+        RemoteProtocolError: anything other than a header where one is due.
+    """
+    try:
+        return await _receive_state(channel, schema, codec, out)
+    except GossipError:
+        await channel.aclose()
+        raise
+
+
+async def _receive_state(
+    channel: SecureChannel, schema: StateSchema, codec: str, out: torch.Tensor | None
+) -> tuple[StateHeader, torch.Tensor]:
+    message = await channel.receive_message()
+    if isinstance(message, Close):
+        raise PeerGone(f"{channel.peer.short} closed the exchange: code={message.code} {message.reason}")
+    if not isinstance(message, StateHeader):
+        raise RemoteProtocolError(f"expected StateHeader, got {type(message).__name__}")
+    if message.fingerprint != schema.fingerprint:
+        raise SchemaMismatch(
+            f"{channel.peer.short} sent a state of schema {message.fingerprint.hex()}, "
+            f"ours is {schema.fingerprint_hex}"
+        )
+    if message.codec != codec or message.nbytes != schema.encoded_size(codec):
+        raise SchemaMismatch(
+            f"{channel.peer.short} announced {message.nbytes} bytes of {message.codec}; "
+            f"expected {schema.encoded_size(codec)} bytes of {codec}"
+        )
+    decoder = StateDecoder(schema, codec, out)
+    while not decoder.done:
+        decoder.feed(await channel.receive())
+    return message, decoder.result()

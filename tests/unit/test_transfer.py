@@ -1,0 +1,99 @@
+"""State transfer over a secure channel: header checks happen before any tensor byte."""
+
+import pytest
+import torch
+import trio
+
+from gossip import tensors
+from gossip.errors import ChannelClosed, PeerGone, RemoteProtocolError, SchemaMismatch
+from gossip.messages import Close, StateHeader, StateRequest
+from gossip.transfer import receive_state, send_state
+from tests.util import pair
+
+
+def model(seed=0, width=64):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(300, width), torch.nn.BatchNorm1d(width),
+                               torch.nn.Linear(width, 6000))
+
+
+@pytest.mark.parametrize("codec", tensors.CODECS)
+async def test_full_duplex_exchange(codec):
+    alice, bob, _ = await pair()
+    ma, mb = model(1), model(2)
+    schema = tensors.StateSchema.from_module(ma)
+    assert schema.encoded_size("fp32") > 1 << 20  # several records
+    sa, sb = tensors.snapshot(ma, schema), tensors.snapshot(mb, schema)
+    got = {}
+
+    async def side(name, ch, mine):
+        async with trio.open_nursery() as n:
+            n.start_soon(send_state, ch, mine, schema, codec)
+            got[name] = await receive_state(ch, schema, codec)
+
+    async with trio.open_nursery() as n:
+        n.start_soon(side, "a", alice, sa)
+        n.start_soon(side, "b", bob, sb)
+    header, state = got["a"]
+    assert header.fingerprint == schema.fingerprint and header.nbytes == schema.encoded_size(codec)
+    tol = 0 if codec == "fp32" else 1e-2
+    assert torch.allclose(state, sb, atol=tol, rtol=tol)
+    assert torch.allclose(got["b"][1], sa, atol=tol, rtol=tol)
+
+
+async def test_other_schema_is_refused_before_reading_tensors():
+    alice, bob, _ = await pair()
+    mine, theirs = model(width=64), model(width=65)
+    s_mine, s_theirs = (tensors.StateSchema.from_module(m) for m in (mine, theirs))
+    async with trio.open_nursery() as n:
+        n.start_soon(send_state, alice, tensors.snapshot(theirs, s_theirs), s_theirs, "fp32")
+        with pytest.raises(SchemaMismatch, match="schema"):
+            await receive_state(bob, s_mine, "fp32")
+        n.cancel_scope.cancel()
+    assert bob.statistics().records_received == 1  # only the header was read
+
+
+@pytest.mark.parametrize(
+    "message, error, match",
+    [
+        (Close(Close.BUSY, "in another exchange"), PeerGone, "in another exchange"),
+        (StateRequest(bytes(16), "fp32"), RemoteProtocolError, "expected StateHeader"),
+    ],
+)
+async def test_unexpected_messages(message, error, match):
+    alice, bob, _ = await pair()
+    schema = tensors.StateSchema.from_module(model())
+    await alice.send_message(message)
+    with pytest.raises(error, match=match):
+        await receive_state(bob, schema, "fp32")
+
+
+@pytest.mark.parametrize("codec, nbytes_delta", [("bf16", 0), ("fp32", 4), ("fp32", -4), ("int8", 0)])
+async def test_header_must_announce_exactly_our_size(codec, nbytes_delta):
+    alice, bob, _ = await pair()
+    schema = tensors.StateSchema.from_module(model())
+    nbytes = schema.encoded_size("fp32" if codec == "int8" else codec) + nbytes_delta
+    await alice.send_message(StateHeader(schema.fingerprint, codec, 0, 0, nbytes))
+    with pytest.raises(SchemaMismatch, match="announced"):
+        await receive_state(bob, schema, "fp32")
+    with pytest.raises(ChannelClosed):  # state records may follow: the channel is done
+        await bob.receive()
+
+
+async def test_oversized_record_in_the_payload_is_refused():
+    alice, bob, _ = await pair()
+    small = torch.nn.Linear(4, 4)
+    schema = tensors.StateSchema.from_module(small)
+    await alice.send_message(StateHeader(schema.fingerprint, "fp32", 0, 0, schema.encoded_size("fp32")))
+    await alice.send(bytes(schema.encoded_size("fp32") + 4))
+    with pytest.raises(SchemaMismatch, match="exceeds"):
+        await receive_state(bob, schema, "fp32")
+
+
+async def test_empty_records_cannot_stall_a_payload():
+    alice, bob, _ = await pair()
+    schema = tensors.StateSchema.from_module(torch.nn.Linear(4, 4))
+    await alice.send_message(StateHeader(schema.fingerprint, "fp32", 0, 0, schema.encoded_size("fp32")))
+    await alice.send(b"")
+    with pytest.raises(SchemaMismatch, match="empty record"):
+        await receive_state(bob, schema, "fp32")
