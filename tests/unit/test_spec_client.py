@@ -1,0 +1,384 @@
+"""An independent client written from docs/PROTOCOL.md alone, run against the reference server.
+
+Nothing here comes from gossip/ except the server side of each test (serve, send_state,
+Identity, Swarm, TcpNetwork, tensors.StateSchema/snapshot). The client's handshake, record
+layer, CBOR codec and state decoding follow the spec's text and check its test vectors.
+"""
+
+import base64
+import functools
+import hashlib
+import hmac
+import os
+import struct
+
+import cbor2
+import torch
+import trio
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+from gossip import Identity, Swarm, TcpNetwork, send_state, serve, tensors
+
+# --- section 1.1 constants ---------------------------------------------------------------
+PROTOCOL_NAME = b"Noise_XXpsk0_25519_ChaChaPoly_SHA256"
+PROLOGUE = b"gossipd"
+SIGNATURE_PREFIX = b"gossipd-noise-static-key:"
+MAX_HANDSHAKE_MESSAGE = 65535
+MAX_RECORD = 1 << 20
+MAX_MESSAGE = 65536
+FIELD_COUNTS = {1: 4, 2: 2, 3: 2, 4: 5}  # section 6.3 tag table
+CODEC_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}  # section 7.3
+
+
+def raw_pub(key) -> bytes:
+    return key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+
+
+def peer_id(identity_public_key: bytes) -> str:  # section 3.2
+    digest = hashlib.sha256(identity_public_key).digest()[:16]
+    return base64.b32encode(digest).decode().rstrip("=").lower()
+
+
+def nonce(n: int) -> bytes:  # section 1: 00 00 00 00 || u64le(n)
+    return b"\0\0\0\0" + struct.pack("<Q", n)
+
+
+def hkdf(ck: bytes, ikm: bytes, m: int):  # section 4.3
+    t = hmac.digest(ck, ikm, "sha256")
+    out, prev = [], b""
+    for i in range(1, m + 1):
+        prev = hmac.digest(t, prev + bytes([i]), "sha256")
+        out.append(prev)
+    return out
+
+
+def dh(priv: X25519PrivateKey, pub: bytes) -> bytes:
+    out = priv.exchange(X25519PublicKey.from_public_bytes(pub))
+    assert out != bytes(32), "all-zero DH output (section 4.7)"
+    return out
+
+
+# --- section 6: canonical CBOR messages --------------------------------------------------
+def encode_message(tag: int, *fields) -> bytes:
+    data = cbor2.dumps([tag, *fields], canonical=True)
+    assert len(data) <= MAX_MESSAGE
+    return data
+
+
+def decode_message(data: bytes) -> list:
+    assert len(data) <= MAX_MESSAGE
+    msg = cbor2.loads(data)
+    assert cbor2.dumps(msg, canonical=True) == data, "not canonical (section 6.2)"
+    assert isinstance(msg, list) and msg, "top level must be a non-empty array"
+    tag = msg[0]
+    assert type(tag) is int and tag in FIELD_COUNTS, f"unknown tag {tag!r}"
+    assert len(msg) == 1 + FIELD_COUNTS[tag]
+    return msg
+
+
+# --- section 4: Noise XXpsk0 symmetric state and initiator ---------------------------------
+class SymmetricState:
+    def __init__(self):
+        self.h = hashlib.sha256(PROTOCOL_NAME).digest()  # 36 bytes > 32, so hashed (4.4)
+        self.ck = self.h
+        self.k, self.n = None, 0
+        self.mix_hash(PROLOGUE)
+
+    def mix_hash(self, data: bytes):
+        self.h = hashlib.sha256(self.h + data).digest()
+
+    def mix_key(self, ikm: bytes):
+        self.ck, self.k = hkdf(self.ck, ikm, 2)
+        self.n = 0
+
+    def mix_key_and_hash(self, ikm: bytes):
+        self.ck, th, self.k = hkdf(self.ck, ikm, 3)
+        self.mix_hash(th)
+        self.n = 0
+
+    def encrypt_and_hash(self, p: bytes) -> bytes:
+        c = ChaCha20Poly1305(self.k).encrypt(nonce(self.n), p, self.h)
+        self.n += 1
+        self.mix_hash(c)
+        return c
+
+    def decrypt_and_hash(self, c: bytes) -> bytes:
+        p = ChaCha20Poly1305(self.k).decrypt(nonce(self.n), c, self.h)
+        self.n += 1
+        self.mix_hash(c)
+        return p
+
+    def split(self):
+        return hkdf(self.ck, b"", 2)  # (k1: initiator->responder, k2: responder->initiator)
+
+
+class Initiator:
+    """Sans-IO initiator: message bodies in and out, without the 4-byte length prefix."""
+
+    def __init__(self, psk, swarm_name, identity, s=None, e=None):
+        self.psk, self.swarm_name, self.identity = psk, swarm_name, identity
+        self.s = s or X25519PrivateKey.generate()
+        self.e = e or X25519PrivateKey.generate()
+        self.ss = SymmetricState()
+
+    def message1(self) -> bytes:  # -> psk, e
+        self.ss.mix_key_and_hash(self.psk)
+        e_pub = raw_pub(self.e)
+        self.ss.mix_hash(e_pub)
+        self.ss.mix_key(e_pub)  # the psk-mode extra MixKey (Noise §9.2)
+        return e_pub + self.ss.encrypt_and_hash(b"")
+
+    def read_message2(self, body: bytes) -> bytes:  # <- e, ee, s, es; returns the peer's identity key
+        assert len(body) >= 32 + 48 + 16, "truncated message 2"
+        self.re = body[:32]
+        self.ss.mix_hash(self.re)
+        self.ss.mix_key(self.re)
+        self.ss.mix_key(dh(self.e, self.re))
+        self.rs = self.ss.decrypt_and_hash(body[32:80])
+        self.ss.mix_key(dh(self.e, self.rs))
+        self.hello_r = self.ss.decrypt_and_hash(body[80:])
+        tag, version, swarm, identity_key, signature = decode_message(self.hello_r)
+        assert tag == 1 and version == 1 and swarm == self.swarm_name
+        assert type(identity_key) is bytes and len(identity_key) == 32 and len(signature) == 64
+        Ed25519PublicKey.from_public_bytes(identity_key).verify(signature, SIGNATURE_PREFIX + self.rs)
+        return identity_key
+
+    def message3(self) -> bytes:  # -> s, se
+        s_pub = raw_pub(self.s)
+        out = self.ss.encrypt_and_hash(s_pub)
+        self.ss.mix_key(dh(self.s, self.re))
+        signature = self.identity.sign(SIGNATURE_PREFIX + s_pub)
+        hello = encode_message(1, 1, self.swarm_name, raw_pub(self.identity), signature)
+        return out + self.ss.encrypt_and_hash(hello)
+
+
+# --- section 5: the client over TCP ------------------------------------------------------
+async def recv_exact(stream, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = await stream.receive_some(n - len(buf))
+        if not chunk:
+            raise EOFError(f"end of stream after {len(buf)} of {n} bytes")
+        buf += chunk
+    return bytes(buf)
+
+
+class Client:
+    @classmethod
+    async def connect(cls, address: str, swarm_name: str, psk: bytes, identity=None):
+        self = cls()
+        host, port = address.rsplit(":", 1)
+        self.stream = await trio.open_tcp_stream(host.strip("[]"), int(port))
+        self.identity = identity or Ed25519PrivateKey.generate()
+        hs = Initiator(psk, swarm_name, self.identity)
+        msg1 = hs.message1()
+        await self.stream.send_all(struct.pack(">I", len(msg1)) + msg1)
+        (length,) = struct.unpack(">I", await recv_exact(self.stream, 4))
+        assert length <= MAX_HANDSHAKE_MESSAGE
+        self.server_identity_key = hs.read_message2(await recv_exact(self.stream, length))
+        msg3 = hs.message3()
+        await self.stream.send_all(struct.pack(">I", len(msg3)) + msg3)
+        k1, k2 = hs.ss.split()
+        self.send_aead, self.recv_aead = ChaCha20Poly1305(k1), ChaCha20Poly1305(k2)
+        self.send_n = self.recv_n = 0
+        return self
+
+    async def send_record(self, plaintext: bytes):
+        assert len(plaintext) <= MAX_RECORD
+        header = struct.pack(">I", len(plaintext) + 16)
+        ct = self.send_aead.encrypt(nonce(self.send_n), plaintext, header)
+        self.send_n += 1
+        await self.stream.send_all(header + ct)
+
+    async def recv_record(self) -> bytes:
+        header = await recv_exact(self.stream, 4)
+        (length,) = struct.unpack(">I", header)
+        assert 16 <= length <= MAX_RECORD + 16
+        pt = self.recv_aead.decrypt(nonce(self.recv_n), await recv_exact(self.stream, length), header)
+        self.recv_n += 1
+        return pt
+
+    async def send_message(self, tag: int, *fields):
+        await self.send_record(encode_message(tag, *fields))
+
+    async def recv_message(self) -> list:
+        return decode_message(await self.recv_record())
+
+    async def recv_state(self, fingerprint: bytes, numel: int, codec: str):  # section 7.5
+        tag, fp, hdr_codec, step, samples, nbytes = await self.recv_message()
+        assert tag == 4, f"expected StateHeader, got tag {tag}"
+        assert (fp, hdr_codec, nbytes) == (fingerprint, codec, numel * CODEC_BYTES[codec])
+        data, records = bytearray(), 0
+        while len(data) < nbytes:
+            rec = await self.recv_record()
+            assert rec and len(rec) % CODEC_BYTES[codec] == 0 and len(data) + len(rec) <= nbytes
+            data += rec
+            records += 1
+        return (step, samples), bytes(data), records
+
+
+def schema_fingerprint(entries) -> bytes:  # section 7.1
+    return hashlib.sha256(cbor2.dumps([[n, list(s), d] for n, s, d in entries], canonical=True)).digest()[:16]
+
+
+def schema_of(model: torch.nn.Module):  # section 7.1, informative: floating tensors, state_dict order
+    seen, entries = set(), []
+    for name, t in model.state_dict().items():
+        if not t.is_floating_point() or (t.data_ptr(), t.shape) in seen:
+            continue
+        seen.add((t.data_ptr(), t.shape))
+        entries.append((name, tuple(t.shape), str(t.dtype).removeprefix("torch.")))
+    return entries
+
+
+# --- tests: spec vectors -----------------------------------------------------------------
+def test_peer_id_vectors():
+    assert peer_id(bytes(32)) == "mzuhvlpymk6xo3epygfy5h4oea"
+    seed = bytes.fromhex("9d61b19deffd5a60ba844af492ec2cc44449c5697b326919703bac031cae7f60")
+    assert peer_id(raw_pub(Ed25519PrivateKey.from_private_bytes(seed))) == "eh7ddx5bksrgcytl7bkai36se4"
+
+
+def test_cbor_and_fingerprint_vectors():
+    assert encode_message(2, 0, "bye").hex() == "83020063627965"
+    entries = [("fc.weight", (4, 2), "float32"), ("fc.bias", (4,), "float32")]
+    assert schema_fingerprint(entries).hex() == "6b258ea925054d0b695d3dba4bc4c382"
+    assert struct.pack("<6f", 1.0, -2.0, 0.5, 3.14159, 100000.0, -1e-8).hex() == (
+        "0000803f000000c00000003fd00f49400050c34777cc2bb2")  # section 7.3, fp32
+    assert schema_fingerprint([("w", (2, 3), "float32")]).hex() == "9679fd51f362229c65de22dd47d2b393"
+    assert schema_fingerprint([]).hex() == "76be8b528d0075f7aae98d6fa57a6d3c"
+    fp = bytes.fromhex("9679fd51f362229c65de22dd47d2b393")
+    assert encode_message(4, fp, "bf16", 1000, 64000, 12).hex() == "8604" "50" + fp.hex() + "6462663136" "1903e8" "19fa00" "0c"
+
+
+def test_appendix_a_initiator_messages():
+    x = lambda b: X25519PrivateKey.from_private_bytes(bytes([b]) * 32)
+    ident = Ed25519PrivateKey.from_private_bytes(
+        bytes.fromhex("9d61b19deffd5a60ba844af492ec2cc44449c5697b326919703bac031cae7f60"))
+    hs = Initiator(bytes(range(32)), "demo", ident, s=x(0x11), e=x(0x22))
+    assert hs.ss.h.hex() == "218a48359410cb770f76236db6b96415270fa857284a29a5b287fe04d6ca4466"
+    msg1 = hs.message1()
+    assert msg1.hex() == ("0faa684ed28867b97f4a6a2dee5df8ce974e76b7018e3f22a1c4cf2678570f20"
+                          "903fafbe3e5d2d535565a0a7cb6a96b8")
+    assert hs.ss.h.hex() == "52e259fdcc68582dd85167e7d4d053fa00be26123f98ea0054e3da04f2df9e27"
+    msg2 = bytes.fromhex(APPENDIX_A_MSG2)
+    assert len(msg2) == 204 == 32 + 48 + 108 + 16  # section 4.5 says u32be(112 + H): it is 96 + H
+    assert peer_id(hs.read_message2(msg2)) == "hh3rhufgiqst6bcssqq3t5i3tm"
+    assert hs.hello_r.hex() == APPENDIX_A_HELLO_R
+    assert hs.ss.h.hex() == "7eb06101ef724275651a145bdbd6eca4b99b794ba67bbf3fcae2658ce352dcb9"
+    assert hs.ss.ck.hex() == "93dface46f212ae4af507818b34062b2fd7e6e5aa2b15618d5cbfadd0139aecb"
+    assert hs.message3() == bytes.fromhex(APPENDIX_A_MSG3)
+    assert hs.ss.h.hex() == "9f4b0676da0bd7e42269e91aa5d719b9333fe76cade07439f076ca3b11cbec6c"
+    k1, k2 = hs.ss.split()
+    assert k1.hex() == "2a4dc5952691d4b98f8e6c631a3b863d6af03cc7531f497bdf46184fb1d9908a"
+    assert k2.hex() == "b37d29e80d16591a3a5c8983a9588285122c209802834dbc7aecbd20dffbc4ba"
+    header, bye = bytes.fromhex("00000017"), encode_message(2, 0, "bye")
+    assert ChaCha20Poly1305(k1).encrypt(nonce(1), bye, header).hex() == "46e1ce2ab3a89cfbf8a6194df6dd569079546b5a1076df"
+    responder_first = bytes.fromhex("dbb48cfb249dd4a5d91d2b242a6ef8736227cabdc1f20e")
+    assert ChaCha20Poly1305(k2).decrypt(nonce(0), responder_first, header) == bye
+
+
+APPENDIX_A_MSG2 = """
+ff2ee45601ec1b67310c7790404585ae697331eee1c1f8cf2419731c1fff3e6ba5972002b956082fef756c827fb017fd
+bf700d4805a991552826a315a073e59e02c901d2d0c390db7490d08dec7656eba69e3a2059a5d65d31b7ea8c05375ff9
+48a186d645668b0f47ff7f4cf0017b0b736abae0e41cd2f3fe5d3c006d766e936f08c0a1b2b23f9208ca504f616e26c8
+1ebb2f673aea00ff3cf75cf398760a484817c692c77b21e0bbc7972a66672e62dc7e94e38a86b8203049c0507b9a1717
+c658a7b43a648d7915bf8d1f""".replace("\n", "")
+APPENDIX_A_HELLO_R = (
+    "8501016464656d6f58203d4017c3e843895a92b70aa74d1b7ebc9c982ccf2ec4968cc0cd55f12af4660c58404a260aee130a44eb737b"
+    "e3dc1c245a86958df3ac0b305349b0d924b477eb5c2b4a8197a79348092ae0c71fecd1f13f698c0b6a0bf7f7feaaf2be172a2c455804")
+APPENDIX_A_MSG3 = """
+20304b9578e26f917880dba0b2bca4c7c19bac9d02a6df9d5d2fcdb7f0a0b45a9aa96c8459624564da6a981eaf4eff0c
+e160dafa88fbf2c92e3b5de3f77703948868d002208708ec6d334c71c59aa63ca1d0de5d52aba84275a6d81d948da2de
+84eaaaf89919effca0be13839ec0fd45743dcb61506be29ad51c9a23471b7bc9c8edbaba8794f2d3fd7a918bc57b17ed
+80811e748a176580077ff7a86f2727f000c104f571b2b8bf339c3f78""".replace("\n", "")
+
+
+# --- tests: against the reference server -------------------------------------------------
+SWARM_NAME = "spec-test"
+
+
+async def start_server(nursery, handler, swarm_key):
+    ident = Identity.generate()
+    swarm = Swarm(SWARM_NAME, swarm_key)
+    address = await nursery.start(functools.partial(
+        serve, TcpNetwork(), "127.0.0.1:0", handler, identity=ident, swarm=swarm))
+    return ident, str(address)
+
+
+async def test_handshake_peer_ids(nursery):
+    key = os.urandom(32)
+    seen_send, seen_recv = trio.open_memory_channel(1)
+
+    async def handler(channel):
+        await seen_send.send(channel.peer)
+
+    ident, address = await start_server(nursery, handler, key)
+    client = await Client.connect(address, SWARM_NAME, key)
+    assert peer_id(client.server_identity_key) == ident.peer_id
+    assert client.server_identity_key == ident.public_key
+    assert await seen_recv.receive() == peer_id(raw_pub(client.identity))
+
+
+async def test_receive_fp32_state(nursery):
+    key = os.urandom(32)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(300, 1000)
+    schema = tensors.StateSchema.from_module(model)
+    flat = tensors.snapshot(model, schema)
+
+    async def handler(channel):
+        await send_state(channel, flat, schema, "fp32", step=7, samples=9)
+        await trio.sleep_forever()  # keep the channel open until the test ends
+
+    _, address = await start_server(nursery, handler, key)
+    client = await Client.connect(address, SWARM_NAME, key)
+    entries = schema_of(model)
+    assert entries == [("weight", (1000, 300), "float32"), ("bias", (1000,), "float32")]
+    numel = sum(torch.Size(s).numel() for _, s, _ in entries)
+    counters, data, records = await client.recv_state(schema_fingerprint(entries), numel, "fp32")
+    assert counters == (7, 9)
+    assert records == 2  # 1 MiB + the rest
+    received = torch.frombuffer(bytearray(data), dtype=torch.float32)  # little-endian host
+    assert torch.equal(received, flat)
+    assert data == flat.numpy().astype("<f4").tobytes()
+
+
+async def test_close_message_reaches_handler(nursery):
+    key = os.urandom(32)
+    got_send, got_recv = trio.open_memory_channel(1)
+
+    async def handler(channel):
+        msg = await channel.receive_message()
+        await got_send.send((msg.code, msg.reason))
+
+    _, address = await start_server(nursery, handler, key)
+    client = await Client.connect(address, SWARM_NAME, key)
+    await client.send_message(2, 4, "shutting down — ünïcode")
+    assert await got_recv.receive() == (4, "shutting down — ünïcode")
+    await client.stream.aclose()
+
+
+async def test_wrong_swarm_key_gets_no_bytes(nursery):
+    called = []
+
+    async def handler(channel):
+        called.append(channel.peer)
+
+    _, address = await start_server(nursery, handler, os.urandom(32))
+    host, port = address.rsplit(":", 1)
+    stream = await trio.open_tcp_stream(host, int(port))
+    msg1 = Initiator(os.urandom(32), SWARM_NAME, Ed25519PrivateKey.generate()).message1()
+    assert len(msg1) == 48
+    await stream.send_all(struct.pack(">I", 48) + msg1)
+    received = b""
+    try:
+        while chunk := await stream.receive_some(65536):
+            received += chunk
+    except trio.BrokenResourceError:
+        pass  # a reset is allowed (section 2)
+    assert received == b""
+    assert called == []
+    await stream.aclose()
