@@ -441,26 +441,51 @@ class StateDecoder:
                 expected size, or the decoder already failed.
             TypeError: ``record`` is not a contiguous bytes-like object.
         """
-        self._check_ok()
         data = memoryview(record).cast("B")
-        size, nbytes = self._dtype.itemsize, len(data)
-        if nbytes % size:
-            self._fail(f"record of {nbytes} bytes is not whole {self._codec} elements")
-        if nbytes > self.remaining_bytes:
-            self._fail(f"record of {nbytes} bytes exceeds the {self.remaining_bytes} bytes "
-                       f"remaining of a {self.total_bytes}-byte payload")
+        nbytes = len(data)
+        self._check_record(nbytes)
         if nbytes == 0:
-            if self.total_bytes:
-                # A record carries at least one element; empty ones would only let a peer
-                # spin our receive loop until the caller's deadline.
-                self._fail("empty record in a tensor payload")
             return
+        size = self._dtype.itemsize
         start, n = self._received // size, nbytes // size
         if self._out_view is not None:
             self._out_view[self._received : self._received + nbytes] = data
         else:
             self._out[start : start + n].copy_(self._as_tensor(data, n))
         self._received += nbytes
+
+    def window(self) -> memoryview | None:
+        """The writable bytes of the output still to be filled, when the payload's bytes *are*
+        the output's bytes (``fp32`` into host memory), else None. A caller that writes a
+        record there directly (``SecureChannel.receive_into``) then calls :meth:`wrote`: no
+        intermediate buffer, one copy fewer per byte."""
+        if self._out_view is None or self._error is not None:
+            return None
+        return self._out_view[self._received :]
+
+    def wrote(self, nbytes: int) -> None:
+        """Account for a record of ``nbytes`` written into :meth:`window`, with the checks of
+        :meth:`feed`.
+
+        Raises:
+            SchemaMismatch: as :meth:`feed`.
+        """
+        if self._out_view is None:
+            raise ValueError("this decoder has no window")
+        self._check_record(nbytes)
+        self._received += nbytes
+
+    def _check_record(self, nbytes: int) -> None:
+        self._check_ok()
+        if nbytes % self._dtype.itemsize:
+            self._fail(f"record of {nbytes} bytes is not whole {self._codec} elements")
+        if nbytes > self.remaining_bytes:
+            self._fail(f"record of {nbytes} bytes exceeds the {self.remaining_bytes} bytes "
+                       f"remaining of a {self.total_bytes}-byte payload")
+        if nbytes == 0 and self.total_bytes:
+            # A record carries at least one element; empty ones would only let a peer spin
+            # our receive loop until the caller's deadline.
+            self._fail("empty record in a tensor payload")
 
     def _as_tensor(self, data: memoryview, n: int) -> torch.Tensor:
         if not data.readonly:

@@ -4,6 +4,7 @@ An attacker here is a test that holds one end of the raw stream and writes whate
 likes; ``Tap`` lets a test capture an honest side's records and forward them altered.
 """
 
+import functools
 import tracemalloc
 
 import pytest
@@ -25,6 +26,8 @@ from gossip.errors import (
 from gossip.handshake import SIGNATURE_PREFIX, NoiseHandshake, Swarm, _public_bytes
 from gossip.identity import Identity
 from gossip.messages import Close, Hello
+from gossip.network import TcpNetwork
+from gossip.simnet import SimNetwork
 from gossip.wire import FRAME_HEADER, encode
 
 from tests.util import ALICE, BOB, SWARM, Tap, pair
@@ -340,3 +343,53 @@ async def test_serve_times_out_a_silent_client(autojump_clock):
         await serve(SilentNetwork(), "x:1", handler, identity=BOB, swarm=SWARM,
                     timeouts=Timeouts(handshake=2.0))
     assert trio.current_time() - start == pytest.approx(2.0)
+
+
+async def exchange_over(net_server, net_client, address):
+    """connect/serve over a real network implementation; a few MB each way."""
+    payload = bytes(range(256)) * 12_000  # ~3 MB: several full records and a partial one
+    got = {}
+
+    async def handler(channel):
+        data = bytearray()
+        while len(data) < len(payload):
+            data += await channel.receive()
+        got["server"] = (channel.peer, bytes(data))
+        await channel.send(b"done")
+
+    async with trio.open_nursery() as n:
+        bound = await n.start(functools.partial(serve, net_server, address, handler,
+                                                identity=BOB, swarm=SWARM))
+        channel = await connect(net_client, bound, identity=ALICE, swarm=SWARM)
+        async with channel:
+            assert channel.peer == BOB.peer_id
+            for offset in range(0, len(payload), MAX_RECORD):
+                await channel.send(payload[offset : offset + MAX_RECORD])
+            assert await channel.receive() == b"done"
+        n.cancel_scope.cancel()
+    assert got["server"] == (ALICE.peer_id, payload)
+
+
+async def test_channel_over_tcp():
+    await exchange_over(TcpNetwork(), TcpNetwork(), "127.0.0.1:0")
+
+
+async def test_channel_over_the_simulated_network(autojump_clock):
+    net = SimNetwork(seed=3, latency=0.02, bandwidth=10e6, loss=0.05)
+    await exchange_over(net.host("b"), net.host("a"), "b:0")
+
+
+async def test_receive_into_decrypts_in_place_and_bounds_the_record():
+    alice, bob, _ = await pair()
+    buf = bytearray(10)
+    async with trio.open_nursery() as n:
+        n.start_soon(alice.send, b"0123456789")
+        assert await bob.receive_into(buf) == 10 and buf == b"0123456789"
+    with pytest.raises(ValueError, match="writable"):
+        await bob.receive_into(b"read-only")
+    async with trio.open_nursery() as n:
+        n.start_soon(alice.send, b"eleven byte")
+        with pytest.raises(RemoteProtocolError, match="at most 10 were expected"):
+            await bob.receive_into(buf)
+    with pytest.raises(ChannelClosed):
+        await bob.receive()

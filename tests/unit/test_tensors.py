@@ -430,3 +430,27 @@ def test_cuda_model_pinned_flat_round_trip() -> None:
         assert torch.equal(dec.result().cpu(), got)
     tensors.add_(model, schema, torch.ones(schema.numel))
     assert torch.equal(tensors.snapshot(model, schema), tensors.snapshot(Mixed(), schema) + 1)
+
+
+def test_decoder_window_takes_records_in_place() -> None:
+    schema = schema_of(("w", (2, 3), "float32"))
+    dec = StateDecoder(schema, "fp32")
+    window = dec.window()
+    assert window is not None and len(window) == 24
+    window[:12] = torch.tensor([1.0, 2.0, 3.0]).numpy().tobytes()
+    dec.wrote(12)
+    assert len(dec.window()) == 12
+    with pytest.raises(SchemaMismatch, match="not whole"):
+        dec.wrote(5)
+    assert dec.window() is None  # a failed decoder offers nowhere to write
+
+
+def test_decoder_window_checks_like_feed() -> None:
+    schema = schema_of(("w", (2,), "float32"))
+    dec = StateDecoder(schema, "fp32")
+    with pytest.raises(SchemaMismatch, match="empty record"):
+        dec.wrote(0)
+    dec = StateDecoder(schema, "fp32")
+    with pytest.raises(SchemaMismatch, match="exceeds"):
+        dec.wrote(12)
+    assert StateDecoder(schema, "bf16").window() is None  # casting needs a record

@@ -80,14 +80,21 @@ async def test_header_must_announce_exactly_our_size(codec, nbytes_delta):
         await bob.receive()
 
 
-async def test_oversized_record_in_the_payload_is_refused():
+@pytest.mark.parametrize(
+    "codec, error, match",
+    [
+        ("fp32", RemoteProtocolError, "at most 80 were expected"),  # decrypted in place
+        ("bf16", SchemaMismatch, "exceeds"),  # decoded from a record
+    ],
+)
+async def test_oversized_record_in_the_payload_is_refused(codec, error, match):
     alice, bob, _ = await pair()
-    small = torch.nn.Linear(4, 4)
-    schema = tensors.StateSchema.from_module(small)
-    await alice.send_message(StateHeader(schema.fingerprint, "fp32", 0, 0, schema.encoded_size("fp32")))
-    await alice.send(bytes(schema.encoded_size("fp32") + 4))
-    with pytest.raises(SchemaMismatch, match="exceeds"):
-        await receive_state(bob, schema, "fp32")
+    schema = tensors.StateSchema.from_module(torch.nn.Linear(4, 4))
+    nbytes = schema.encoded_size(codec)
+    await alice.send_message(StateHeader(schema.fingerprint, codec, 0, 0, nbytes))
+    await alice.send(bytes(nbytes + 4))
+    with pytest.raises(error, match=match):
+        await receive_state(bob, schema, codec)
 
 
 async def test_empty_records_cannot_stall_a_payload():
