@@ -2,8 +2,10 @@
 #   make demo   create .venv, install, run the demo
 #   make test   create .venv, install, run the test suite
 #
-# TORCH pins the torch wheel installed before the project. The default is a release whose
-# CPU build is fast to install; `make TORCH=torch` takes whatever pip picks (CUDA on Linux).
+# TORCH is the torch requirement installed before the project, pinned so that every machine
+# tests the same release. Override it for another build, for instance
+#   make TORCH=torch demo                                                  (newest release)
+#   make TORCH="torch --index-url https://download.pytorch.org/whl/cpu" test   (CPU-only wheel)
 
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
@@ -16,7 +18,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "$(TORCH)"
+	$(PY) -m pip install --quiet $(TORCH)
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 

@@ -8,7 +8,7 @@ Timing runs from the first byte sent to the receiver's one-byte acknowledgement 
 everything; the handshake is excluded. The modes alternate, and the median of the trials is
 reported. Nothing here asserts on time.
 
-Usage: python bench/channel.py [--mb 100] [--trials 3]
+Usage: python bench/channel.py [--mb 100] [--trials 9]
 The last line printed is one JSON object with the headline figures.
 """
 

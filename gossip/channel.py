@@ -77,11 +77,27 @@ log = logging.getLogger(__name__)
 
 MAX_RECORD = 1 << 20  # plaintext bytes in one record
 _HEADER = FRAME_HEADER.size
+_INITIAL_BUFFER = 4096
+
+
+def _room(buf: bytearray, size: int) -> bytearray:
+    """``buf``, or a larger one if it holds fewer than ``size`` bytes (doubling, so a stream of
+    growing records reallocates only a few times; ``size`` is already bounded by the caller)."""
+    if len(buf) >= size:
+        return buf
+    return bytearray(max(size, min(2 * len(buf), _HEADER + MAX_RECORD + TAGLEN)))
 
 
 @dataclass(frozen=True)
 class Timeouts:
-    """Deadlines, in seconds, one per phase."""
+    """Deadlines, in seconds, one per phase.
+
+    These are the only timeouts the library takes as arguments (everywhere else the caller
+    wraps its awaits in ``trio.fail_after``): ``connect`` and ``serve`` compose two phases, and
+    the record deadline is a property of the connection that guards every read, whoever the
+    caller is. A 1 MiB record must cross the link within ``record`` seconds; on links slower
+    than about 1 Mbit/s raise it, or state transfers can never complete.
+    """
 
     connect: float = 5.0  # opening the TCP connection
     handshake: float = 5.0  # the whole three-message handshake
@@ -151,8 +167,10 @@ class SecureChannel(trio.abc.AsyncResource):
         self._send_cipher = send_cipher
         self._receive_cipher = receive_cipher
         self._record_timeout = record_timeout
-        self._send_buf = bytearray(_HEADER + MAX_RECORD + TAGLEN)
-        self._receive_buf = bytearray(MAX_RECORD + TAGLEN)
+        # Grown on demand to the largest record seen: a channel that carries only messages
+        # costs kilobytes, not the 2 MiB that two full-size buffers would pin.
+        self._send_buf = bytearray(_INITIAL_BUFFER)
+        self._receive_buf = bytearray(_INITIAL_BUFFER)
         self._sending = self._receiving = self._mid_record = False
         self._closed = False
         self._broken: GossipError | None = None
@@ -165,7 +183,11 @@ class SecureChannel(trio.abc.AsyncResource):
         if self._closed:
             raise ChannelClosed(f"channel to {self.peer.short} was closed")
         if self._broken is not None:
-            raise ChannelClosed(f"channel to {self.peer.short} was closed after an error: {self._broken}")
+            # Raised again with the same party at fault as the error that broke the channel.
+            message = f"channel to {self.peer.short} was closed after an earlier error: {self._broken}"
+            if isinstance(self._broken, (RemoteProtocolError, ChannelClosed)):
+                raise type(self._broken)(message)
+            raise PeerGone(message)
 
     async def _break(self, error: GossipError) -> GossipError:
         if self._broken is None:
@@ -182,6 +204,7 @@ class SecureChannel(trio.abc.AsyncResource):
             LocalProtocolError: record too large, or another task is sending.
         """
         self._check_usable()
+        data = memoryview(data).cast("B")  # sizes in bytes, whatever the buffer's format
         size = len(data)
         if size > MAX_RECORD:
             raise LocalProtocolError(f"record of {size} bytes exceeds MAX_RECORD={MAX_RECORD}")
@@ -189,18 +212,22 @@ class SecureChannel(trio.abc.AsyncResource):
             raise LocalProtocolError("another task is already sending on this channel")
         self._sending = True
         try:
-            view = memoryview(self._send_buf)
             end = _HEADER + size + TAGLEN
+            self._send_buf = _room(self._send_buf, end)
+            view = memoryview(self._send_buf)
             FRAME_HEADER.pack_into(self._send_buf, 0, size + TAGLEN)
             self._send_cipher.encrypt_into(view[:_HEADER], data, view[_HEADER:end])
-            await self._stream.send_all(view[:end])
-        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-            raise await self._break(PeerGone(f"connection to {self.peer.short} lost: {exc}")) from None
-        except BaseException:
-            # Cancelled half-way: the peer may hold part of a record, so the stream can never
-            # carry another one.
-            await self._break(PeerGone("a send was interrupted mid-record"))
-            raise
+            try:
+                await self._stream.send_all(view[:end])
+            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                if self._closed:
+                    raise ChannelClosed(f"channel to {self.peer.short} was closed") from None
+                raise await self._break(PeerGone(f"connection to {self.peer.short} lost: {exc}")) from None
+            except BaseException:
+                # Cancelled half-way: the peer may hold part of a record, so the stream can
+                # never carry another one.
+                await self._break(ChannelClosed("a send was interrupted mid-record"))
+                raise
         finally:
             self._sending = False
         self._stats[0] += 1
@@ -251,7 +278,7 @@ class SecureChannel(trio.abc.AsyncResource):
             raise await self._break(exc) from None
         except BaseException:
             if self._mid_record:  # cancelled inside a record: the stream is out of step
-                await self._break(PeerGone("a receive was interrupted mid-record"))
+                await self._break(ChannelClosed("a receive was interrupted mid-record"))
             raise
         finally:
             self._receiving = False
@@ -281,6 +308,7 @@ class SecureChannel(trio.abc.AsyncResource):
                     raise RemoteProtocolError(
                         f"record of {size - TAGLEN} bytes where at most {len(out)} were expected"
                     )
+                self._receive_buf = _room(self._receive_buf, size)
                 body = memoryview(self._receive_buf)[:size]
                 if await self._reader.read_into(body) < size:
                     raise RemoteProtocolError("connection closed inside a record (truncated)")

@@ -126,10 +126,15 @@ class Network(Protocol):
 
 
 async def run_handler(handler: Handler, stream: trio.abc.Stream, peer: str) -> None:
-    """Run one connection's handler; a failure of that connection never escapes it."""
+    """Run one connection's handler; a failure of that connection never escapes it.
+
+    A handler's own deadline (``trio.fail_after`` around a phase, as every network await is
+    meant to be wrapped) counts as that connection's failure too: a peer that stalls must not
+    take the server and every other connection down with it.
+    """
     try:
         await handler(stream)
-    except (GossipError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+    except (GossipError, trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError) as exc:
         log.debug("connection closed peer=%s error=%s: %s", peer, type(exc).__name__, exc)
     finally:
         await trio.aclose_forcefully(stream)
@@ -144,7 +149,11 @@ class TcpNetwork:
             stream = await trio.open_tcp_stream(host, port)
         except OSError as exc:
             raise PeerGone(f"cannot connect to {address}: {exc.strerror or exc}") from None
-        _tune(stream.socket)
+        try:
+            _tune(stream.socket)
+        except OSError as exc:  # reset between connect and setsockopt
+            await trio.aclose_forcefully(stream)
+            raise PeerGone(f"connection to {address} lost at once: {exc.strerror or exc}") from None
         return stream
 
     async def serve(
@@ -156,6 +165,12 @@ class TcpNetwork:
     ) -> None:
         host, port = parse_address(address)
         listeners = await trio.open_tcp_listeners(port, host=host or None)
+        if port == 0 and len(listeners) > 1:
+            # Port 0 gives each address family its own random port, and only one address can
+            # be reported: listen on that one alone rather than on ports nobody knows.
+            for extra in listeners[1:]:
+                extra.socket.close()
+            listeners = listeners[:1]
         try:
             sockname = listeners[0].socket.getsockname()
             task_status.started(format_address(sockname[0], sockname[1]))

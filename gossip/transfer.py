@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .channel import MAX_RECORD, SecureChannel
-from .errors import GossipError, PeerGone, RemoteProtocolError, SchemaMismatch
+from .errors import PeerGone, RemoteProtocolError, SchemaMismatch
 from .messages import Close, StateHeader
 from .tensors import StateDecoder, StateSchema, encode_chunks
 
@@ -33,7 +33,8 @@ async def send_state(
 ) -> None:
     """Send a flat state (from :func:`gossip.tensors.snapshot`) as header plus records.
 
-    ``flat`` must not change until this returns: fp32 records are views of it.
+    ``flat`` must not change until this returns: fp32 records are views of it. On any failure
+    or cancellation the channel is closed, since the peer may hold part of the state.
     """
     header = StateHeader(
         fingerprint=schema.fingerprint,
@@ -42,9 +43,15 @@ async def send_state(
         samples=samples,
         nbytes=schema.encoded_size(codec),
     )
-    await channel.send_message(header)
-    for record in encode_chunks(flat, codec, MAX_RECORD):
-        await channel.send(record)
+    try:
+        await channel.send_message(header)
+        for record in encode_chunks(flat, codec, MAX_RECORD):
+            await channel.send(record)
+    except BaseException:
+        # Failed or cancelled (the caller's deadline) between records: the peer's decoder
+        # would take our next message for tensor bytes, so the channel is done.
+        await channel.aclose()
+        raise
 
 
 async def receive_state(
@@ -58,8 +65,8 @@ async def receive_state(
     Returns:
         The header (the sender's step and sample counts) and the flat state.
 
-    On any failure the channel is closed: records of the refused state may already be on
-    their way, so it could never carry another message.
+    On any failure or cancellation the channel is closed: records of the refused state may
+    already be on their way, so it could never carry another message.
 
     Raises:
         SchemaMismatch: the header's fingerprint, codec or size differ from ours, or the
@@ -69,7 +76,9 @@ async def receive_state(
     """
     try:
         return await _receive_state(channel, schema, codec, out)
-    except GossipError:
+    except BaseException:
+        # Including a cancellation by the caller's deadline between records: the rest of the
+        # state may still arrive, and would be read as messages.
         await channel.aclose()
         raise
 

@@ -1,7 +1,14 @@
 """Shared test helpers: a tapping stream and a handshaken channel pair."""
 
+import sys
+
 import trio
 import trio.testing
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
+else:
+    from builtins import BaseExceptionGroup
 
 from gossip.channel import handshake
 from gossip.handshake import Swarm

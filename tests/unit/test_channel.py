@@ -30,7 +30,7 @@ from gossip.network import TcpNetwork
 from gossip.simnet import SimNetwork
 from gossip.wire import FRAME_HEADER, encode
 
-from tests.util import ALICE, BOB, SWARM, Tap, pair
+from tests.util import ALICE, BOB, SWARM, BaseExceptionGroup, Tap, pair
 
 
 async def both(fa, fb):
@@ -157,11 +157,16 @@ async def capture(channel_tap: Tap, send, n=1):
     return records
 
 
-async def assert_broken(bob, error, match):
+async def assert_broken(bob, error, match, tap=None):
+    """The receive fails with ``error``; later calls fail too, blaming the same party, and
+    nothing is ever delivered; the transport underneath is closed."""
     with pytest.raises(error, match=match):
         await bob.receive()
-    with pytest.raises(ChannelClosed):  # nothing is ever delivered after that
+    again = error if issubclass(error, RemoteProtocolError) else PeerGone
+    with pytest.raises(again, match="earlier error"):
         await bob.receive()
+    if tap is not None:  # Bob's end is closed: Alice's side of the stream reads the end
+        assert await tap.inner.receive_some() == b""
 
 
 @pytest.mark.parametrize("where", [0, 3, 4, 10, -1])
@@ -183,14 +188,14 @@ async def test_replayed_record():
     await tap.inner.send_all(record)
     assert await bob.receive() == b"pay 10"
     await tap.inner.send_all(record)
-    await assert_broken(bob, RemoteProtocolError, "failed authentication")
+    await assert_broken(bob, RemoteProtocolError, "failed authentication", tap)
 
 
 async def test_reordered_records():
     alice, bob, tap = await pair()
     first, second = await capture(tap, lambda: alice.send(b"x"), n=2)
     await tap.inner.send_all(second + first)
-    await assert_broken(bob, RemoteProtocolError, "failed authentication")
+    await assert_broken(bob, RemoteProtocolError, "failed authentication", tap)
 
 
 @pytest.mark.parametrize("keep", [2, 4, 10])
@@ -220,15 +225,15 @@ async def test_oversized_length_is_refused_before_allocating():
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert peak < 256 * 1024  # the receive buffer was allocated with the channel, once
-    with pytest.raises(ChannelClosed):
+    assert peak < 64 * 1024  # refused from the header: no record-sized buffer was allocated
+    with pytest.raises(RemoteProtocolError, match="earlier error"):
         await bob.receive()
 
 
 async def test_record_shorter_than_tag():
     alice, bob, tap = await pair()
     await tap.inner.send_all(FRAME_HEADER.pack(15) + bytes(15))
-    await assert_broken(bob, RemoteProtocolError, "shorter than its tag")
+    await assert_broken(bob, RemoteProtocolError, "shorter than its tag", tap)
 
 
 async def test_stalled_record_times_out(autojump_clock):
@@ -236,7 +241,7 @@ async def test_stalled_record_times_out(autojump_clock):
     [record] = await capture(tap, lambda: alice.send(b"z" * 1000))
     await tap.inner.send_all(record[:500])  # then nothing: a slowloris
     start = trio.current_time()
-    await assert_broken(bob, PeerTimeout, "record")
+    await assert_broken(bob, PeerTimeout, "record", tap)
     assert trio.current_time() - start == pytest.approx(5.0)
 
 
@@ -391,5 +396,54 @@ async def test_receive_into_decrypts_in_place_and_bounds_the_record():
         n.start_soon(alice.send, b"eleven byte")
         with pytest.raises(RemoteProtocolError, match="at most 10 were expected"):
             await bob.receive_into(buf)
-    with pytest.raises(ChannelClosed):
+    with pytest.raises(RemoteProtocolError, match="earlier error"):
         await bob.receive()
+
+
+async def test_a_stalled_peer_does_not_take_the_server_down(autojump_clock):
+    """A handler's own deadline ends that connection only; the server keeps serving."""
+    net = SimNetwork(seed=1)
+    served = []
+
+    async def handler(channel):
+        with trio.fail_after(5):  # the phase deadline every handler puts on its reads
+            served.append(await channel.receive())
+        await channel.send(b"ok")
+
+    async with trio.open_nursery() as n:
+        address = await n.start(functools.partial(serve, net.host("b"), "b:7070", handler,
+                                                  identity=BOB, swarm=SWARM))
+        silent = await connect(net.host("a"), address, identity=ALICE, swarm=SWARM)
+        with pytest.raises(PeerGone):  # the server gave up on us after its 5 s deadline
+            await silent.receive()
+        polite = await connect(net.host("c"), address, identity=ALICE, swarm=SWARM)
+        await polite.send(b"hello")
+        assert await polite.receive() == b"ok"
+        n.cancel_scope.cancel()
+    assert served == [b"hello"]
+
+
+async def test_version_mismatch_seen_by_the_responder():
+    s1, s2 = trio.testing.memory_stream_pair()
+    static = X25519PrivateKey.generate()
+    hs = NoiseHandshake(initiator=True, psk=SWARM.key, static=static)
+
+    async def old_initiator():
+        m1 = hs.write_message()
+        await s1.send_all(FRAME_HEADER.pack(len(m1)) + m1)
+        header = await s1.receive_some(4)
+        hs.read_message(await s1.receive_some(FRAME_HEADER.unpack(header)[0]))
+        hello = Hello(9, "test", ALICE.public_key, ALICE.sign(SIGNATURE_PREFIX + _public_bytes(static)))
+        m3 = hs.write_message(encode(hello))
+        await s1.send_all(FRAME_HEADER.pack(len(m3)) + m3)
+
+    _, b = await both(old_initiator, lambda: handshake(s2, identity=BOB, swarm=SWARM, initiator=False))
+    assert isinstance(b, HandshakeError) and "version mismatch" in str(b)
+
+
+async def test_oversized_handshake_frame_is_refused_before_reading_it():
+    s1, s2 = trio.testing.memory_stream_pair()
+    await s1.send_all(FRAME_HEADER.pack(65536))  # one past Noise's limit, and no body
+    with pytest.raises(HandshakeError, match="exceeds the limit of 65535"):
+        await handshake(s2, identity=BOB, swarm=SWARM, initiator=False)
+    assert await s1.receive_some() == b""  # closed

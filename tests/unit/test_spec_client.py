@@ -264,7 +264,7 @@ def test_appendix_a_initiator_messages():
                           "903fafbe3e5d2d535565a0a7cb6a96b8")
     assert hs.ss.h.hex() == "52e259fdcc68582dd85167e7d4d053fa00be26123f98ea0054e3da04f2df9e27"
     msg2 = bytes.fromhex(APPENDIX_A_MSG2)
-    assert len(msg2) == 204 == 32 + 48 + 108 + 16  # section 4.5 says u32be(112 + H): it is 96 + H
+    assert len(msg2) == 204 == 32 + 48 + 108 + 16  # section 4.5: u32be(96 + H)
     assert peer_id(hs.read_message2(msg2)) == "hh3rhufgiqst6bcssqq3t5i3tm"
     assert hs.hello_r.hex() == APPENDIX_A_HELLO_R
     assert hs.ss.h.hex() == "7eb06101ef724275651a145bdbd6eca4b99b794ba67bbf3fcae2658ce352dcb9"

@@ -3,6 +3,7 @@
 import pytest
 import torch
 import trio
+import trio.testing
 
 from gossip import tensors
 from gossip.errors import ChannelClosed, PeerGone, RemoteProtocolError, SchemaMismatch
@@ -104,3 +105,26 @@ async def test_empty_records_cannot_stall_a_payload():
     await alice.send(b"")
     with pytest.raises(SchemaMismatch, match="empty record"):
         await receive_state(bob, schema, "fp32")
+
+
+async def test_a_cancelled_receive_closes_the_channel(autojump_clock):
+    alice, bob, _ = await pair()
+    schema = tensors.StateSchema.from_module(model())
+    header = StateHeader(schema.fingerprint, "fp32", 0, 0, schema.encoded_size("fp32"))
+    await alice.send_message(header)
+    await alice.send(bytes(1024))  # a first record, then the rest is late
+    with trio.move_on_after(5):  # the caller's deadline for the exchange
+        await receive_state(bob, schema, "fp32")
+    # The rest of the state may still arrive; it must never be read as a message.
+    with pytest.raises(ChannelClosed):
+        await bob.receive_message()
+
+
+async def test_a_cancelled_send_closes_the_channel(autojump_clock):
+    alice, bob, _ = await pair(make=trio.testing.lockstep_stream_pair)
+    m = model()
+    schema = tensors.StateSchema.from_module(m)
+    with trio.move_on_after(5):  # nobody reads: the send stalls, then the deadline hits
+        await send_state(alice, tensors.snapshot(m, schema), schema, "fp32")
+    with pytest.raises(ChannelClosed):
+        await alice.send_message(Close(Close.NORMAL, "would land inside the peer's tensors"))
