@@ -54,7 +54,7 @@ from .handshake import (
     CipherState,
     NoiseHandshake,
     Swarm,
-    _public_bytes,
+    x25519_public_bytes,
     check_hello,
     make_hello,
 )
@@ -400,12 +400,12 @@ async def handshake(
             await send(hs.write_message())
             payload = hs.read_message(await _read_handshake_message(reader))
             peer = check_hello(payload, hs.remote_static, swarm, allow)
-            await send(hs.write_message(make_hello(identity, _public_bytes(static), swarm)))
+            await send(hs.write_message(make_hello(identity, x25519_public_bytes(static), swarm)))
         else:
             if hs.read_message(await _read_handshake_message(reader)) != b"":
                 raise HandshakeError("unexpected payload in the first handshake message")
             # Signed only now: a dialer without the swarm key costs us no signature.
-            await send(hs.write_message(make_hello(identity, _public_bytes(static), swarm)))
+            await send(hs.write_message(make_hello(identity, x25519_public_bytes(static), swarm)))
             payload = hs.read_message(await _read_handshake_message(reader))
             peer = check_hello(payload, hs.remote_static, swarm, allow)
     except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:

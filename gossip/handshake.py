@@ -63,6 +63,7 @@ __all__ = [
     "NoiseHandshake",
     "make_hello",
     "check_hello",
+    "x25519_public_bytes",
 ]
 
 PROTOCOL_NAME = b"Noise_XXpsk0_25519_ChaChaPoly_SHA256"
@@ -170,7 +171,8 @@ class CipherState:
         self.n += 1
 
 
-def _public_bytes(key: X25519PrivateKey) -> bytes:
+def x25519_public_bytes(key: X25519PrivateKey) -> bytes:
+    """The raw 32-byte public key of an X25519 key pair."""
     return key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
 
 
@@ -294,12 +296,12 @@ class NoiseHandshake:
             elif token == "e":
                 if self._e is None:
                     self._e = X25519PrivateKey.generate()
-                e_pub = _public_bytes(self._e)
+                e_pub = x25519_public_bytes(self._e)
                 out += e_pub
                 self._mix_hash(e_pub)
                 self._mix_key(e_pub)  # psk handshakes mix e into the key too (§9.2)
             elif token == "s":
-                out += self._encrypt_and_hash(_public_bytes(self._s))
+                out += self._encrypt_and_hash(x25519_public_bytes(self._s))
             else:
                 self._mix_key(self._dh_token(token))
         out += self._encrypt_and_hash(payload)

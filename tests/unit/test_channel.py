@@ -23,7 +23,7 @@ from gossip.errors import (
     PeerTimeout,
     RemoteProtocolError,
 )
-from gossip.handshake import SIGNATURE_PREFIX, NoiseHandshake, Swarm, _public_bytes
+from gossip.handshake import SIGNATURE_PREFIX, NoiseHandshake, Swarm, x25519_public_bytes
 from gossip.identity import Identity
 from gossip.messages import Close, Hello
 from gossip.network import TcpNetwork
@@ -126,7 +126,7 @@ async def forged_responder(stream, *, hello_for):
     hs = NoiseHandshake(initiator=False, psk=SWARM.key, static=static)
     header = await stream.receive_some(4)
     hs.read_message(await stream.receive_some(FRAME_HEADER.unpack(header)[0]))
-    message2 = hs.write_message(encode(hello_for(_public_bytes(static))))
+    message2 = hs.write_message(encode(hello_for(x25519_public_bytes(static))))
     await stream.send_all(FRAME_HEADER.pack(len(message2)) + message2)
 
 
@@ -433,7 +433,7 @@ async def test_version_mismatch_seen_by_the_responder():
         await s1.send_all(FRAME_HEADER.pack(len(m1)) + m1)
         header = await s1.receive_some(4)
         hs.read_message(await s1.receive_some(FRAME_HEADER.unpack(header)[0]))
-        hello = Hello(9, "test", ALICE.public_key, ALICE.sign(SIGNATURE_PREFIX + _public_bytes(static)))
+        hello = Hello(9, "test", ALICE.public_key, ALICE.sign(SIGNATURE_PREFIX + x25519_public_bytes(static)))
         m3 = hs.write_message(encode(hello))
         await s1.send_all(FRAME_HEADER.pack(len(m3)) + m3)
 

@@ -14,7 +14,7 @@ from gossip.handshake import (
     SIGNATURE_PREFIX,
     NoiseHandshake,
     Swarm,
-    _public_bytes,
+    x25519_public_bytes,
     check_hello,
     make_hello,
 )
@@ -105,9 +105,9 @@ def hello_case(identity, static_pub, own_swarm, **change):
 
 def test_hello_binds_identity_to_static_key():
     swarm, ident = Swarm.generate("s"), Identity.generate()
-    static = _public_bytes(X25519PrivateKey.generate())
+    static = x25519_public_bytes(X25519PrivateKey.generate())
     assert check_hello(make_hello(ident, static, swarm), static, swarm) == ident.peer_id
-    other_static = _public_bytes(X25519PrivateKey.generate())
+    other_static = x25519_public_bytes(X25519PrivateKey.generate())
     with pytest.raises(HandshakeError, match="signature"):
         check_hello(make_hello(ident, static, swarm), other_static, swarm)
 
@@ -123,14 +123,14 @@ def test_hello_binds_identity_to_static_key():
 )
 def test_bad_hello_is_refused(change, match):
     swarm, ident = Swarm.generate("s"), Identity.generate()
-    static = _public_bytes(X25519PrivateKey.generate())
+    static = x25519_public_bytes(X25519PrivateKey.generate())
     with pytest.raises(HandshakeError, match=match):
         check_hello(hello_case(ident, static, swarm, **change), static, swarm)
 
 
 def test_allow_list():
     swarm, ident = Swarm.generate("s"), Identity.generate()
-    static = _public_bytes(X25519PrivateKey.generate())
+    static = x25519_public_bytes(X25519PrivateKey.generate())
     payload = make_hello(ident, static, swarm)
     assert check_hello(payload, static, swarm, frozenset({ident.peer_id}))
     with pytest.raises(HandshakeError, match="allow-list"):
