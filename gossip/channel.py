@@ -61,7 +61,7 @@ from .handshake import (
 from .identity import Identity, PeerId
 from .messages import Message
 from .network import Network
-from .wire import FRAME_HEADER, decode, encode, frame_length
+from .wire import FRAME_HEADER, decode, encode, encode_frame, frame_length
 
 __all__ = [
     "MAX_RECORD",
@@ -393,7 +393,7 @@ async def handshake(
     reader = _Reader(stream)
 
     async def send(message: bytes) -> None:
-        await stream.send_all(FRAME_HEADER.pack(len(message)) + message)
+        await stream.send_all(encode_frame(message))
 
     try:
         if initiator:

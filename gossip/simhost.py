@@ -156,13 +156,8 @@ class SimHost:
     ) -> None:
         """As :meth:`gossip.network.Network.serve`; raises PeerGone when this host crashes
         (its handlers are cancelled first)."""
-        host, port = parse_address(address)
         await trio.lowlevel.checkpoint()
-        state = self._bind_check(host, port, address)
-        if port == 0:
-            port = state.ephemeral_port(state.listeners)
-        elif port in state.listeners:
-            raise OSError(errno.EADDRINUSE, f"cannot serve {address}: address in use")
+        state, port = self._bind(address, "listeners")
         listener = None
         try:
             async with trio.open_nursery() as nursery:
@@ -177,22 +172,26 @@ class SimHost:
         raise PeerGone(f"host {self.name} crashed while serving {address}")
 
     async def open_datagram(self, address: str) -> SimDatagramEndpoint:
-        host, port = parse_address(address)
         await trio.lowlevel.checkpoint()
-        state = self._bind_check(host, port, address)
-        if port == 0:
-            port = state.ephemeral_port(state.endpoints)
-        elif port in state.endpoints:
-            raise OSError(errno.EADDRINUSE, f"cannot bind {address}: address in use")
+        state, port = self._bind(address, "endpoints")
         endpoint = SimDatagramEndpoint(self._net, self.name, port)
         state.endpoints[port] = endpoint
         return endpoint
 
-    def _bind_check(self, host: str, port: int, address: str) -> _HostState:
+    def _bind(self, address: str, table: str) -> tuple[_HostState, int]:
+        """Claim ``address`` in this host's ``table`` (``"listeners"`` or ``"endpoints"``):
+        its port, or a free one for port 0."""
+        host, port = parse_address(address)
         if host != self.name:
             raise OSError(errno.EADDRNOTAVAIL, f"cannot bind {address} on host {self.name}")
         self._net._check_up(self.name)
-        return self._net._hosts[self.name]
+        state = self._net._hosts[self.name]
+        taken = getattr(state, table)
+        if port == 0:
+            port = state.ephemeral_port(taken)
+        elif port in taken:
+            raise OSError(errno.EADDRINUSE, f"cannot bind {address}: address in use")
+        return state, port
 
 
 class SimStream(trio.abc.HalfCloseableStream):

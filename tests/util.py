@@ -8,7 +8,7 @@ import trio.testing
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
 else:
-    from builtins import BaseExceptionGroup
+    from builtins import BaseExceptionGroup  # noqa: F401 - re-exported for the tests
 
 from gossip.channel import handshake
 from gossip.handshake import Swarm

@@ -28,7 +28,7 @@ from gossip.identity import Identity
 from gossip.messages import Close, Hello
 from gossip.network import TcpNetwork
 from gossip.simnet import SimNetwork
-from gossip.wire import FRAME_HEADER, encode
+from gossip.wire import FRAME_HEADER, encode, encode_frame
 
 from tests.util import ALICE, BOB, SWARM, BaseExceptionGroup, Tap, pair
 
@@ -76,7 +76,7 @@ async def test_wrong_swarm_key_fails_at_message_one_and_reveals_nothing():
     s1, s2 = trio.testing.memory_stream_pair()
     outsider = NoiseHandshake(initiator=True, psk=bytes(32), static=X25519PrivateKey.generate())
     message1 = outsider.write_message()
-    await s1.send_all(FRAME_HEADER.pack(len(message1)) + message1)
+    await s1.send_all(encode_frame(message1))
     with pytest.raises(HandshakeError, match="wrong swarm key"):
         await handshake(s2, identity=BOB, swarm=SWARM, initiator=False)
     assert await s1.receive_some() == b""  # closed without sending a single byte
@@ -127,7 +127,7 @@ async def forged_responder(stream, *, hello_for):
     header = await stream.receive_some(4)
     hs.read_message(await stream.receive_some(FRAME_HEADER.unpack(header)[0]))
     message2 = hs.write_message(encode(hello_for(x25519_public_bytes(static))))
-    await stream.send_all(FRAME_HEADER.pack(len(message2)) + message2)
+    await stream.send_all(encode_frame(message2))
 
 
 @pytest.mark.parametrize(
@@ -430,12 +430,12 @@ async def test_version_mismatch_seen_by_the_responder():
 
     async def old_initiator():
         m1 = hs.write_message()
-        await s1.send_all(FRAME_HEADER.pack(len(m1)) + m1)
+        await s1.send_all(encode_frame(m1))
         header = await s1.receive_some(4)
         hs.read_message(await s1.receive_some(FRAME_HEADER.unpack(header)[0]))
         hello = Hello(9, "test", ALICE.public_key, ALICE.sign(SIGNATURE_PREFIX + x25519_public_bytes(static)))
         m3 = hs.write_message(encode(hello))
-        await s1.send_all(FRAME_HEADER.pack(len(m3)) + m3)
+        await s1.send_all(encode_frame(m3))
 
     _, b = await both(old_initiator, lambda: handshake(s2, identity=BOB, swarm=SWARM, initiator=False))
     assert isinstance(b, HandshakeError) and "version mismatch" in str(b)
