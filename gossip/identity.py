@@ -13,6 +13,7 @@ that other users can read is refused: a leaked node key lets anyone impersonate 
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import os
 import stat
@@ -79,14 +80,14 @@ class Identity:
     def generate(cls) -> "Identity":
         return cls(Ed25519PrivateKey.generate())
 
-    @property
+    @functools.cached_property
     def public_key(self) -> bytes:
         """The raw 32-byte public key."""
         return self.private_key.public_key().public_bytes(
             serialization.Encoding.Raw, serialization.PublicFormat.Raw
         )
 
-    @property
+    @functools.cached_property
     def peer_id(self) -> PeerId:
         return peer_id_from_public_key(self.public_key)
 

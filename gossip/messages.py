@@ -12,6 +12,7 @@ a tag once shipped keeps its meaning forever, and a changed message gets a new t
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields
 from typing import ClassVar
 
@@ -21,6 +22,17 @@ __all__ = [
     "Close",
     "StateRequest",
     "StateHeader",
+    "Packet",
+    "Ping",
+    "PingReq",
+    "Ack",
+    "Nack",
+    "Alive",
+    "Suspect",
+    "Dead",
+    "Left",
+    "MemberState",
+    "PushPull",
     "TAGS",
     "MAX_TEXT",
     "MAX_UINT",
@@ -30,6 +42,11 @@ __all__ = [
 MAX_TEXT = 256  # characters in any text field
 MAX_UINT = 2**63 - 1  # counters (steps, samples, byte sizes) fit in a signed 64-bit int
 FINGERPRINT_BYTES = 16
+PEER_ID_CHARS = 26  # gossip.identity: base32 of 16 bytes, lowercase, no padding
+MAX_SEQUENCE = 2**32 - 1  # probe sequence numbers wrap here
+MAX_PARTS = 64  # messages in one datagram, or member records in one push-pull page
+MAX_PART = 1400  # bytes of one part: a datagram never holds more
+_BASE32 = frozenset("abcdefghijklmnopqrstuvwxyz234567")
 
 
 def _uint(cls: type, name: str, value: object, maximum: int = MAX_UINT) -> None:
@@ -56,6 +73,26 @@ def _text(cls: type, name: str, value: object) -> None:
         raise ValueError(f"{cls.__name__}.{name}: {len(value)} characters exceeds {MAX_TEXT}")
 
 
+def _bool(cls: type, name: str, value: object) -> None:
+    if type(value) is not bool:
+        raise ValueError(f"{cls.__name__}.{name}: expected a boolean, got {type(value).__name__}")
+
+
+def _peer(cls: type, name: str, value: object) -> None:
+    if not isinstance(value, str) or len(value) != PEER_ID_CHARS or not _BASE32.issuperset(value):
+        raise ValueError(f"{cls.__name__}.{name}: not a peer id (26 lowercase base32 characters)")
+
+
+def _parts(cls: type, name: str, value: object, maximum: int) -> None:
+    # Decoded CBOR arrays arrive as lists; store a tuple so the message stays immutable.
+    if type(value) not in (list, tuple):
+        raise ValueError(f"{cls.__name__}.{name}: expected an array, got {type(value).__name__}")
+    if len(value) > maximum:  # type: ignore[arg-type]
+        raise ValueError(f"{cls.__name__}.{name}: {len(value)} items exceeds {maximum}")  # type: ignore[arg-type]
+    for item in value:  # type: ignore[attr-defined]
+        _bytes(cls, name, item, maximum=MAX_PART)
+
+
 class Message:
     """Base of every protocol message. ``TAG`` is its entry in :data:`TAGS`."""
 
@@ -63,7 +100,13 @@ class Message:
     TAG: ClassVar[int]
 
     def to_fields(self) -> list[object]:
-        return [getattr(self, f.name) for f in fields(self)]  # type: ignore[arg-type]
+        return [getattr(self, name) for name in field_names(type(self))]
+
+
+@functools.lru_cache(maxsize=None)
+def field_names(cls: type) -> tuple[str, ...]:
+    """The wire order of a message class's fields (its declaration order)."""
+    return tuple(f.name for f in fields(cls))
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,12 +191,204 @@ class StateHeader(Message):
         _uint(StateHeader, "nbytes", self.nbytes)
 
 
+# ---- membership (gossip.membership) --------------------------------------------------------
+# Packet is the plaintext of one sealed datagram: the sender and up to MAX_PARTS encoded
+# messages (Ping, PingReq, Ack, Nack and piggybacked Alive/Suspect/Dead/Left). PushPull pages
+# travel over a secure channel and carry encoded MemberState records.
+
+
+@dataclass(frozen=True, slots=True)
+class Packet(Message):
+    """One membership datagram: who sent it and the encoded messages it carries."""
+
+    TAG: ClassVar[int] = 5
+    sender: str  # peer id
+    parts: tuple[bytes, ...]  # each is wire.encode() of one message
+
+    def __post_init__(self) -> None:
+        _peer(Packet, "sender", self.sender)
+        _parts(Packet, "parts", self.parts, MAX_PARTS)
+        object.__setattr__(self, "parts", tuple(self.parts))
+
+
+@dataclass(frozen=True, slots=True)
+class Ping(Message):
+    """Are you ``target``? Answered with Ack(seq) to the datagram's source address."""
+
+    TAG: ClassVar[int] = 6
+    seq: int
+    target: str  # the peer id the sender means; a different node at that address stays quiet
+
+    def __post_init__(self) -> None:
+        _uint(Ping, "seq", self.seq, MAX_SEQUENCE)
+        _peer(Ping, "target", self.target)
+
+
+@dataclass(frozen=True, slots=True)
+class PingReq(Message):
+    """Probe ``target`` at ``address`` for me: forward its Ack(seq), or send Nack(seq) if it
+    stays silent for a probe timeout."""
+
+    TAG: ClassVar[int] = 7
+    seq: int
+    target: str
+    address: str
+
+    def __post_init__(self) -> None:
+        _uint(PingReq, "seq", self.seq, MAX_SEQUENCE)
+        _peer(PingReq, "target", self.target)
+        _text(PingReq, "address", self.address)
+
+
+@dataclass(frozen=True, slots=True)
+class Ack(Message):
+    """The answer to Ping(seq), direct or forwarded by the helper of a PingReq."""
+
+    TAG: ClassVar[int] = 8
+    seq: int
+
+    def __post_init__(self) -> None:
+        _uint(Ack, "seq", self.seq, MAX_SEQUENCE)
+
+
+@dataclass(frozen=True, slots=True)
+class Nack(Message):
+    """From the helper of PingReq(seq): the target did not answer me either. Tells the
+    requester that the helper, and so the requester's own network path, is working."""
+
+    TAG: ClassVar[int] = 9
+    seq: int
+
+    def __post_init__(self) -> None:
+        _uint(Nack, "seq", self.seq, MAX_SEQUENCE)
+
+
+@dataclass(frozen=True, slots=True)
+class Alive(Message):
+    """``peer`` is alive at ``incarnation``, reachable at ``address``, with its metadata."""
+
+    TAG: ClassVar[int] = 10
+    peer: str
+    incarnation: int
+    address: str  # host:port for datagrams and channels
+    version: int  # the peer's protocol version
+    step: int  # the peer's training step when it last announced itself
+    ready: bool  # whether it will take part in averaging now
+
+    def __post_init__(self) -> None:
+        _peer(Alive, "peer", self.peer)
+        _uint(Alive, "incarnation", self.incarnation)
+        _text(Alive, "address", self.address)
+        _uint(Alive, "version", self.version, 2**16 - 1)
+        _uint(Alive, "step", self.step)
+        _bool(Alive, "ready", self.ready)
+
+
+@dataclass(frozen=True, slots=True)
+class Suspect(Message):
+    """``by`` could not reach ``peer`` at ``incarnation``; ``peer`` may refute it."""
+
+    TAG: ClassVar[int] = 11
+    peer: str
+    incarnation: int
+    by: str
+
+    def __post_init__(self) -> None:
+        _peer(Suspect, "peer", self.peer)
+        _uint(Suspect, "incarnation", self.incarnation)
+        _peer(Suspect, "by", self.by)
+
+
+@dataclass(frozen=True, slots=True)
+class Dead(Message):
+    """``by`` declared ``peer`` dead at ``incarnation``: a suspicion nobody refuted in time."""
+
+    TAG: ClassVar[int] = 12
+    peer: str
+    incarnation: int
+    by: str
+
+    def __post_init__(self) -> None:
+        _peer(Dead, "peer", self.peer)
+        _uint(Dead, "incarnation", self.incarnation)
+        _peer(Dead, "by", self.by)
+
+
+@dataclass(frozen=True, slots=True)
+class Left(Message):
+    """``peer`` left the swarm on purpose at ``incarnation``."""
+
+    TAG: ClassVar[int] = 13
+    peer: str
+    incarnation: int
+
+    def __post_init__(self) -> None:
+        _peer(Left, "peer", self.peer)
+        _uint(Left, "incarnation", self.incarnation)
+
+
+@dataclass(frozen=True, slots=True)
+class MemberState(Message):
+    """One member as a node sees it, for a full-state push-pull."""
+
+    TAG: ClassVar[int] = 14
+    ALIVE: ClassVar[int] = 0
+    SUSPECT: ClassVar[int] = 1
+    DEAD: ClassVar[int] = 2
+    LEFT: ClassVar[int] = 3
+
+    peer: str
+    incarnation: int
+    state: int  # ALIVE, SUSPECT, DEAD or LEFT
+    address: str
+    version: int
+    step: int
+    ready: bool
+
+    def __post_init__(self) -> None:
+        _peer(MemberState, "peer", self.peer)
+        _uint(MemberState, "incarnation", self.incarnation)
+        _uint(MemberState, "state", self.state, 3)
+        _text(MemberState, "address", self.address)
+        _uint(MemberState, "version", self.version, 2**16 - 1)
+        _uint(MemberState, "step", self.step)
+        _bool(MemberState, "ready", self.ready)
+
+
+@dataclass(frozen=True, slots=True)
+class PushPull(Message):
+    """One page of a node's full member table (encoded MemberState records), over a secure
+    channel. ``last`` marks the final page; ``join`` says the sender is joining."""
+
+    TAG: ClassVar[int] = 15
+    join: bool
+    last: bool
+    records: tuple[bytes, ...]
+
+    def __post_init__(self) -> None:
+        _bool(PushPull, "join", self.join)
+        _bool(PushPull, "last", self.last)
+        _parts(PushPull, "records", self.records, MAX_PARTS * 4)
+        object.__setattr__(self, "records", tuple(self.records))
+
+
 # The tag table. ONLY APPEND: never reuse or renumber a tag.
 TAGS: dict[int, type[Message]] = {
     1: Hello,
     2: Close,
     3: StateRequest,
     4: StateHeader,
+    5: Packet,
+    6: Ping,
+    7: PingReq,
+    8: Ack,
+    9: Nack,
+    10: Alive,
+    11: Suspect,
+    12: Dead,
+    13: Left,
+    14: MemberState,
+    15: PushPull,
 }
 
 for _tag, _cls in TAGS.items():

@@ -30,6 +30,7 @@ from typing import Awaitable, Callable, Protocol, runtime_checkable
 import trio
 
 from .errors import GossipError, PeerGone
+from .wire import MAX_DATAGRAM
 
 __all__ = [
     "MAX_DATAGRAM",
@@ -43,10 +44,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# The largest datagram either network carries. Larger sends are refused (LocalProtocolError
-# is not right here: the caller picked the size, so it is a ValueError). 1400 bytes fits in one
-# Ethernet frame with room for IP and UDP headers, as memberlist chooses.
-MAX_DATAGRAM = 1400
 
 Handler = Callable[[trio.abc.Stream], Awaitable[None]]
 

@@ -351,8 +351,10 @@ class SimDatagramEndpoint:
 
     def _deliver(self, arrival: float, data: bytes, sender: str, sender_host: str) -> None:
         self._sequence += 1
-        heapq.heappush(self._inbox, (arrival, self._sequence, data, sender, sender_host))
-        self._lot.unpark_all()
+        item = (arrival, self._sequence, data, sender, sender_host)
+        heapq.heappush(self._inbox, item)
+        if self._inbox[0] is item:
+            self._lot.unpark_all()  # a new head: the reader's deadline moved earlier
 
     def _drop_in_flight(self, now: float) -> int:
         """Drop datagrams still on a link that a new partition cuts; returns how many."""
@@ -375,12 +377,15 @@ class SimDatagramEndpoint:
 
     async def receive(self) -> tuple[bytes, str]:
         await trio.lowlevel.checkpoint_if_cancelled()
+        parked = False
         while True:
             self._check()
             if self._inbox and self._inbox[0][0] <= trio.current_time():
                 _, _, data, sender, _ = heapq.heappop(self._inbox)
-                await trio.lowlevel.cancel_shielded_checkpoint()
+                if not parked:  # parking was this call's schedule point already
+                    await trio.lowlevel.cancel_shielded_checkpoint()
                 return data, sender
+            parked = True
             with trio.move_on_at(self._inbox[0][0] if self._inbox else _NEVER):
                 await self._lot.park()
 

@@ -35,6 +35,10 @@ Faults are state changes that wake every parked task, which then re-checks the s
   lets it bind and dial again; what the crash closed stays closed. Tasks the test runs "on"
   the host are the test's to cancel.
 * ``reset(a, b)``: a connection-reset fault on every stream between a and b.
+* ``slow(host, lag)``: the host's event loop is slow (CPU starved, swapping, a long GC): every
+  datagram, stream segment and handshake packet it sends or receives is handled late by a
+  random delay, exponential with mean ``lag`` seconds (drawn once at each end). Stream order
+  is kept; datagrams may overtake each other, as they would.
 
 Randomness: each link direction draws from its own ``random.Random`` seeded from the
 network's seed and the two names, so the faults a link sees depend only on the seed and the
@@ -153,7 +157,8 @@ class SimNetwork:
         self._directions: dict[tuple[str, str], _Direction] = {}
         self._hosts: dict[str, _HostState] = {}
         self._views: dict[str, SimHost] = {}
-        self._groups: dict[str, int] = {}  # host -> partition group; absent = group 0
+        self._groups: dict[str, int] = {}
+        self._lag: dict[str, float] = {}  # host -> mean extra handling delay, seconds  # host -> partition group; absent = group 0
         self._connections: dict[_Connection, None] = {}  # insertion-ordered set
         self._topology = trio.lowlevel.ParkingLot()  # woken on partition/heal/crash/restart
         self._stats = dict.fromkeys(SimStatistics.__dataclass_fields__, 0)
@@ -225,6 +230,17 @@ class SimNetwork:
         self._hosts[self.host(_name(host)).name].up = True
         self._topology.unpark_all()
 
+    def slow(self, host: HostLike, lag: float) -> None:
+        """Make ``host`` slow to handle what it sends and receives: a random extra delay,
+        exponential with mean ``lag`` seconds, at its end of every transfer. 0 makes it
+        normal again."""
+        if lag < 0:
+            raise ValueError("lag must be >= 0")
+        if lag:
+            self._lag[_name(host)] = lag
+        else:
+            self._lag.pop(_name(host), None)
+
     def reset(self, a: HostLike, b: HostLike) -> None:
         """Reset every open stream between a and b (either direction of dial)."""
         pair = {_name(a), _name(b)}
@@ -257,7 +273,17 @@ class SimNetwork:
         start = max(trio.current_time(), direction.busy_until)
         done = start + (nbytes / link.bandwidth if link.bandwidth else 0.0)
         direction.busy_until = done
-        return done, done + link.latency
+        return done, done + link.latency + self._lag_delay(src, dst, direction.rng)
+
+    def _lag_delay(self, src: str, dst: str, rng: random.Random) -> float:
+        if not self._lag:
+            return 0.0
+        delay = 0.0
+        for host in (src, dst):
+            mean = self._lag.get(host)
+            if mean:
+                delay += rng.expovariate(1.0 / mean)
+        return delay
 
     def _lost(self, src: str, dst: str) -> bool:
         loss = self._link(src, dst).loss
@@ -295,7 +321,8 @@ class SimNetwork:
                 await self._topology.park()
                 self._check_up(owner)
             lost = self._lost(src, dst)
-            await trio.sleep(self._link(src, dst).latency + (self.rto if lost else 0.0))
+            lag = self._lag_delay(src, dst, self._direction(src, dst).rng)
+            await trio.sleep(self._link(src, dst).latency + lag + (self.rto if lost else 0.0))
             self._check_up(owner)
             if not self._blocked(src, dst):
                 return

@@ -22,16 +22,15 @@ read or buffered.
 from __future__ import annotations
 
 import struct
-from dataclasses import fields
-
 import cbor2
 
 from .errors import WireError
-from .messages import TAGS, Message
+from .messages import TAGS, Message, field_names
 
 __all__ = [
     "MAX_MESSAGE",
     "MAX_DEPTH",
+    "MAX_DATAGRAM",
     "FRAME_HEADER",
     "encode",
     "decode",
@@ -42,6 +41,10 @@ __all__ = [
 MAX_MESSAGE = 64 * 1024  # bytes of one encoded control message
 MAX_DEPTH = 8  # CBOR nesting; our messages need 2
 FRAME_HEADER = struct.Struct(">I")
+# The largest datagram either network carries; larger sends are refused with ValueError (the
+# caller picked the size). 1400 bytes fits in one Ethernet frame with room for the IP and UDP
+# headers, as memberlist chooses.
+MAX_DATAGRAM = 1400
 
 
 def encode(message: Message) -> bytes:
@@ -87,7 +90,7 @@ def decode(data: bytes | bytearray | memoryview) -> Message:
     cls = TAGS.get(tag) if type(tag) is int else None
     if cls is None:
         raise WireError(f"unknown message tag {tag!r}")
-    arity = len(fields(cls))  # type: ignore[arg-type]
+    arity = len(field_names(cls))
     if len(values) != arity:
         raise WireError(f"{cls.__name__}: expected {arity} fields, got {len(values)}")
     try:

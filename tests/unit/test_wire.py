@@ -10,12 +10,26 @@ from gossip.errors import WireError
 from gossip.wire import MAX_MESSAGE, decode, encode, encode_frame, frame_length
 
 FP = bytes(range(16))
+PEER = "a" * 26
+OTHER = "b2" * 13
 
 EXAMPLES = [
     m.Hello(version=1, swarm="demo", identity_key=b"k" * 32, signature=b"s" * 64),
     m.Close(code=m.Close.BUSY, reason="busy"),
     m.StateRequest(fingerprint=FP, codec="bf16"),
     m.StateHeader(fingerprint=FP, codec="fp32", step=2**40, samples=0, nbytes=100_000_000),
+    m.Packet(sender=PEER, parts=(b"\x82\x08\x05", b"")),
+    m.Ping(seq=7, target=PEER),
+    m.PingReq(seq=2**32 - 1, target=PEER, address="10.0.0.2:7070"),
+    m.Ack(seq=0),
+    m.Nack(seq=1),
+    m.Alive(peer=PEER, incarnation=3, address="[::1]:7070", version=1, step=10, ready=True),
+    m.Suspect(peer=PEER, incarnation=3, by=OTHER),
+    m.Dead(peer=PEER, incarnation=4, by=OTHER),
+    m.Left(peer=PEER, incarnation=5),
+    m.MemberState(peer=PEER, incarnation=1, state=m.MemberState.DEAD, address="a:1", version=1,
+                  step=0, ready=False),
+    m.PushPull(join=True, last=False, records=(b"x" * 100,)),
 ]
 
 
@@ -50,6 +64,14 @@ def test_round_trip(message):
         ([4, FP, "fp32", 0, 0, 2**63], "StateHeader.nbytes"),
         ([4, FP, "fp32", 0, 1.5, 0], "StateHeader.samples"),
         ([1, 1, "s", b"k" * 31, b"s" * 64], "Hello.identity_key"),
+        ([6, 1, "A" * 26], "Ping.target"),  # peer ids are lowercase
+        ([6, 2**32, "a" * 26], "Ping.seq"),
+        ([10, "a" * 26, 0, "a:1", 1, 0, 1], "Alive.ready"),  # 1 is not a boolean
+        ([14, "a" * 26, 0, 4, "a:1", 1, 0, False], "MemberState.state"),
+        ([5, "a" * 26, [b""] * 65], "Packet.parts"),
+        ([5, "a" * 26, ["text"]], "Packet.parts"),
+        ([5, "a" * 26, [b"x" * 1401]], "Packet.parts"),
+        ([15, False, True, [b""] * 257], "PushPull.records"),
     ],
 )
 def test_bad_fields_name_the_problem(obj, match):
@@ -92,7 +114,9 @@ def test_invalid_messages_cannot_be_built():
 def test_tag_table_is_append_only_so_far():
     # Shipped tags keep their meaning: changing this table needs a new tag, not an edit.
     assert {t: c.__name__ for t, c in m.TAGS.items()} == {
-        1: "Hello", 2: "Close", 3: "StateRequest", 4: "StateHeader",
+        1: "Hello", 2: "Close", 3: "StateRequest", 4: "StateHeader", 5: "Packet", 6: "Ping",
+        7: "PingReq", 8: "Ack", 9: "Nack", 10: "Alive", 11: "Suspect", 12: "Dead", 13: "Left",
+        14: "MemberState", 15: "PushPull",
     }
 
 

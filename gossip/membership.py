@@ -1,0 +1,664 @@
+"""Swarm membership as a pure state machine: SWIM with Lifeguard's refinements.
+
+Theory of operation
+-------------------
+Each node keeps a table of members, each ALIVE, SUSPECT, DEAD or LEFT at an incarnation
+number, and runs three timers (all times are passed in; nothing here does I/O):
+
+* **Probe**, once per protocol period. Pick the next member of a shuffled round-robin list
+  and send it ``Ping``. No ``Ack`` within the probe timeout: ask ``indirect_checks`` other
+  members to probe it for us (``PingReq``); each either forwards the target's ``Ack`` or,
+  after its own probe timeout, answers ``Nack``. Still no ``Ack`` at the end of the period:
+  *suspect* the member. A suspicion not refuted before its Lifeguard timeout
+  (:mod:`gossip.suspicion`) makes the member *dead*.
+* **Gossip**, every ``gossip_interval`` while updates are queued: send them to
+  ``gossip_nodes`` random members (recently dead ones included, so they can refute).
+* **Push-pull**, every ``push_pull_interval`` (scaled up above 32 members): swap full member
+  tables with a random member over a secure channel, so a node that missed gossip catches
+  up. Every ``reconnect_interval`` the same with a random *dead* member, so the halves of a
+  healed partition find each other again.
+
+Updates (Alive, Suspect, Dead, Left) are piggybacked on every datagram, each sent
+``retransmit_mult * ceil(log10(N + 1))`` times (:mod:`gossip.broadcast`). Precedence, per
+member: a higher incarnation wins; at equal incarnation LEFT > DEAD > SUSPECT > ALIVE. Only
+a member raises its own incarnation: it *refutes* a suspicion or death about itself by
+announcing Alive at a higher one (a restarted node does the same when it hears of its old
+self). Full tables are merged as memberlist does: a remote DEAD becomes a local *suspicion*
+(the sender's view may be stale; the member can still refute), a remote LEFT is final.
+
+Lifeguard's local health: a score in ``0..awareness_max`` rises when our probes fail without
+the helpers' Nacks that would show our own network is fine, and when we must refute a
+suspicion about ourselves; it falls with each successful probe. Probe interval and timeout
+are multiplied by ``score + 1``, so a node that is itself slow probes less aggressively and
+waits longer before it accuses anyone.
+
+The driver (:mod:`gossip.roster`) feeds :meth:`Membership.receive` with datagram plaintext
+and :meth:`Membership.merge` with push-pull tables, calls :meth:`Membership.tick` no later
+than :meth:`Membership.next_deadline`, and carries out the returned effects.
+
+Transitions of a member record (``inc`` the record's incarnation, ``i`` the message's)::
+
+    message        current state           condition      new state
+    Alive(i)       unknown                 -              ALIVE (added)
+    Alive(i)       any                     i > inc        ALIVE
+    Suspect(i)     ALIVE                   i >= inc       SUSPECT (timer starts)
+    Suspect(i)     SUSPECT                 i >= inc       SUSPECT (confirmation counted)
+    Dead(i)        ALIVE, SUSPECT          i >= inc       DEAD
+    Left(i)        ALIVE, SUSPECT, DEAD    i >= inc       LEFT
+    timer fires    SUSPECT                 -              DEAD
+    anything else                                         unchanged
+
+About ourselves: Suspect/Dead/Left(i >= inc), or an Alive(i >= inc) that is not exactly what
+we announced, is refuted with Alive(max(i, inc) + 1); nothing is refuted once we leave.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import Iterable, Union
+
+from .broadcast import PART_OVERHEAD, BroadcastQueue, retransmit_limit
+from .errors import WireError
+from .identity import PeerId
+from .member import Member, MembershipConfig, PeerPool, State
+from .messages import (
+    MAX_PARTS,
+    MAX_SEQUENCE,
+    Ack,
+    Alive,
+    Dead,
+    Left,
+    MemberState,
+    Message,
+    Nack,
+    Packet,
+    Ping,
+    PingReq,
+    Suspect,
+)
+from .seal import SEAL_OVERHEAD
+from .suspicion import Suspicion, suspicion_bounds
+from .wire import MAX_DATAGRAM, decode, encode
+
+__all__ = [
+    "MembershipConfig",
+    "Membership",
+    "Member",
+    "State",
+    "Send",
+    "PushPullWith",
+    "Changed",
+    "Effect",
+    "MAX_MEMBERS",
+    "MAX_PACKET",
+]
+
+MAX_MEMBERS = 16384  # records a table holds; a push-pull offering more is refused
+MAX_PACKET = MAX_DATAGRAM - SEAL_OVERHEAD  # plaintext bytes of one datagram
+_PACKET_OVERHEAD = 40  # Packet's array, tag and sender id around its parts
+
+
+@dataclass(frozen=True)
+class Send:
+    """Effect: seal ``data`` and send it as one datagram to ``address``."""
+
+    address: str
+    data: bytes
+
+
+@dataclass(frozen=True)
+class PushPullWith:
+    """Effect: swap full tables with ``peer`` at ``address`` over a secure channel, then
+    :meth:`Membership.merge` what it sent. ``peer`` None: a bootstrap address, anyone."""
+
+    address: str
+    peer: PeerId | None
+
+
+@dataclass(frozen=True)
+class Changed:
+    """Effect: ``member``'s state, address or metadata changed (or it is new)."""
+
+    member: Member
+
+
+Effect = Union[Send, PushPullWith, Changed]
+
+
+@dataclass
+class _Probe:
+    seq: int
+    target: PeerId
+    direct_deadline: float  # no Ack by then: ask helpers
+    end: float  # no Ack by then: suspect
+    helpers_asked: bool = False
+    expected_nacks: int = 0
+    nacks: int = 0
+
+
+@dataclass
+class _Helping:
+    requester: str  # address to answer
+    seq: int  # the requester's sequence number
+    deadline: float  # no Ack by then: Nack
+
+
+@dataclass
+class _Record:
+    peer: PeerId
+    address: str
+    incarnation: int
+    state: State
+    version: int
+    step: int
+    ready: bool
+    since: float
+
+    def view(self) -> Member:
+        return Member(self.peer, self.address, self.incarnation, self.state, self.version,
+                      self.step, self.ready, self.since)
+
+
+@dataclass
+class _Counters:
+    probes: int = 0
+    probes_failed: int = 0
+    suspicions: int = 0  # members this node started suspecting
+    refutations: int = 0  # suspicions or deaths of ourselves we refuted
+    deaths: int = 0  # members this node declared dead itself
+    datagrams_sent: int = 0
+    bytes_sent: int = 0
+    datagrams_received: int = 0
+    bytes_received: int = 0
+    malformed: int = 0  # datagrams the driver could not open or decode
+    push_pulls: int = 0
+
+
+class Membership:
+    """The membership state of one node. See the module docstring.
+
+    Args:
+        me: our peer id.
+        address: where others reach us (datagrams and channels).
+        now: the current time.
+        config: timing.
+        rng: the only source of randomness (seed it in tests).
+        version, step, ready: our metadata.
+    """
+
+    def __init__(
+        self,
+        me: PeerId,
+        address: str,
+        now: float,
+        config: MembershipConfig = MembershipConfig(),
+        rng: random.Random | None = None,
+        *,
+        version: int = 1,
+        step: int = 0,
+        ready: bool = False,
+    ) -> None:
+        self.me = PeerId(me)
+        self.config = config
+        self.rng = rng or random.Random()
+        self.leaving = False
+        self.counters = _Counters()
+        self._self = _Record(self.me, address, 0, State.ALIVE, version, step, ready, now)
+        self._announced = now
+        self._members: dict[PeerId, _Record] = {}
+        self._up = PeerPool()  # members ALIVE or SUSPECT
+        self._recently_dead: list[PeerId] = []  # declared dead within gossip_to_the_dead
+        self._probe_order: list[PeerId] = []
+        self._probe_index = 0
+        self._probe: _Probe | None = None
+        self._urgent: PeerId | None = None
+        self._helping: dict[int, _Helping] = {}
+        self._seq = self.rng.randrange(MAX_SEQUENCE)
+        self._awareness = 0
+        self._suspicions: dict[PeerId, Suspicion] = {}
+        self._broadcasts = BroadcastQueue(config.retransmit_mult)
+        self._effects: list[Effect] = []
+        # Spread the first timers over one interval so that nodes started together do not
+        # probe, gossip and push-pull in lockstep.
+        self._next_probe = now + self.rng.random() * config.probe_interval
+        self._next_gossip = now
+        self._next_push_pull = now + self.rng.random() * config.push_pull_interval
+        self._next_reconnect = now + self.rng.random() * config.reconnect_interval
+        self._broadcast_self()
+
+    # ---- queries ----------------------------------------------------------------------
+
+    @property
+    def incarnation(self) -> int:
+        return self._self.incarnation
+
+    @property
+    def awareness(self) -> int:
+        """Lifeguard's local health score: 0 healthy, up to ``awareness_max``."""
+        return self._awareness
+
+    @property
+    def pending_broadcasts(self) -> int:
+        return len(self._broadcasts)
+
+    def myself(self) -> Member:
+        return self._self.view()
+
+    def get(self, peer: str) -> Member | None:
+        record = self._members.get(peer)  # type: ignore[call-overload]
+        return record.view() if record else None
+
+    def members(self) -> list[Member]:
+        """Every member we know of, ourselves excluded, in any state."""
+        return [r.view() for r in self._members.values()]
+
+    def alive(self) -> list[Member]:
+        """Members believed up: ALIVE or SUSPECT (a suspect may yet refute)."""
+        return [r.view() for r in self._members.values() if r.state <= State.SUSPECT]
+
+    def alive_count(self) -> int:
+        """N: members believed up, ourselves included."""
+        return 1 + len(self._up)
+
+    def full_state(self) -> list[MemberState]:
+        """Our whole table, ourselves included, for a push-pull."""
+        return [_member_state(r) for r in (self._self, *self._members.values())]
+
+    def next_deadline(self) -> float:
+        """The latest time :meth:`tick` must be called again."""
+        deadlines = [self._next_push_pull, self._next_reconnect]
+        if not self.leaving:
+            deadlines.append(self._next_probe)
+        if self._probe is not None:
+            deadlines.append(self._probe.end)
+            if not self._probe.helpers_asked:
+                deadlines.append(self._probe.direct_deadline)
+        if self._broadcasts:
+            deadlines.append(self._next_gossip)
+        deadlines.extend(h.deadline for h in self._helping.values())
+        deadlines.extend(s.deadline for s in self._suspicions.values())
+        return min(deadlines)
+
+    # ---- inputs -----------------------------------------------------------------------
+
+    def tick(self, now: float) -> list[Effect]:
+        """Run every timer that is due."""
+        for seq in [s for s, h in self._helping.items() if h.deadline <= now]:
+            helping = self._helping.pop(seq)
+            self._send(helping.requester, [encode(Nack(helping.seq))])
+        for peer in [p for p, s in self._suspicions.items() if s.deadline <= now]:
+            record = self._members[peer]
+            self.counters.deaths += 1
+            self._on_dead(now, Dead(peer, record.incarnation, self.me))
+        probe = self._probe
+        if probe is not None and now >= probe.end:
+            self._probe_failed(now, probe)
+        elif probe is not None and not probe.helpers_asked and now >= probe.direct_deadline:
+            self._ask_helpers(now, probe)
+        if not self.leaving and now >= self._next_probe and self._probe is None:
+            self._start_probe(now)
+        if now >= self._next_gossip and self._broadcasts:
+            self._next_gossip = now + self.config.gossip_interval
+            self._gossip(now)
+        if now >= self._next_push_pull:
+            self._next_push_pull = now + self._push_pull_interval()
+            candidates = [r for r in self._members.values() if r.state == State.ALIVE]
+            if candidates and not self.leaving:
+                chosen = self.rng.choice(candidates)
+                self._effects.append(PushPullWith(chosen.address, chosen.peer))
+        if now >= self._next_reconnect:
+            self._next_reconnect = now + self.config.reconnect_interval
+            self._reap(now)
+            dead = [r for r in self._members.values() if r.state == State.DEAD]
+            if dead and not self.leaving:
+                chosen = self.rng.choice(dead)
+                self._effects.append(PushPullWith(chosen.address, chosen.peer))
+        return self._drain()
+
+    def receive(self, now: float, source: str, data: bytes) -> list[Effect]:
+        """Handle the plaintext of one datagram from ``source``.
+
+        Raises:
+            WireError: it is not a valid Packet of valid messages; nothing was applied.
+        """
+        packet = decode(data)
+        if not isinstance(packet, Packet):
+            raise WireError(f"expected a membership Packet, got {type(packet).__name__}")
+        messages = [decode(part) for part in packet.parts]
+        if packet.sender == self.me:
+            return []  # our own datagram came back (a misrouted address)
+        self.counters.datagrams_received += 1
+        self.counters.bytes_received += len(data) + SEAL_OVERHEAD
+        for message in messages:
+            self._dispatch(now, source, message, packet.sender)
+        return self._drain()
+
+    def merge(self, now: float, records: Iterable[MemberState], peer: str) -> list[Effect]:
+        """Merge a full table that ``peer`` sent in a push-pull."""
+        self.counters.push_pulls += 1
+        by = PeerId(peer)
+        for r in records:
+            if r.state == State.ALIVE:
+                self._on_alive(now, Alive(r.peer, r.incarnation, r.address, r.version, r.step,
+                                          r.ready))
+            elif r.state == State.LEFT:
+                self._on_left(now, Left(r.peer, r.incarnation))
+            else:  # SUSPECT or DEAD: suspect it ourselves; it may still refute
+                if r.peer not in self._members and r.peer != self.me:
+                    # Remember its address, so that a reconnect can reach it later.
+                    self._on_alive(now, Alive(r.peer, r.incarnation, r.address, r.version,
+                                              r.step, r.ready))
+                self._on_suspect(now, Suspect(r.peer, r.incarnation, by))
+        return self._drain()
+
+    def join(self, address: str) -> list[Effect]:
+        """Ask for a push-pull with a bootstrap address."""
+        return [PushPullWith(address, None)]
+
+    def leave(self, now: float) -> list[Effect]:
+        """Announce that we leave for good. We stop probing, and never refute again."""
+        if not self.leaving:
+            self.leaving = True
+            self._probe = None
+            self._broadcasts.enqueue(self.me, encode(Left(self.me, self.incarnation)))
+            self._next_gossip = now
+            self._gossip(now)
+            self._next_gossip = now + self.config.gossip_interval
+        return self._drain()
+
+    def report_failure(self, now: float, peer: str) -> list[Effect]:
+        """Evidence from elsewhere (a failed exchange) that ``peer`` may be down: probe it
+        soon, out of turn. Evidence is never a verdict; only the probe is."""
+        record = self._members.get(peer)  # type: ignore[call-overload]
+        if record is None or record.state > State.SUSPECT or self._urgent or self.leaving:
+            return []
+        if self._probe is not None and self._probe.target == peer:
+            return []
+        self._urgent = record.peer
+        if self._probe is None:
+            self._next_probe = min(self._next_probe, now)
+        return self._drain()
+
+    def set_meta(self, now: float, *, step: int | None = None, ready: bool | None = None) -> list[Effect]:
+        """Update our metadata. A change of ``ready`` is announced at once; a new ``step``
+        rides on the next announcement, or is announced after ``meta_interval``."""
+        me = self._self
+        urgent = ready is not None and ready != me.ready
+        if ready is not None:
+            me.ready = ready
+        if step is not None:
+            me.step = step
+        if urgent or (step is not None and now - self._announced >= self.config.meta_interval):
+            me.incarnation += 1
+            self._announced = now
+            self._broadcast_self()
+        return self._drain()
+
+    # ---- message handlers -------------------------------------------------------------
+
+    def _dispatch(self, now: float, source: str, message: Message, sender: str) -> None:
+        if isinstance(message, Ping):
+            if message.target == self.me:
+                self._send(source, [encode(Ack(message.seq))])
+        elif isinstance(message, Ack):
+            self._on_ack(now, message.seq)
+        elif isinstance(message, Nack):
+            if self._probe is not None and message.seq == self._probe.seq:
+                self._probe.nacks += 1
+        elif isinstance(message, PingReq):
+            if message.target != self.me and len(self._helping) < MAX_PARTS:
+                seq = self._next_seq()
+                timeout = self.config.probe_timeout
+                self._helping[seq] = _Helping(source, message.seq, now + timeout)
+                self._send(message.address, [encode(Ping(seq, message.target))])
+        elif isinstance(message, Alive):
+            self._on_alive(now, message)
+        elif isinstance(message, Suspect):
+            self._on_suspect(now, message)
+        elif isinstance(message, Dead):
+            self._on_dead(now, message)
+        elif isinstance(message, Left):
+            self._on_left(now, message)
+        else:  # a valid message that has no business in a datagram
+            self.counters.malformed += 1
+
+    def _on_ack(self, now: float, seq: int) -> None:
+        probe = self._probe
+        if probe is not None and seq == probe.seq:
+            self._probe = None
+            self._adjust_awareness(-1)
+            return
+        helping = self._helping.pop(seq, None)
+        if helping is not None:
+            self._send(helping.requester, [encode(Ack(helping.seq))])
+
+    def _on_alive(self, now: float, m: Alive) -> None:
+        if m.peer == self.me:
+            me = self._self
+            same = (m.address, m.version, m.step, m.ready) == (me.address, me.version, me.step, me.ready)
+            if m.incarnation > me.incarnation or (m.incarnation == me.incarnation and not same):
+                self._refute(m.incarnation, counts_against_health=False)
+            return
+        record = self._members.get(m.peer)  # type: ignore[call-overload]
+        if record is None:
+            if len(self._members) >= MAX_MEMBERS:
+                return
+            peer = PeerId(m.peer)
+            record = _Record(peer, m.address, m.incarnation, State.ALIVE, m.version, m.step,
+                             m.ready, now)
+            self._members[peer] = record
+            self._up.add(peer)
+            # A newcomer goes to a random place in the probe order, so it is probed this round.
+            self._probe_order.insert(self.rng.randint(0, len(self._probe_order)), peer)
+        elif m.incarnation > record.incarnation:
+            if record.state != State.ALIVE:
+                record.since = now
+            record.state = State.ALIVE
+            self._up.add(record.peer)
+            record.incarnation = m.incarnation
+            record.address, record.version = m.address, m.version
+            record.step, record.ready = m.step, m.ready
+            self._suspicions.pop(record.peer, None)
+        else:
+            return
+        self._broadcasts.enqueue(record.peer, encode(m))
+        self._effects.append(Changed(record.view()))
+
+    def _on_suspect(self, now: float, m: Suspect) -> None:
+        if m.peer == self.me:
+            if m.incarnation >= self.incarnation:
+                self._refute(m.incarnation, counts_against_health=True)
+            return
+        record = self._members.get(m.peer)  # type: ignore[call-overload]
+        if record is None or m.incarnation < record.incarnation or record.state > State.SUSPECT:
+            return
+        suspicion = self._suspicions.get(record.peer)
+        if suspicion is not None:
+            if suspicion.confirm(m.by):
+                self._broadcasts.enqueue(record.peer, encode(m))
+            return
+        if m.by == self.me:
+            self.counters.suspicions += 1
+        record.state, record.incarnation, record.since = State.SUSPECT, m.incarnation, now
+        n = self.alive_count()
+        expected = int(self.config.suspicion_mult) - 2
+        if n - 2 < expected:
+            expected = 0
+        low, high = suspicion_bounds(n, self.config.probe_interval, self.config.suspicion_mult,
+                                     self.config.suspicion_max_mult)
+        self._suspicions[record.peer] = Suspicion(now, m.by, expected, low, high)
+        self._broadcasts.enqueue(record.peer, encode(m))
+        self._effects.append(Changed(record.view()))
+
+    def _on_dead(self, now: float, m: Dead) -> None:
+        if m.peer == self.me:
+            if m.incarnation >= self.incarnation:
+                self._refute(m.incarnation, counts_against_health=True)
+            return
+        record = self._members.get(m.peer)  # type: ignore[call-overload]
+        if record is None or m.incarnation < record.incarnation or record.state > State.SUSPECT:
+            return
+        self._set_down(now, record, State.DEAD, m.incarnation)
+        self._recently_dead.append(record.peer)
+        self._broadcasts.enqueue(record.peer, encode(m))
+
+    def _on_left(self, now: float, m: Left) -> None:
+        if m.peer == self.me:
+            if m.incarnation >= self.incarnation:
+                self._refute(m.incarnation, counts_against_health=False)
+            return
+        record = self._members.get(m.peer)  # type: ignore[call-overload]
+        if record is None or m.incarnation < record.incarnation or record.state == State.LEFT:
+            return
+        self._set_down(now, record, State.LEFT, m.incarnation)
+        self._broadcasts.enqueue(record.peer, encode(m))
+
+    def _set_down(self, now: float, record: _Record, state: State, incarnation: int) -> None:
+        record.state, record.incarnation, record.since = state, incarnation, now
+        self._up.discard(record.peer)
+        self._suspicions.pop(record.peer, None)
+        if self._urgent == record.peer:
+            self._urgent = None
+        self._effects.append(Changed(record.view()))
+
+    def _refute(self, incarnation: int, *, counts_against_health: bool) -> None:
+        """Someone holds an outdated or false view of us: out-announce it."""
+        if self.leaving:
+            return
+        self.counters.refutations += 1
+        self._self.incarnation = max(incarnation, self._self.incarnation) + 1
+        if counts_against_health:
+            self._adjust_awareness(+1)  # being suspected hints that we are the slow one
+        self._broadcast_self()
+
+    # ---- probing ----------------------------------------------------------------------
+
+    def _start_probe(self, now: float) -> None:
+        target = self._urgent if self._urgent in self._members else self._next_target(now)
+        self._urgent = None
+        scale = self._awareness + 1
+        self._next_probe = now + self.config.probe_interval * scale
+        if target is None:
+            return
+        record = self._members[target]
+        seq = self._next_seq()
+        self.counters.probes += 1
+        self._probe = _Probe(seq, target, now + self.config.probe_timeout * scale,
+                             now + self.config.probe_interval * scale)
+        parts = [encode(Ping(seq, target))]
+        if record.state == State.SUSPECT:
+            # Lifeguard's "buddy system": tell a suspect first, so it can refute in time.
+            parts.append(encode(Suspect(target, record.incarnation, self.me)))
+        self._send(record.address, parts)
+
+    def _next_target(self, now: float) -> PeerId | None:
+        for _ in range(2):
+            while self._probe_index < len(self._probe_order):
+                peer = self._probe_order[self._probe_index]
+                self._probe_index += 1
+                record = self._members.get(peer)
+                if record is not None and record.state <= State.SUSPECT:
+                    return peer
+            # End of a round: forget what is long gone, reshuffle, start over.
+            self._reap(now)
+            self._probe_order = list(self._members)
+            self.rng.shuffle(self._probe_order)
+            self._probe_index = 0
+        return None
+
+    def _ask_helpers(self, now: float, probe: _Probe) -> None:
+        probe.helpers_asked = True
+        record = self._members.get(probe.target)
+        if record is None:
+            return
+        members = self._members
+        chosen = self._up.sample(
+            self.rng, self.config.indirect_checks,
+            lambda p: p != probe.target and members[p].state == State.ALIVE,
+        )
+        probe.expected_nacks = len(chosen)
+        request = encode(PingReq(probe.seq, probe.target, record.address))
+        for helper in chosen:
+            self._send(members[helper].address, [request])
+
+    def _probe_failed(self, now: float, probe: _Probe) -> None:
+        self._probe = None
+        self.counters.probes_failed += 1
+        # Missing Nacks mean our own messages are not getting through: blame ourselves.
+        # With no helpers to ask, any failure counts (Lifeguard; memberlist's probeNode).
+        if probe.expected_nacks > 0:
+            self._adjust_awareness(probe.expected_nacks - probe.nacks)
+        else:
+            self._adjust_awareness(+1)
+        record = self._members.get(probe.target)
+        if record is not None and record.state <= State.SUSPECT:
+            self._on_suspect(now, Suspect(record.peer, record.incarnation, self.me))
+
+    def _adjust_awareness(self, delta: int) -> None:
+        self._awareness = min(self.config.awareness_max, max(0, self._awareness + delta))
+
+    # ---- sending ----------------------------------------------------------------------
+
+    def _gossip(self, now: float) -> None:
+        # The recently dead get gossip too, so that a member wrongly declared dead hears it
+        # and refutes. They are few; collect them.
+        horizon = now - self.config.gossip_to_the_dead
+        recent = [p for p in self._recently_dead if p in self._members
+                  and self._members[p].state == State.DEAD and self._members[p].since >= horizon]
+        self._recently_dead = recent
+        k = self.config.gossip_nodes
+        if recent and self.rng.random() < len(recent) / (len(recent) + len(self._up)):
+            targets = [self.rng.choice(recent)] + self._up.sample(self.rng, k - 1, lambda p: True)
+        else:
+            targets = self._up.sample(self.rng, k, lambda p: True)
+        for peer in targets:
+            if not self._broadcasts:
+                break
+            self._send(self._members[peer].address, [])
+
+    def _send(self, address: str, parts: list[bytes]) -> None:
+        """One datagram to ``address``: ``parts``, then as many queued updates as fit."""
+        budget = MAX_PACKET - _PACKET_OVERHEAD - sum(len(p) + PART_OVERHEAD for p in parts)
+        piggyback = self._broadcasts.take(budget, self.alive_count(), MAX_PARTS - len(parts))
+        if not parts and not piggyback:
+            return
+        data = encode(Packet(self.me, (*parts, *piggyback)))
+        self.counters.datagrams_sent += 1
+        self.counters.bytes_sent += len(data) + SEAL_OVERHEAD
+        self._effects.append(Send(address, data))
+
+    def _broadcast_self(self) -> None:
+        me = self._self
+        self._broadcasts.enqueue(self.me, encode(Alive(self.me, me.incarnation, me.address,
+                                                       me.version, me.step, me.ready)))
+
+    # ---- housekeeping -----------------------------------------------------------------
+
+    def _reap(self, now: float) -> None:
+        horizon = now - self.config.reap_after
+        for peer in [p for p, r in self._members.items()
+                     if r.state >= State.DEAD and r.since < horizon]:
+            del self._members[peer]
+
+    def _push_pull_interval(self) -> float:
+        n = self.alive_count()
+        if n <= 32:
+            return self.config.push_pull_interval
+        return self.config.push_pull_interval * (math.ceil(math.log2(n) - math.log2(32)) + 1)
+
+    def _next_seq(self) -> int:
+        self._seq = (self._seq + 1) & MAX_SEQUENCE
+        return self._seq
+
+    def _drain(self) -> list[Effect]:
+        effects, self._effects = self._effects, []
+        return effects
+
+    def retransmit_limit(self) -> int:
+        return retransmit_limit(self.config.retransmit_mult, self.alive_count())
+
+
+def _member_state(r: _Record) -> MemberState:
+    return MemberState(r.peer, r.incarnation, int(r.state), r.address, r.version, r.step, r.ready)

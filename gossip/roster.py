@@ -1,0 +1,470 @@
+"""The live view of the swarm: the membership state machine run over a network.
+
+Theory of operation
+-------------------
+:func:`open_roster` binds a datagram endpoint and a channel server on the same address and
+runs :class:`gossip.membership.Membership` over them with three kinds of task:
+
+* the *receiver* opens each sealed datagram (:mod:`gossip.seal`), hands the plaintext to
+  the state machine and sends what it answers at once (an Ack must not wait);
+* the *ticker* sleeps until the machine's next deadline (or until woken because a datagram
+  or a call moved it earlier), ticks it, and carries out the effects;
+* *push-pulls* swap full member tables over a secure channel, one task each, at most
+  :data:`MAX_PUSH_PULLS` at a time; joining is a push-pull with a bootstrap address, retried
+  with exponential backoff while none answers.
+
+A push-pull is three steps: the initiator sends its table, the responder merges it and sends
+its own (so the table the initiator gets already carries any refutation the responder had to
+make), and the initiator merges that and sends its own record once more (so a refutation on
+its side reaches the responder too). Both ends then hold the other alive at a fresh
+incarnation even if each had declared the other dead, which is how the halves of a healed
+partition find their way back.
+
+Datagrams that fail to open or decode are dropped and counted; they never stop the roster.
+Every effect's network wait is under a deadline.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import random
+import sys
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
+from typing import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+
+import trio
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
+
+from .channel import SecureChannel, Timeouts, connect, serve
+from .errors import GossipError, PeerGone, RemoteProtocolError
+from .handshake import PROTOCOL_VERSION, Swarm
+from .identity import Identity, PeerId
+from .membership import (
+    MAX_MEMBERS,
+    Changed,
+    Effect,
+    Member,
+    Membership,
+    MembershipConfig,
+    PushPullWith,
+    Send,
+    State,
+)
+from .messages import Close, MemberState, Message, PushPull
+from .network import Network
+from .seal import Sealer
+from .wire import decode, encode
+
+__all__ = ["Roster", "RosterStatistics", "open_roster", "MAX_PUSH_PULLS"]
+
+log = logging.getLogger(__name__)
+
+MAX_PUSH_PULLS = 2  # outgoing push-pulls in flight at once; more are skipped, not queued
+PAGE = 256  # member records per PushPull page (each is at most ~120 bytes)
+MAX_PAGES = MAX_MEMBERS // PAGE + 1
+
+# What a channel whose first message is not a PushPull is handed to (averaging, later).
+ChannelHandler = Callable[[SecureChannel, Message], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class RosterStatistics:
+    """A snapshot of the roster's view and counters since it opened."""
+
+    alive: int  # members ALIVE, ourselves excluded
+    suspect: int
+    dead: int
+    left: int
+    incarnation: int  # our own
+    awareness: int  # Lifeguard's local health score; 0 is healthy
+    probes: int
+    probes_failed: int
+    suspicions: int  # members we started suspecting
+    refutations: int  # suspicions of ourselves we refuted
+    deaths: int  # members we declared dead
+    datagrams_sent: int
+    bytes_sent: int
+    datagrams_received: int
+    bytes_received: int
+    datagrams_rejected: int  # failed to open or decode, or could not be sent
+    push_pulls: int  # completed, either side
+    push_pulls_failed: int
+
+
+class Roster:
+    """Who is in the swarm, as this node sees it. Get one from :func:`open_roster`."""
+
+    def __init__(self, machine: Membership, identity: Identity, swarm: Swarm, network: Network,
+                 endpoint, config: MembershipConfig, timeouts: Timeouts) -> None:
+        self._m = machine
+        self._identity = identity
+        self._swarm = swarm
+        self._network = network
+        self._endpoint = endpoint
+        self._sealer = Sealer(swarm)
+        self._config = config
+        self._timeouts = timeouts
+        self._nursery: trio.Nursery | None = None
+        self._on_change: Callable[[Member], None] | None = None
+        self._wake = trio.Event()
+        self._drained = trio.Event()  # set by the ticker whenever no update is left to gossip
+        self._pending: list[Effect] = []  # effects of calls from other tasks, for the ticker
+        self._changed = trio.Event()
+        self._joined = trio.Event()
+        self._left = False
+        self._dead = False
+        self._push_pulls = 0
+        self._rejected = 0
+        self._push_pulls_done = 0
+        self._push_pulls_failed = 0
+
+    # ---- the averager's API -----------------------------------------------------------
+
+    @property
+    def me(self) -> Member:
+        return self._m.myself()
+
+    @property
+    def address(self) -> str:
+        return self._m.myself().address
+
+    def members(self) -> list[Member]:
+        """Every member known, in any state, ourselves excluded."""
+        return self._m.members()
+
+    def alive(self, *, ready: bool | None = None) -> list[Member]:
+        """Members in state ALIVE (not suspect), optionally only those (not) ready."""
+        return [m for m in self._m.members()
+                if m.state == State.ALIVE and (ready is None or m.ready == ready)]
+
+    def random_alive(self, *, ready: bool | None = None, rng: random.Random | None = None) -> Member | None:
+        """A member chosen uniformly among :meth:`alive`; None if there is none."""
+        candidates = self.alive(ready=ready)
+        return (rng or self._m.rng).choice(candidates) if candidates else None
+
+    async def wait_changed(self) -> None:
+        """Return at the next change of any member's state, address or metadata."""
+        await self._changed.wait()
+
+    async def wait_joined(self) -> None:
+        """Return once a bootstrap address answered (at once if there were none)."""
+        await self._joined.wait()
+
+    def report_failure(self, peer: str) -> None:
+        """Evidence that ``peer`` may be down (say, an exchange with it failed): probe it out
+        of turn. Never a verdict: only the probe can lead to a suspicion."""
+        self._queue(self._m.report_failure(trio.current_time(), peer))
+
+    def set_meta(self, *, step: int | None = None, ready: bool | None = None) -> None:
+        """Update what we announce: our training step, whether we average now."""
+        self._queue(self._m.set_meta(trio.current_time(), step=step, ready=ready))
+
+    def statistics(self) -> RosterStatistics:
+        counts = {state: 0 for state in State}
+        for member in self._m.members():
+            counts[member.state] += 1
+        c = self._m.counters
+        return RosterStatistics(
+            counts[State.ALIVE], counts[State.SUSPECT], counts[State.DEAD], counts[State.LEFT],
+            self._m.incarnation, self._m.awareness, c.probes, c.probes_failed, c.suspicions,
+            c.refutations, c.deaths, c.datagrams_sent, c.bytes_sent, c.datagrams_received,
+            c.bytes_received, c.malformed + self._rejected, self._push_pulls_done,
+            self._push_pulls_failed,
+        )
+
+    async def leave(self) -> None:
+        """Announce that we leave, and gossip it for up to ``leave_timeout``. Afterwards the
+        roster still answers probes but never refutes; close it to go quiet."""
+        if self._left:
+            return
+        self._left = True
+        log.info("leaving swarm peer=%s", self._identity.peer_id.short)
+        await self._execute(self._m.leave(trio.current_time()))
+        self._drained = trio.Event()
+        self._wake.set()
+        with trio.move_on_after(self._config.leave_timeout):
+            await self._drained.wait()
+
+    # ---- tasks ------------------------------------------------------------------------
+
+    def _queue(self, effects: list[Effect]) -> None:
+        self._pending.extend(effects)
+        self._wake.set()
+
+    async def _receiver(self) -> None:
+        m, endpoint, sealer = self._m, self._endpoint, self._sealer
+        while True:
+            try:
+                data, source = await endpoint.receive()
+            except (GossipError, trio.ClosedResourceError):
+                self._dead = True  # our own endpoint is gone (the host crashed)
+                raise
+            try:
+                effects = m.receive(trio.current_time(), source, sealer.open(data))
+            except GossipError as exc:
+                self._rejected += 1
+                log.debug("datagram rejected source=%s: %s", source, exc)
+                continue
+            before = m.next_deadline()
+            await self._execute(effects)
+            if m.next_deadline() < before:
+                self._wake.set()
+
+    async def _ticker(self) -> None:
+        m = self._m
+        while True:
+            with trio.move_on_at(m.next_deadline()):
+                await self._wake.wait()
+            self._wake = trio.Event()
+            effects, self._pending = self._pending, []
+            effects += m.tick(trio.current_time())
+            await self._execute(effects)
+            if not m.pending_broadcasts:
+                self._drained.set()
+
+    async def _execute(self, effects: list[Effect]) -> None:
+        changed = False
+        for effect in effects:
+            if isinstance(effect, Send):
+                try:
+                    await self._endpoint.send(self._sealer.seal(effect.data), effect.address)
+                except (OSError, ValueError) as exc:  # unroutable or invalid address
+                    self._rejected += 1
+                    log.debug("datagram not sent address=%s: %s", effect.address, exc)
+            elif isinstance(effect, PushPullWith):
+                if self._push_pulls < MAX_PUSH_PULLS and self._nursery is not None:
+                    self._push_pulls += 1
+                    self._nursery.start_soon(self._push_pull_task, effect.address, effect.peer)
+            elif isinstance(effect, Changed):
+                changed = True
+                _log_change(effect.member)
+                if self._on_change is not None:
+                    self._on_change(effect.member)
+        if changed:
+            self._changed.set()
+            self._changed = trio.Event()
+
+    async def _push_pull_task(self, address: str, peer: PeerId | None) -> None:
+        try:
+            await self._push_pull(address, peer, join=False)
+        except (GossipError, trio.TooSlowError) as exc:
+            self._push_pulls_failed += 1
+            log.debug("push-pull failed address=%s: %s", address, exc)
+        finally:
+            self._push_pulls -= 1
+
+    async def _push_pull(self, address: str, peer: PeerId | None, *, join: bool) -> PeerId:
+        """Swap tables with whoever is at ``address`` (``peer``, if given). Returns its id.
+
+        Raises:
+            GossipError: the channel failed or the peer misbehaved; nothing was merged from
+                a table that did not arrive whole.
+            trio.TooSlowError: the whole exchange ran past ``push_pull_timeout``.
+        """
+        allow = frozenset({peer}) if peer is not None else None
+        with trio.fail_after(self._config.push_pull_timeout):
+            channel = await connect(self._network, address, identity=self._identity,
+                                    swarm=self._swarm, allow=allow, timeouts=self._timeouts)
+            async with channel:
+                if channel.peer == self._identity.peer_id:
+                    raise _Myself(f"{address} is this node itself")
+                await _send_table(channel, self._m.full_state(), join=join)
+                first = await channel.receive_message()
+                records = await _receive_table(channel, first)
+                await self._execute(self._m.merge(trio.current_time(), records, channel.peer))
+                await _send_table(channel, [self._m.full_state()[0]], join=False)
+        self._push_pulls_done += 1
+        return channel.peer
+
+    async def _on_channel(self, channel: SecureChannel, handler: ChannelHandler | None) -> None:
+        with trio.fail_after(self._config.push_pull_timeout):
+            first = await channel.receive_message()
+        if not isinstance(first, PushPull):
+            if handler is not None:
+                await handler(channel, first)
+            else:
+                await channel.send_message(Close(Close.REJECTED, "this node only does membership"))
+            return
+        with trio.fail_after(self._config.push_pull_timeout):
+            records = await _receive_table(channel, first)
+            if first.join:
+                log.info("join request peer=%s", channel.peer.short)
+            await self._execute(self._m.merge(trio.current_time(), records, channel.peer))
+            await _send_table(channel, self._m.full_state(), join=False)
+            last = await _receive_table(channel, await channel.receive_message())
+            await self._execute(self._m.merge(trio.current_time(), last, channel.peer))
+        self._push_pulls_done += 1
+
+    async def _join(self, bootstrap: Sequence[str]) -> None:
+        """Push-pull with a bootstrap address until one answers, backing off while none
+        does; afterwards join again whenever we find ourselves alone (every member gone or
+        cut off), checking every ``reconnect_interval``."""
+        config = self._config
+        delay = config.join_retry_min
+        while True:
+            if self._joined.is_set() and self._m.alive_count() > 1:
+                delay = config.join_retry_min
+                await trio.sleep(config.reconnect_interval)
+            elif await self._try_bootstrap(bootstrap):
+                self._joined.set()
+            else:
+                log.info("no bootstrap address answered; retrying in about %.1f s", delay)
+                await trio.sleep(delay * (0.5 + self._m.rng.random()))
+                delay = min(delay * 2, config.join_retry_max)
+
+    async def _try_bootstrap(self, bootstrap: Sequence[str]) -> bool:
+        """Push-pull with the bootstrap addresses in random order until one answers. True
+        if one did, or if every one of them is this very node (we are the first)."""
+        myself = 0
+        for address in self._m.rng.sample(list(bootstrap), len(bootstrap)):
+            try:
+                peer = await self._push_pull(address, None, join=True)
+            except _Myself:
+                myself += 1
+                continue
+            except (GossipError, trio.TooSlowError) as exc:
+                log.info("bootstrap did not answer address=%s: %s", address, exc)
+                continue
+            log.info("joined swarm via=%s peer=%s members=%d", address, peer.short,
+                     self._m.alive_count())
+            return True
+        return myself == len(bootstrap)
+
+
+class _Myself(PeerGone):
+    """A bootstrap address that leads back to this node."""
+
+
+@asynccontextmanager
+async def open_roster(
+    network: Network,
+    identity: Identity,
+    swarm: Swarm,
+    address: str,
+    *,
+    bootstrap: Sequence[str] = (),
+    advertise: str | None = None,
+    config: MembershipConfig = MembershipConfig(),
+    timeouts: Timeouts = Timeouts(),
+    rng: random.Random | None = None,
+    step: int = 0,
+    ready: bool = False,
+    handler: ChannelHandler | None = None,
+    on_change: Callable[[Member], None] | None = None,
+) -> AsyncIterator[Roster]:
+    """Join (or start) a swarm and keep a live view of its members.
+
+    Binds datagrams and a channel server on ``address`` (port 0 picks one; the same port
+    serves both), starts a new swarm if ``bootstrap`` is empty and otherwise joins through
+    any of its addresses in the background (:meth:`Roster.wait_joined`). On exit it leaves
+    gracefully, gossiping the departure for up to ``config.leave_timeout``.
+
+    Args:
+        address: where to listen, ``host:port``.
+        bootstrap: addresses of some members; one answering is enough.
+        advertise: the address others should use, if not the bound one (``0.0.0.0`` is not).
+        handler: gets channels whose first message is not a push-pull (averaging traffic);
+            without one, such channels are refused with Close(REJECTED).
+        rng: the roster's only source of randomness (seed it in tests).
+        on_change: called (synchronously, so keep it quick) with every member whose state,
+            address or metadata changed, in the order the changes happened.
+    """
+    endpoint = await network.open_datagram(address)
+    try:
+        bound = endpoint.local_address
+        rng = rng or random.Random()
+        machine = Membership(identity.peer_id, advertise or bound, trio.current_time(), config,
+                             rng, version=PROTOCOL_VERSION, step=step, ready=ready)
+        roster = Roster(machine, identity, swarm, network, endpoint, config, timeouts)
+        roster._on_change = on_change
+        with _one_error():
+            async with trio.open_nursery() as nursery:
+                roster._nursery = nursery
+
+                async def on_channel(channel: SecureChannel) -> None:
+                    await roster._on_channel(channel, handler)
+
+                await nursery.start(functools.partial(
+                    serve, network, bound, on_channel, identity=identity, swarm=swarm,
+                    timeouts=timeouts,
+                ))
+                nursery.start_soon(roster._receiver)
+                nursery.start_soon(roster._ticker)
+                if bootstrap:
+                    nursery.start_soon(roster._join, list(bootstrap))
+                else:
+                    roster._joined.set()
+                log.info("roster open peer=%s address=%s bootstrap=%d", identity.peer_id.short,
+                         machine.myself().address, len(bootstrap))
+                try:
+                    yield roster
+                finally:
+                    if not roster._dead:
+                        with trio.move_on_after(config.leave_timeout + 1, shield=True):
+                            await roster.leave()
+                    nursery.cancel_scope.cancel()
+    finally:
+        with trio.CancelScope(shield=True):
+            await endpoint.aclose()
+
+
+@contextmanager
+def _one_error() -> Iterator[None]:
+    """Raise the one exception of a nursery's group as itself: a background failure reaches
+    the caller as one typed error, not as a group around it."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        leaves = _leaves(group)
+        if len(leaves) == 1:
+            raise leaves[0] from None
+        raise
+
+
+def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
+    out: list[BaseException] = []
+    for exc in group.exceptions:
+        out.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    return out
+
+
+async def _send_table(channel: SecureChannel, records: list[MemberState], *, join: bool) -> None:
+    encoded = [encode(r) for r in records]
+    pages = [encoded[i : i + PAGE] for i in range(0, len(encoded), PAGE)] or [[]]
+    for i, page in enumerate(pages):
+        await channel.send_message(PushPull(join, i == len(pages) - 1, tuple(page)))
+
+
+async def _receive_table(channel: SecureChannel, first: Message) -> list[MemberState]:
+    """The records of a table whose first page is ``first``, read to its last page.
+
+    Raises:
+        RemoteProtocolError: not a PushPull, a record that is not a MemberState, or more
+            than :data:`MAX_PAGES` pages.
+    """
+    records: list[MemberState] = []
+    page, pages = first, 1
+    while True:
+        if not isinstance(page, PushPull):
+            raise RemoteProtocolError(f"expected a PushPull page, got {type(page).__name__}")
+        for data in page.records:
+            record = decode(data)
+            if not isinstance(record, MemberState):
+                raise RemoteProtocolError("a PushPull record is not a MemberState")
+            records.append(record)
+        if page.last:
+            return records
+        pages += 1
+        if pages > MAX_PAGES:
+            raise RemoteProtocolError(f"push-pull of more than {MAX_PAGES} pages")
+        page = await channel.receive_message()
+
+
+def _log_change(member: Member) -> None:
+    level = logging.INFO if member.state != State.SUSPECT else logging.DEBUG
+    log.log(level, "member %s peer=%s incarnation=%d address=%s", member.state.name.lower(),
+            member.peer.short, member.incarnation, member.address)
