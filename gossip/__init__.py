@@ -24,8 +24,14 @@ from .handshake import PROTOCOL_VERSION as PROTOCOL_VERSION
 from .handshake import Swarm as Swarm
 from .identity import Identity as Identity
 from .identity import PeerId as PeerId
+from .member import Member as Member
+from .member import MembershipConfig as MembershipConfig
+from .member import State as State
 from .network import Network as Network
 from .network import TcpNetwork as TcpNetwork
+from .roster import Roster as Roster
+from .roster import RosterStatistics as RosterStatistics
+from .roster import open_roster as open_roster
 from .simnet import SimNetwork as SimNetwork
 from .tensors import StateSchema as StateSchema
 from .transfer import receive_state as receive_state

@@ -66,6 +66,7 @@ from .member import Member, MembershipConfig, PeerPool, State
 from .messages import (
     MAX_PARTS,
     MAX_SEQUENCE,
+    MAX_UINT,
     Ack,
     Alive,
     Dead,
@@ -95,7 +96,10 @@ __all__ = [
     "MAX_PACKET",
 ]
 
-MAX_MEMBERS = 16384  # records a table holds; a push-pull offering more is refused
+MAX_MEMBERS = 16384  # members a table holds; news of more is ignored until some are reaped
+MAX_URGENT = 16  # members queued for an out-of-turn probe
+MAX_VERIFYING = 256  # verification pings awaiting an Ack
+JOIN_CATCH_UP = 5  # periods after a join until a second push-pull
 MAX_PACKET = MAX_DATAGRAM - SEAL_OVERHEAD  # plaintext bytes of one datagram
 _PACKET_OVERHEAD = 40  # Packet's array, tag and sender id around its parts
 
@@ -210,11 +214,18 @@ class Membership:
         self._members: dict[PeerId, _Record] = {}
         self._up = PeerPool()  # members ALIVE or SUSPECT
         self._recently_dead: list[PeerId] = []  # declared dead within gossip_to_the_dead
+        self._answered: set[str] = set()  # sources answered with our announcement, per datagram
         self._probe_order: list[PeerId] = []
         self._probe_index = 0
         self._probe: _Probe | None = None
-        self._urgent: PeerId | None = None
+        # Members to probe before the next round-robin one, oldest first: suspects we must
+        # verify ourselves, and members the averager reported (report_failure).
+        self._urgent: dict[PeerId, None] = {}
         self._helping: dict[int, _Helping] = {}
+        # Suspects we hold -> when to ping them next (Lifeguard's buddy system, repeated
+        # every period while the suspicion stands), and those pings' seq -> suspect.
+        self._verify: dict[PeerId, float] = {}
+        self._verifying: dict[int, PeerId] = {}
         self._seq = self.rng.randrange(MAX_SEQUENCE)
         self._awareness = 0
         self._suspicions: dict[PeerId, Suspicion] = {}
@@ -264,7 +275,11 @@ class Membership:
 
     def full_state(self) -> list[MemberState]:
         """Our whole table, ourselves included, for a push-pull."""
-        return [_member_state(r) for r in (self._self, *self._members.values())]
+        me = _member_state(self._self)
+        if self.leaving:  # say so, or a member that missed our Left takes us back
+            me = MemberState(me.peer, me.incarnation, int(State.LEFT), me.address, me.version,
+                             me.step, me.ready)
+        return [me, *(_member_state(r) for r in self._members.values())]
 
     def next_deadline(self) -> float:
         """The latest time :meth:`tick` must be called again."""
@@ -278,6 +293,7 @@ class Membership:
         if self._broadcasts:
             deadlines.append(self._next_gossip)
         deadlines.extend(h.deadline for h in self._helping.values())
+        deadlines.extend(self._verify.values())
         deadlines.extend(s.deadline for s in self._suspicions.values())
         return min(deadlines)
 
@@ -292,6 +308,8 @@ class Membership:
             record = self._members[peer]
             self.counters.deaths += 1
             self._on_dead(now, Dead(peer, record.incarnation, self.me))
+        for peer in [p for p, t in self._verify.items() if t <= now]:
+            self._send_verification(now, peer)
         probe = self._probe
         if probe is not None and now >= probe.end:
             self._probe_failed(now, probe)
@@ -331,6 +349,7 @@ class Membership:
             return []  # our own datagram came back (a misrouted address)
         self.counters.datagrams_received += 1
         self.counters.bytes_received += len(data) + SEAL_OVERHEAD
+        self._answered: set[str] = set()
         for message in messages:
             self._dispatch(now, source, message, packet.sender)
         return self._drain()
@@ -353,9 +372,12 @@ class Membership:
                 self._on_suspect(now, Suspect(r.peer, r.incarnation, by))
         return self._drain()
 
-    def join(self, address: str) -> list[Effect]:
-        """Ask for a push-pull with a bootstrap address."""
-        return [PushPullWith(address, None)]
+    def joined(self, now: float) -> None:
+        """A join push-pull succeeded. Swap tables once more with a random member a few
+        periods from now: a node that joins amid a burst of joins may miss some of the others'
+        announcements (each is gossiped a bounded number of times), and this catches it up
+        long before the next periodic push-pull."""
+        self._next_push_pull = min(self._next_push_pull, now + JOIN_CATCH_UP * self.config.probe_interval)
 
     def leave(self, now: float) -> list[Effect]:
         """Announce that we leave for good. We stop probing, and never refute again."""
@@ -372,11 +394,11 @@ class Membership:
         """Evidence from elsewhere (a failed exchange) that ``peer`` may be down: probe it
         soon, out of turn. Evidence is never a verdict; only the probe is."""
         record = self._members.get(peer)  # type: ignore[call-overload]
-        if record is None or record.state > State.SUSPECT or self._urgent or self.leaving:
+        if record is None or record.state > State.SUSPECT or self.leaving:
             return []
         if self._probe is not None and self._probe.target == peer:
             return []
-        self._urgent = record.peer
+        self._probe_soon(record.peer)
         if self._probe is None:
             self._next_probe = min(self._next_probe, now)
         return self._drain()
@@ -385,6 +407,8 @@ class Membership:
         """Update our metadata. A change of ``ready`` is announced at once; a new ``step``
         rides on the next announcement, or is announced after ``meta_interval``."""
         me = self._self
+        if self.leaving:
+            return []  # announcing ourselves now would undo the departure
         urgent = ready is not None and ready != me.ready
         if ready is not None:
             me.ready = ready
@@ -399,7 +423,17 @@ class Membership:
     # ---- message handlers -------------------------------------------------------------
 
     def _dispatch(self, now: float, source: str, message: Message, sender: str) -> None:
-        if isinstance(message, Ping):
+        if isinstance(message, (Suspect, Dead, Left)) and message.peer == self.me:
+            # Whoever tells us we are suspect or dead holds a wrong picture of us: refute if
+            # it is news, and either way answer the teller with our current announcement
+            # directly, so that a member that missed our refutation still gets it (it may
+            # be the one whose timer would otherwise declare us dead).
+            {Suspect: self._on_suspect, Dead: self._on_dead, Left: self._on_left}[
+                type(message)](now, message)  # type: ignore[operator]
+            if not self.leaving and source not in self._answered:
+                self._answered.add(source)
+                self._send(source, [encode(self._announcement)])
+        elif isinstance(message, Ping):
             if message.target == self.me:
                 self._send(source, [encode(Ack(message.seq))])
         elif isinstance(message, Ack):
@@ -410,8 +444,7 @@ class Membership:
         elif isinstance(message, PingReq):
             if message.target != self.me and len(self._helping) < MAX_PARTS:
                 seq = self._next_seq()
-                timeout = self.config.probe_timeout
-                self._helping[seq] = _Helping(source, message.seq, now + timeout)
+                self._helping[seq] = _Helping(source, message.seq, now + helper_wait(self.config))
                 self._send(message.address, [encode(Ping(seq, message.target))])
         elif isinstance(message, Alive):
             self._on_alive(now, message)
@@ -429,16 +462,32 @@ class Membership:
         if probe is not None and seq == probe.seq:
             self._probe = None
             self._adjust_awareness(-1)
+            self._answered_by(now, probe.target)
+            return
+        peer = self._verifying.pop(seq, None)
+        if peer is not None:
+            self._answered_by(now, peer)
             return
         helping = self._helping.pop(seq, None)
         if helping is not None:
             self._send(helping.requester, [encode(Ack(helping.seq))])
 
+    def _answered_by(self, now: float, peer: PeerId) -> None:
+        suspicion = self._suspicions.get(peer)
+        if suspicion is not None:
+            # A suspect answered: it is up but has not refuted (it may not know yet, or we
+            # missed its refutation). Our timer starts over; the next verification ping
+            # carries the suspicion to it, and its reply brings its refutation to us. A
+            # suspicion can only run out while the suspect stays silent.
+            suspicion.restart(now)
+
     def _on_alive(self, now: float, m: Alive) -> None:
         if m.peer == self.me:
-            me = self._self
-            same = (m.address, m.version, m.step, m.ready) == (me.address, me.version, me.step, me.ready)
-            if m.incarnation > me.incarnation or (m.incarnation == me.incarnation and not same):
+            # Our own announcement coming back is no news; anything else at our incarnation
+            # or above is someone's stale or false picture of us.
+            if m.incarnation > self.incarnation or (
+                m.incarnation == self.incarnation and m != self._announcement
+            ):
                 self._refute(m.incarnation, counts_against_health=False)
             return
         record = self._members.get(m.peer)  # type: ignore[call-overload]
@@ -451,7 +500,9 @@ class Membership:
             self._members[peer] = record
             self._up.add(peer)
             # A newcomer goes to a random place in the probe order, so it is probed this round.
-            self._probe_order.insert(self.rng.randint(0, len(self._probe_order)), peer)
+            # Never before the current position, or it would wait a whole round.
+            position = self.rng.randint(self._probe_index, len(self._probe_order))
+            self._probe_order.insert(position, peer)
         elif m.incarnation > record.incarnation:
             if record.state != State.ALIVE:
                 record.since = now
@@ -461,6 +512,7 @@ class Membership:
             record.address, record.version = m.address, m.version
             record.step, record.ready = m.step, m.ready
             self._suspicions.pop(record.peer, None)
+            self._verify.pop(record.peer, None)
         else:
             return
         self._broadcasts.enqueue(record.peer, encode(m))
@@ -489,6 +541,7 @@ class Membership:
         low, high = suspicion_bounds(n, self.config.probe_interval, self.config.suspicion_mult,
                                      self.config.suspicion_max_mult)
         self._suspicions[record.peer] = Suspicion(now, m.by, expected, low, high)
+        self._verify[record.peer] = now  # see for ourselves, and tell it (buddy system)
         self._broadcasts.enqueue(record.peer, encode(m))
         self._effects.append(Changed(record.view()))
 
@@ -519,14 +572,15 @@ class Membership:
         record.state, record.incarnation, record.since = state, incarnation, now
         self._up.discard(record.peer)
         self._suspicions.pop(record.peer, None)
-        if self._urgent == record.peer:
-            self._urgent = None
+        self._verify.pop(record.peer, None)
+        self._urgent.pop(record.peer, None)
         self._effects.append(Changed(record.view()))
 
     def _refute(self, incarnation: int, *, counts_against_health: bool) -> None:
         """Someone holds an outdated or false view of us: out-announce it."""
-        if self.leaving:
-            return
+        if self.leaving or incarnation >= MAX_UINT:
+            return  # a claim at the largest incarnation cannot be out-announced: only a
+            # forger gets there, and ignoring it keeps our own incarnation valid
         self.counters.refutations += 1
         self._self.incarnation = max(incarnation, self._self.incarnation) + 1
         if counts_against_health:
@@ -536,8 +590,7 @@ class Membership:
     # ---- probing ----------------------------------------------------------------------
 
     def _start_probe(self, now: float) -> None:
-        target = self._urgent if self._urgent in self._members else self._next_target(now)
-        self._urgent = None
+        target = self._next_urgent() or self._next_target(now)
         scale = self._awareness + 1
         self._next_probe = now + self.config.probe_interval * scale
         if target is None:
@@ -552,6 +605,30 @@ class Membership:
             # Lifeguard's "buddy system": tell a suspect first, so it can refute in time.
             parts.append(encode(Suspect(target, record.incarnation, self.me)))
         self._send(record.address, parts)
+
+    def _send_verification(self, now: float, peer: PeerId) -> None:
+        """Ping a suspect with the suspicion attached, outside the probe cycle."""
+        record = self._members[peer]
+        self._verify[peer] = now + self.config.probe_interval
+        if len(self._verifying) >= MAX_VERIFYING:
+            self._verifying.pop(next(iter(self._verifying)))  # the oldest is long answered or lost
+        seq = self._next_seq()
+        self._verifying[seq] = peer
+        self._send(record.address, [encode(Ping(seq, peer)),
+                                    encode(Suspect(peer, record.incarnation, self.me))])
+
+    def _probe_soon(self, peer: PeerId) -> None:
+        if len(self._urgent) < MAX_URGENT:
+            self._urgent[peer] = None
+
+    def _next_urgent(self) -> PeerId | None:
+        while self._urgent:
+            peer = next(iter(self._urgent))
+            del self._urgent[peer]
+            record = self._members.get(peer)
+            if record is not None and record.state <= State.SUSPECT:
+                return peer
+        return None
 
     def _next_target(self, now: float) -> PeerId | None:
         for _ in range(2):
@@ -589,7 +666,7 @@ class Membership:
         # Missing Nacks mean our own messages are not getting through: blame ourselves.
         # With no helpers to ask, any failure counts (Lifeguard; memberlist's probeNode).
         if probe.expected_nacks > 0:
-            self._adjust_awareness(probe.expected_nacks - probe.nacks)
+            self._adjust_awareness(max(0, probe.expected_nacks - probe.nacks))
         else:
             self._adjust_awareness(+1)
         record = self._members.get(probe.target)
@@ -631,8 +708,9 @@ class Membership:
 
     def _broadcast_self(self) -> None:
         me = self._self
-        self._broadcasts.enqueue(self.me, encode(Alive(self.me, me.incarnation, me.address,
-                                                       me.version, me.step, me.ready)))
+        self._announcement = Alive(self.me, me.incarnation, me.address, me.version, me.step,
+                                   me.ready)
+        self._broadcasts.enqueue(self.me, encode(self._announcement))
 
     # ---- housekeeping -----------------------------------------------------------------
 
@@ -658,6 +736,14 @@ class Membership:
 
     def retransmit_limit(self) -> int:
         return retransmit_limit(self.config.retransmit_mult, self.alive_count())
+
+
+def helper_wait(config: MembershipConfig) -> float:
+    """How long a helper waits for the target of a PingReq before it Nacks. The requester
+    asked ``probe_timeout`` into its period and gives up at the period's end, so the Nack
+    must leave well within what remains of it, or the requester counts it missing and blames
+    its own health for the helper's wait (memberlist's timing has exactly that race)."""
+    return 0.8 * min(config.probe_timeout, config.probe_interval - config.probe_timeout)
 
 
 def _member_state(r: _Record) -> MemberState:

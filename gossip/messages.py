@@ -16,6 +16,8 @@ import functools
 from dataclasses import dataclass, fields
 from typing import ClassVar
 
+from .address import parse_address
+
 __all__ = [
     "Message",
     "Hello",
@@ -81,6 +83,17 @@ def _bool(cls: type, name: str, value: object) -> None:
 def _peer(cls: type, name: str, value: object) -> None:
     if not isinstance(value, str) or len(value) != PEER_ID_CHARS or not _BASE32.issuperset(value):
         raise ValueError(f"{cls.__name__}.{name}: not a peer id (26 lowercase base32 characters)")
+
+
+def _address(cls: type, name: str, value: object) -> None:
+    """An address others can reach: ``host:port`` with a port from 1 to 65535."""
+    _text(cls, name, value)
+    try:
+        _, port = parse_address(value)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise ValueError(f"{cls.__name__}.{name}: {exc}") from None
+    if port == 0:
+        raise ValueError(f"{cls.__name__}.{name}: port 0 is not an address anyone can reach")
 
 
 def _parts(cls: type, name: str, value: object, maximum: int) -> None:
@@ -237,7 +250,7 @@ class PingReq(Message):
     def __post_init__(self) -> None:
         _uint(PingReq, "seq", self.seq, MAX_SEQUENCE)
         _peer(PingReq, "target", self.target)
-        _text(PingReq, "address", self.address)
+        _address(PingReq, "address", self.address)
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,7 +291,7 @@ class Alive(Message):
     def __post_init__(self) -> None:
         _peer(Alive, "peer", self.peer)
         _uint(Alive, "incarnation", self.incarnation)
-        _text(Alive, "address", self.address)
+        _address(Alive, "address", self.address)
         _uint(Alive, "version", self.version, 2**16 - 1)
         _uint(Alive, "step", self.step)
         _bool(Alive, "ready", self.ready)
@@ -349,7 +362,7 @@ class MemberState(Message):
         _peer(MemberState, "peer", self.peer)
         _uint(MemberState, "incarnation", self.incarnation)
         _uint(MemberState, "state", self.state, 3)
-        _text(MemberState, "address", self.address)
+        _address(MemberState, "address", self.address)
         _uint(MemberState, "version", self.version, 2**16 - 1)
         _uint(MemberState, "step", self.step)
         _bool(MemberState, "ready", self.ready)

@@ -64,8 +64,12 @@ __all__ = ["Roster", "RosterStatistics", "open_roster", "MAX_PUSH_PULLS"]
 log = logging.getLogger(__name__)
 
 MAX_PUSH_PULLS = 2  # outgoing push-pulls in flight at once; more are skipped, not queued
-PAGE = 256  # member records per PushPull page (each is at most ~120 bytes)
-MAX_PAGES = MAX_MEMBERS // PAGE + 1
+PAGE_RECORDS = 256  # member records per PushPull page, at most (the message allows 256)
+PAGE_BYTES = 48 * 1024  # and at most this many bytes of them: a page stays under MAX_MESSAGE
+MAX_RECORD_BYTES = 1100  # a MemberState with a 256-character address and the largest ints
+# A whole table: up to MAX_MEMBERS records plus our own, in pages as full as the sender
+# could make them. Anything longer is refused before it is all held in memory.
+MAX_PAGES = (MAX_MEMBERS + 1) // (PAGE_BYTES // MAX_RECORD_BYTES) + 2
 
 # What a channel whose first message is not a PushPull is handed to (averaging, later).
 ChannelHandler = Callable[[SecureChannel, Message], Awaitable[None]]
@@ -311,6 +315,9 @@ class Roster:
                 await trio.sleep(config.reconnect_interval)
             elif await self._try_bootstrap(bootstrap):
                 self._joined.set()
+                # Alone even so (the bootstrap list named only us, or its members have
+                # nobody else): look again later, not in a loop.
+                await trio.sleep(config.reconnect_interval)
             else:
                 log.info("no bootstrap address answered; retrying in about %.1f s", delay)
                 await trio.sleep(delay * (0.5 + self._m.rng.random()))
@@ -331,6 +338,8 @@ class Roster:
                 continue
             log.info("joined swarm via=%s peer=%s members=%d", address, peer.short,
                      self._m.alive_count())
+            self._m.joined(trio.current_time())
+            self._wake.set()  # the next push-pull moved earlier
             return True
         return myself == len(bootstrap)
 
@@ -433,8 +442,15 @@ def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
 
 
 async def _send_table(channel: SecureChannel, records: list[MemberState], *, join: bool) -> None:
-    encoded = [encode(r) for r in records]
-    pages = [encoded[i : i + PAGE] for i in range(0, len(encoded), PAGE)] or [[]]
+    pages: list[list[bytes]] = [[]]
+    size = 0
+    for record in records:
+        data = encode(record)
+        if len(pages[-1]) == PAGE_RECORDS or size + len(data) > PAGE_BYTES:
+            pages.append([])
+            size = 0
+        pages[-1].append(data)
+        size += len(data)
     for i, page in enumerate(pages):
         await channel.send_message(PushPull(join, i == len(pages) - 1, tuple(page)))
 
@@ -443,8 +459,8 @@ async def _receive_table(channel: SecureChannel, first: Message) -> list[MemberS
     """The records of a table whose first page is ``first``, read to its last page.
 
     Raises:
-        RemoteProtocolError: not a PushPull, a record that is not a MemberState, or more
-            than :data:`MAX_PAGES` pages.
+        RemoteProtocolError: not a PushPull, a record that is not a MemberState, more
+            than :data:`MAX_PAGES` pages, or more than MAX_MEMBERS + 1 records.
     """
     records: list[MemberState] = []
     page, pages = first, 1
@@ -456,6 +472,8 @@ async def _receive_table(channel: SecureChannel, first: Message) -> list[MemberS
             if not isinstance(record, MemberState):
                 raise RemoteProtocolError("a PushPull record is not a MemberState")
             records.append(record)
+        if len(records) > MAX_MEMBERS + 1:
+            raise RemoteProtocolError(f"push-pull of more than {MAX_MEMBERS + 1} members")
         if page.last:
             return records
         pages += 1

@@ -12,9 +12,11 @@ derives the same way (memberlist's design)::
     datagram = VERSION (1 byte) || nonce (12 random bytes) || ChaCha20-Poly1305(key, nonce,
                plaintext, associated data = VERSION)
 
-Random 96-bit nonces are safe for this volume: a node would have to send about 2**32
-datagrams under one key before a repeated nonce became a realistic risk, and every node has
-its own randomness. What sealing gives: nobody without the swarm key can read membership
+Nonces are random 96-bit values. Every member seals under the same key, so the budget is
+the swarm's, not a node's: after 2**32 datagrams swarm-wide (five days of a thousand nodes
+sending ten a second) the chance that two ever shared a nonce reaches 2**-33, and it grows
+with the square of the count. Rotate the swarm key well before that; a per-sender subkey
+would lift the limit. What sealing gives: nobody without the swarm key can read membership
 traffic or inject a message that is accepted. What it does not give: it does not prove which
 member sent a datagram (every member holds the key) and it does not stop a replay of a
 captured datagram. Both are bounded by the protocol: incarnation numbers make replayed

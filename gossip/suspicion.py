@@ -72,6 +72,12 @@ class Suspicion:
         self.deadline = self.start + self._timeout()
         return True
 
+    def restart(self, now: float) -> None:
+        """Start the timeout over from ``now``, keeping the confirmations: the member just
+        answered a probe, so the evidence against it is older than it looked."""
+        self.start = now
+        self.deadline = now + self._timeout()
+
     def _timeout(self) -> float:
         if self.expected < 1:
             return self.minimum

@@ -1,8 +1,10 @@
 """An independent client written from docs/PROTOCOL.md alone, run against the reference server.
 
 Nothing here comes from gossip/ except the server side of each test (serve, send_state,
-Identity, Swarm, TcpNetwork, tensors.StateSchema/snapshot). The client's handshake, record
-layer, CBOR codec and state decoding follow the spec's text and check its test vectors.
+Identity, Swarm, TcpNetwork, tensors.StateSchema/snapshot, and for membership open_roster,
+MembershipConfig, State and the roster's own view and statistics). The client's handshake,
+record layer, CBOR codec, state decoding, datagram sealing and membership messages follow the
+spec's text and check its test vectors.
 """
 
 import base64
@@ -10,6 +12,7 @@ import functools
 import hashlib
 import hmac
 import os
+import socket
 import struct
 
 import cbor2
@@ -18,9 +21,13 @@ import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from gossip import Identity, Swarm, TcpNetwork, send_state, serve, tensors
+from gossip.membership import MembershipConfig, State
+from gossip.roster import open_roster
 
 # --- section 1.1 constants ---------------------------------------------------------------
 PROTOCOL_NAME = b"Noise_XXpsk0_25519_ChaChaPoly_SHA256"
@@ -29,7 +36,8 @@ SIGNATURE_PREFIX = b"gossipd-noise-static-key:"
 MAX_HANDSHAKE_MESSAGE = 65535
 MAX_RECORD = 1 << 20
 MAX_MESSAGE = 65536
-FIELD_COUNTS = {1: 4, 2: 2, 3: 2, 4: 5}  # section 6.3 tag table
+FIELD_COUNTS = {1: 4, 2: 2, 3: 2, 4: 5,  # section 6.3 tag table
+                5: 2, 6: 2, 7: 3, 8: 1, 9: 1, 10: 6, 11: 3, 12: 3, 13: 2, 14: 7, 15: 3}
 CODEC_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}  # section 7.3
 
 
@@ -382,3 +390,182 @@ async def test_wrong_swarm_key_gets_no_bytes(nursery):
     assert received == b""
     assert called == []
     await stream.aclose()
+
+
+# --- section 8: membership ---------------------------------------------------------------
+MEMBERSHIP_INFO = b"gossipd membership v1:"  # section 8.2
+SEAL_VERSION = b"\x01"
+SEAL_OVERHEAD = 1 + 12 + 16
+MAX_DATAGRAM = 1400
+PACKET, PING, ACK, PUSH_PULL, MEMBER_STATE = 5, 6, 8, 15, 14  # section 6.3
+ALIVE = 0  # MemberState.state
+
+
+def membership_key(swarm_name: str, swarm_key: bytes) -> bytes:
+    """Section 8.2: RFC 5869 HKDF-SHA256 without salt (32 zero bytes), one 32-byte block."""
+    prk = hmac.digest(bytes(32), swarm_key, "sha256")
+    return hmac.digest(prk, MEMBERSHIP_INFO + swarm_name.encode() + b"\x01", "sha256")
+
+
+def seal(key: bytes, plaintext: bytes, nonce12: bytes | None = None) -> bytes:
+    nonce12 = os.urandom(12) if nonce12 is None else nonce12  # the 12 bytes as they are
+    datagram = SEAL_VERSION + nonce12 + ChaCha20Poly1305(key).encrypt(nonce12, plaintext, SEAL_VERSION)
+    assert len(datagram) <= MAX_DATAGRAM
+    return datagram
+
+
+def unseal(key: bytes, datagram: bytes) -> bytes:  # section 8.2 steps 1-4 (raises on a drop)
+    assert SEAL_OVERHEAD <= len(datagram) <= MAX_DATAGRAM and datagram[:1] == SEAL_VERSION
+    return ChaCha20Poly1305(key).decrypt(datagram[1:13], datagram[13:], SEAL_VERSION)
+
+
+def encode_packet(sender: str, *parts: bytes) -> bytes:  # section 8.3: parts are encoded messages
+    return encode_message(PACKET, sender, list(parts))
+
+
+def decode_packet(plaintext: bytes) -> tuple[str, list[list]]:
+    tag, sender, parts = decode_message(plaintext)
+    assert tag == PACKET and len(sender) == 26 and len(parts) <= 64
+    assert all(type(part) is bytes for part in parts)
+    return sender, [decode_message(part) for part in parts]
+
+
+APPENDIX_B_KEY = "e055dbf388f328de62ef616bdf830250ce3d385ec35e2efe5b907ffdc5619bbe"
+APPENDIX_B_PLAINTEXT = (
+    "8305781a65683764647835626b7372676379746c37626b6169333673653481581f"
+    "830601781a686833726875666769717374366263737371713374356933746d")
+APPENDIX_B_SEALED = (
+    "01000102030405060708090a0b8b6f4ae467e009d26b296bca8e45adfe2f06f61e77a154e12967da26f0953990"
+    "f46322a9bd9339d431cbac2cdb0fea6f841beb41d2c2170465b932bac644fe7f3db1f4874405473f5200a7cf78"
+    "4e2334")
+
+
+def test_appendix_b_sealed_datagram():
+    swarm_key = bytes(range(32))
+    key = membership_key("test-vector", swarm_key)
+    assert key.hex() == APPENDIX_B_KEY
+    # The same key from a stock RFC 5869 implementation (not the Noise HKDF of section 4.3).
+    assert key == HKDF(algorithm=hashes.SHA256(), length=32, salt=None,
+                       info=b"gossipd membership v1:test-vector").derive(swarm_key)
+    ping = encode_message(PING, 1, "hh3rhufgiqst6bcssqq3t5i3tm")
+    assert ping.hex() == "830601781a686833726875666769717374366263737371713374356933746d"  # section 6.4
+    packet = encode_packet("eh7ddx5bksrgcytl7bkai36se4", ping)
+    assert packet.hex() == APPENDIX_B_PLAINTEXT
+    sealed = seal(key, packet, bytes(range(12)))
+    assert sealed.hex() == APPENDIX_B_SEALED
+    assert len(sealed) == 93 == len(packet) + SEAL_OVERHEAD
+    assert decode_packet(unseal(key, sealed)) == ("eh7ddx5bksrgcytl7bkai36se4", [[6, 1, "hh3rhufgiqst6bcssqq3t5i3tm"]])
+    member = encode_message(MEMBER_STATE, "hh3rhufgiqst6bcssqq3t5i3tm", 3, ALIVE, "10.0.0.2:7070", 1, 1200, True)
+    assert len(member) == 51
+    assert encode_message(PUSH_PULL, True, True, [member]) == bytes.fromhex("840ff5f5815833") + member
+
+
+# --- tests: membership against a reference roster -----------------------------------------
+FAST = MembershipConfig(probe_interval=0.2, probe_timeout=0.1, leave_timeout=0.1)
+
+
+async def udp_socket():
+    sock = trio.socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    await sock.bind(("127.0.0.1", 0))
+    return sock, "%s:%d" % sock.getsockname()
+
+
+def host_port(address: str) -> tuple[str, int]:
+    host, port = address.rsplit(":", 1)
+    return host, int(port)
+
+
+async def receive_packet(sock, key):
+    data, source = await sock.recvfrom(MAX_DATAGRAM + 1)
+    sender, messages = decode_packet(unseal(key, data))
+    return sender, messages, "%s:%d" % source[:2]
+
+
+async def test_ping_is_acked_only_for_its_own_peer_id():
+    swarm_key = os.urandom(32)
+    ident = Identity.generate()
+    async with open_roster(TcpNetwork(), ident, Swarm(SWARM_NAME, swarm_key), "127.0.0.1:0",
+                           config=FAST) as roster:
+        key = membership_key(SWARM_NAME, swarm_key)
+        me = peer_id(raw_pub(Ed25519PrivateKey.generate()))
+        sock, _ = await udp_socket()
+        with sock:
+            async def ping_and_wait_for_ack(seq: int) -> None:
+                await sock.sendto(seal(key, encode_packet(me, encode_message(PING, seq, ident.peer_id))),
+                                  host_port(roster.address))
+                with trio.fail_after(5):
+                    while True:
+                        sender, messages, source = await receive_packet(sock, key)
+                        if [ACK, seq] in messages:
+                            break
+                assert sender == ident.peer_id
+                assert source == roster.address  # section 8.5: sent from the node's address
+
+            await ping_and_wait_for_ack(7)
+            # A Ping for another peer id, and one sealed with another swarm key: no answer.
+            other = peer_id(raw_pub(Ed25519PrivateKey.generate()))
+            await sock.sendto(seal(key, encode_packet(me, encode_message(PING, 8, other))),
+                              host_port(roster.address))
+            wrong_key = membership_key(SWARM_NAME, os.urandom(32))
+            await sock.sendto(seal(wrong_key, encode_packet(me, encode_message(PING, 9, ident.peer_id))),
+                              host_port(roster.address))
+            with trio.move_on_after(0.3):
+                data, _ = await sock.recvfrom(MAX_DATAGRAM + 1)
+                raise AssertionError(f"unexpected datagram: {decode_packet(unseal(key, data))}")
+            await ping_and_wait_for_ack(2**32 - 1)  # still answering; the largest seq decodes
+        assert roster.statistics().datagrams_rejected == 1  # the wrong key: dropped and counted
+
+
+async def receive_table(client: Client) -> list[list]:
+    records = []
+    while True:  # section 8.7: pages up to the one marked last
+        tag, join, last, page = await client.recv_message()
+        assert tag == PUSH_PULL and join is False and len(page) <= 256
+        records += [decode_message(record) for record in page]
+        if last:
+            return records
+
+
+async def test_join_by_push_pull_then_answer_probes():
+    swarm_key = os.urandom(32)
+    ident = Identity.generate()
+    async with open_roster(TcpNetwork(), ident, Swarm(SWARM_NAME, swarm_key), "127.0.0.1:0",
+                           config=FAST) as roster:
+        key = membership_key(SWARM_NAME, swarm_key)
+        identity = Ed25519PrivateKey.generate()
+        me = peer_id(raw_pub(identity))
+        sock, my_address = await udp_socket()
+        probed = trio.Event()
+
+        async def answer_pings():  # section 8.5: Ack(seq) to the source of a Ping for us
+            while True:
+                _, messages, source = await receive_packet(sock, key)
+                for message in messages:
+                    if message[0] == PING and message[2] == me:
+                        await sock.sendto(seal(key, encode_packet(me, encode_message(ACK, message[1]))),
+                                          host_port(source))
+                        assert source == roster.address
+                        probed.set()
+
+        with sock:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(answer_pings)
+                mine = encode_message(MEMBER_STATE, me, 0, ALIVE, my_address, 1, 0, False)
+                with trio.fail_after(5):
+                    client = await Client.connect(roster.address, SWARM_NAME, swarm_key, identity=identity)
+                    assert peer_id(client.server_identity_key) == ident.peer_id
+                    await client.send_message(PUSH_PULL, True, True, [mine])  # step 1: join
+                    table = await receive_table(client)  # step 2
+                    await client.send_message(PUSH_PULL, False, True, [mine])  # step 3
+                    await client.stream.aclose()
+                # The responder's own record comes first, ALIVE; it merged ours before answering.
+                tag, peer, incarnation, state, address, version, step, ready = table[0]
+                assert (tag, peer, state, address, version) == (MEMBER_STATE, ident.peer_id, ALIVE, roster.address, 1)
+                assert [MEMBER_STATE, me, 0, ALIVE, my_address, 1, 0, False] in table[1:]
+                with trio.fail_after(5):
+                    while not any(m.peer == me and m.state == State.ALIVE and m.address == my_address
+                                  for m in roster.members()):
+                        await roster.wait_changed()
+                    await probed.wait()  # the roster probes us at the address we announced
+                nursery.cancel_scope.cancel()
+        assert roster.statistics().suspicions == 0

@@ -72,6 +72,9 @@ def test_round_trip(message):
         ([5, "a" * 26, ["text"]], "Packet.parts"),
         ([5, "a" * 26, [b"x" * 1401]], "Packet.parts"),
         ([15, False, True, [b""] * 257], "PushPull.records"),
+        ([10, "a" * 26, 0, "not an address", 1, 0, True], "Alive.address"),
+        ([10, "a" * 26, 0, "host:0", 1, 0, True], "Alive.address"),
+        ([7, 1, "a" * 26, "::1:80"], "PingReq.address"),
     ],
 )
 def test_bad_fields_name_the_problem(obj, match):

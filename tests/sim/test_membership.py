@@ -1,0 +1,148 @@
+"""Membership of whole swarms: rosters on a SimNetwork under MockClock (autojump).
+
+Bounds are in protocol periods (``probe_interval`` = 1 virtual second with the LAN profile)
+and are enforced with ``trio.fail_after`` in virtual time; conditions are re-checked after
+every membership change any node sees. Every transition every node saw is in
+``swarm.history``, so "never marked dead" is checked over the whole run, not at the end.
+"""
+
+from __future__ import annotations
+
+import math
+
+import trio
+from trio.testing import MockClock
+
+from gossip.membership import MembershipConfig, State
+from tests.sim.swarm import SimNode, SimSwarm, open_sim_swarm
+
+PERIOD = MembershipConfig().probe_interval
+
+
+def everyone_alive(swarm: SimSwarm) -> bool:
+    running = swarm.running()
+    return all(
+        len(swarm.view(n)) >= len(running) - 1 for n in running
+    ) and swarm.all_see(running, State.ALIVE)
+
+
+def false_deaths(swarm: SimSwarm, gone: list[SimNode] = ()) -> list:  # type: ignore[assignment]
+    """Every time some node saw a member that was never crashed go DEAD."""
+    gone_peers = {n.peer for n in gone}
+    return [s for s in swarm.history
+            if s.member.state == State.DEAD and s.member.peer not in gone_peers]
+
+
+async def test_64_nodes_join_through_one_bootstrap(autojump_clock: MockClock) -> None:
+    async with open_sim_swarm(64, latency=0.005) as swarm:
+        start = trio.current_time()
+        with trio.fail_after(10 * PERIOD):
+            await swarm.wait_until(lambda: everyone_alive(swarm))
+        print(f"64 nodes converged in {(trio.current_time() - start) / PERIOD:.1f} periods")
+        assert all(len(swarm.view(n)) == 63 for n in swarm.nodes)
+        assert not false_deaths(swarm)
+
+
+async def test_crash_5_of_64_is_detected_by_every_survivor(autojump_clock: MockClock) -> None:
+    async with open_sim_swarm(64, seed=2, latency=0.005) as swarm:
+        with trio.fail_after(10 * PERIOD):
+            await swarm.wait_until(lambda: everyone_alive(swarm))
+        await trio.sleep(5 * PERIOD)  # let the join's gossip settle: a steady swarm
+        crashed = swarm.nodes[10:15]
+        survivors = [n for n in swarm.nodes if n not in crashed]
+        start = trio.current_time()
+        for node in crashed:
+            swarm.crash(node)
+        with trio.fail_after(15 * PERIOD):
+            await swarm.wait_until(lambda: swarm.all_see(crashed, State.DEAD, survivors))
+        print(f"5 of 64 detected by all in {(trio.current_time() - start) / PERIOD:.1f} periods")
+        assert not false_deaths(swarm, crashed)
+        assert all(swarm.view(n)[m.peer] == State.ALIVE for n in survivors for m in survivors
+                   if m is not n)
+
+
+async def test_no_false_death_under_loss_and_a_slow_node_for_two_hours(
+    autojump_clock: MockClock,
+) -> None:
+    # 5% of datagrams lost everywhere, and one node whose event loop is ten times slower
+    # than the network: every message it sends or receives waits an extra 0.25 s on average
+    # (exponential), ten times the 25 ms link latency, so its round trips often miss the
+    # 0.5 s probe timeout and it is suspected, and suspects others, again and again.
+    async with open_sim_swarm(64, seed=3, latency=0.025, loss=0.05) as swarm:
+        with trio.fail_after(30 * PERIOD):
+            await swarm.wait_until(lambda: everyone_alive(swarm))
+        slow = swarm.nodes[7]
+        swarm.net.slow(slow.name, 0.25)
+        await trio.sleep(2 * 3600)
+        assert not false_deaths(swarm)
+        # Whole at the end: everyone up in everyone's eyes (some may be suspect this instant).
+        for node in swarm.nodes:
+            view = swarm.view(node)
+            assert len(view) == 63 and all(s in (State.ALIVE, State.SUSPECT) for s in view.values())
+        # The run did exercise the failure detector: the slow node was suspected and refuted
+        # many times, and every suspicion was settled by a refutation, not by a verdict.
+        stats = slow.roster.statistics()
+        suspected = [s for s in swarm.history if s.member.state == State.SUSPECT]
+        assert stats.refutations >= 50
+        print(f"suspicions seen={len(suspected)} slow node refutations={stats.refutations} "
+              f"awareness={stats.awareness}")
+
+
+async def test_partitioned_halves_find_each_other_after_heal(autojump_clock: MockClock) -> None:
+    async with open_sim_swarm(16, seed=4, latency=0.005) as swarm:
+        with trio.fail_after(10 * PERIOD):
+            await swarm.wait_until(lambda: everyone_alive(swarm))
+        left, right = swarm.nodes[:8], swarm.nodes[8:]
+        swarm.net.partition([n.name for n in left], [n.name for n in right])
+        await trio.sleep(30 * PERIOD)
+        # Each half has given up on the other, and on nobody in its own half.
+        assert swarm.all_see(right, State.DEAD, left)
+        assert swarm.all_see(left, State.DEAD, right)
+        assert swarm.all_see(left, State.ALIVE, left) and swarm.all_see(right, State.ALIVE, right)
+        swarm.net.heal()
+        start = trio.current_time()
+        with trio.fail_after(20 * PERIOD):
+            await swarm.wait_until(lambda: everyone_alive(swarm))
+        print(f"healed in {(trio.current_time() - start) / PERIOD:.1f} periods")
+
+
+async def test_a_leave_reaches_everyone_in_log_n_periods(autojump_clock: MockClock) -> None:
+    async with open_sim_swarm(64, seed=5, latency=0.005) as swarm:
+        with trio.fail_after(10 * PERIOD):
+            await swarm.wait_until(lambda: everyone_alive(swarm))
+        await trio.sleep(5 * PERIOD)
+        leaver = swarm.nodes[20]
+        others = [n for n in swarm.nodes if n is not leaver]
+        start = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(swarm.stop, leaver)
+            with trio.fail_after(math.log2(64) * PERIOD):
+                await swarm.wait_until(lambda: swarm.all_see([leaver], State.LEFT, others))
+        print(f"leave seen by all in {(trio.current_time() - start) / PERIOD:.1f} periods")
+        # Nobody took the departure for a failure.
+        assert not swarm.marked_down(leaver.peer, (State.DEAD,))
+
+
+async def test_a_restarted_node_is_alive_again(autojump_clock: MockClock) -> None:
+    async with open_sim_swarm(16, seed=6, latency=0.005) as swarm:
+        with trio.fail_after(10 * PERIOD):
+            await swarm.wait_until(lambda: everyone_alive(swarm))
+        crashed, left = swarm.nodes[3], swarm.nodes[4]
+        others = [n for n in swarm.nodes if n not in (crashed, left)]
+        swarm.crash(crashed)
+        await swarm.stop(left)
+        with trio.fail_after(20 * PERIOD):
+            await swarm.wait_until(lambda: swarm.all_see([crashed], State.DEAD, others)
+                                   and swarm.all_see([left], State.LEFT, others))
+        old = {n.peer: swarm.view(others[0])[n.peer] for n in (crashed, left)}
+        incarnations = {m.peer: m.incarnation for m in others[0].roster.members()}
+        # Same identities, new processes: they start at incarnation 0, hear of their old
+        # selves from the bootstrap node, and out-announce them.
+        await swarm.restart(crashed, [swarm.nodes[0].address])
+        await swarm.restart(left, [swarm.nodes[1].address])
+        with trio.fail_after(10 * PERIOD):
+            await swarm.wait_until(lambda: everyone_alive(swarm))
+        for node in (crashed, left):
+            assert node.roster.me.incarnation > incarnations[node.peer]
+        assert old == {crashed.peer: State.DEAD, left.peer: State.LEFT}
+        assert not false_deaths(swarm, [crashed])

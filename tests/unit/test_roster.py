@@ -1,0 +1,167 @@
+"""The roster driver: joining, hostile input, channel routing, and real sockets."""
+
+from __future__ import annotations
+
+import os
+
+import trio
+from trio.testing import MockClock
+
+from gossip.channel import connect
+from gossip.handshake import Swarm
+from gossip.identity import Identity
+from gossip.membership import MembershipConfig, State
+from gossip.messages import Alive, Close, Ping, StateRequest
+from gossip.network import TcpNetwork
+from gossip.roster import open_roster
+from gossip.seal import Sealer
+from gossip.simnet import SimNetwork
+from gossip.wire import encode
+from tests.util import SWARM
+
+
+async def wait_for(roster, condition) -> None:
+    while not condition():
+        await roster.wait_changed()
+
+
+async def test_three_nodes_over_real_sockets_join_and_leave() -> None:
+    net = TcpNetwork()
+    ids = [Identity.generate() for _ in range(3)]
+    config = MembershipConfig(leave_timeout=0.5)
+    with trio.fail_after(20):
+        async with open_roster(net, ids[0], SWARM, "127.0.0.1:0", config=config) as a:
+            async with open_roster(net, ids[1], SWARM, "127.0.0.1:0", config=config,
+                                   bootstrap=[a.address]) as b:
+                async with open_roster(net, ids[2], SWARM, "127.0.0.1:0", config=config,
+                                       bootstrap=[b.address]) as c:
+                    await c.wait_joined()
+                    for r in (a, b, c):
+                        await wait_for(r, lambda r=r: len(r.alive()) == 2)
+                    assert {m.peer for m in a.alive()} == {ids[1].peer_id, ids[2].peer_id}
+                # c left on exit: the others hear it at once, not by failure detection.
+                for r in (a, b):
+                    await wait_for(r, lambda r=r: r.members() and any(
+                        m.peer == ids[2].peer_id and m.state == State.LEFT for m in r.members()))
+                assert b.statistics().suspicions == 0
+
+
+async def test_garbage_datagrams_are_counted_and_change_nothing(autojump_clock: MockClock) -> None:
+    net = SimNetwork(seed=1)
+    a_id, b_id = Identity.generate(), Identity.generate()
+    async with open_roster(net.host("a"), a_id, SWARM, "a:7000") as a:
+        async with open_roster(net.host("b"), b_id, SWARM, "b:7000", bootstrap=["a:7000"]) as b:
+            await wait_for(a, lambda: len(a.alive()) == 1)
+            attacker = await net.host("x").open_datagram("x:1")
+            outsider = Sealer(Swarm.generate(SWARM.name))  # right name, wrong key
+            insider = Sealer(SWARM)
+            junk = [
+                os.urandom(100),
+                b"",
+                outsider.seal(b"anything"),
+                insider.seal(b"\xff\x00not cbor"),
+                insider.seal(encode(Ping(1, a_id.peer_id))),  # a message, not a Packet
+            ]
+            for datagram in junk:
+                await attacker.send(datagram, "a:7000")
+            await trio.sleep(1.0)
+            assert a.statistics().datagrams_rejected == len(junk)
+            assert [m.peer for m in a.alive()] == [b_id.peer_id]
+            assert b.statistics().suspicions == 0
+
+
+async def test_channels_that_are_not_push_pulls_go_to_the_handler(autojump_clock: MockClock) -> None:
+    net = SimNetwork(seed=1)
+    got = []
+
+    async def handler(channel, first) -> None:
+        got.append((channel.peer, first))
+        await channel.send_message(Close(Close.NORMAL, "handled"))
+
+    a_id, b_id = Identity.generate(), Identity.generate()
+    request = StateRequest(bytes(16), "fp32")
+    async with open_roster(net.host("a"), a_id, SWARM, "a:7000", handler=handler):
+        async with open_roster(net.host("b"), b_id, SWARM, "b:7000"):
+            for address, expected in (("a:7000", "handled"), ("b:7000", "only does membership")):
+                channel = await connect(net.host("c"), address, identity=Identity.generate(),
+                                        swarm=SWARM)
+                async with channel:
+                    await channel.send_message(request)
+                    answer = await channel.receive_message()
+                    assert isinstance(answer, Close) and expected in answer.reason
+    assert len(got) == 1 and got[0][1] == request
+
+
+async def test_join_retries_with_backoff_until_a_bootstrap_answers(autojump_clock: MockClock) -> None:
+    net = SimNetwork(seed=1)
+    config = MembershipConfig()
+    a_id, b_id = Identity.generate(), Identity.generate()
+    net.host("nobody"), net.host("a")  # hosts that exist, with nothing listening yet
+    async with open_roster(net.host("b"), b_id, SWARM, "b:7000", config=config,
+                           bootstrap=["nobody:7000", "a:7000"]) as b:
+        start = trio.current_time()
+        await trio.sleep(60)
+        refused = net.statistics().connections_refused
+        # Backoff doubles from join_retry_min to join_retry_max: in 60 s that is a handful of
+        # rounds (two dials each), not one per second.
+        assert 4 <= refused <= 2 * 8
+        assert not b._joined.is_set()
+        async with open_roster(net.host("a"), a_id, SWARM, "a:7000", config=config) as a:
+            with trio.fail_after(config.join_retry_max * 1.5 + config.push_pull_timeout):
+                await b.wait_joined()
+            await wait_for(a, lambda: len(a.alive()) == 1)
+        assert trio.current_time() - start > 60
+
+
+async def test_a_bootstrap_list_naming_only_ourselves_starts_a_swarm(autojump_clock: MockClock) -> None:
+    net = SimNetwork(seed=1)
+    config = MembershipConfig()
+    async with open_roster(net.host("a"), Identity.generate(), SWARM, "a:7000", config=config,
+                           bootstrap=["a:7000"]) as a:
+        with trio.fail_after(5):
+            await a.wait_joined()
+        assert a.alive() == []
+        # Alone, it looks for company once per reconnect_interval, not in a loop.
+        await trio.sleep(10 * config.reconnect_interval)
+        assert net.statistics().connections_opened <= 12
+
+
+async def test_a_table_of_long_addresses_crosses_in_pages(autojump_clock: MockClock) -> None:
+    net = SimNetwork(seed=1)
+    a_id, b_id = Identity.generate(), Identity.generate()
+    async with open_roster(net.host("a"), a_id, SWARM, "a:7000") as a:
+        # 600 members with the longest addresses a message allows: ~300 kB of table.
+        long_host = "h" * 250
+        for i in range(600):
+            peer = Identity.generate().peer_id
+            a._m._on_alive(trio.current_time(), Alive(peer, 0, f"{long_host}:{1000 + i}", 1, 0, False))
+        async with open_roster(net.host("b"), b_id, SWARM, "b:7000", bootstrap=["a:7000"]) as b:
+            with trio.fail_after(30):
+                await b.wait_joined()
+            assert len(b.members()) == 601
+
+
+async def test_a_node_without_the_swarm_key_cannot_join(autojump_clock: MockClock) -> None:
+    net = SimNetwork(seed=1)
+    stranger = Swarm(SWARM.name, bytes(32))
+    async with open_roster(net.host("a"), Identity.generate(), SWARM, "a:7000") as a:
+        async with open_roster(net.host("x"), Identity.generate(), stranger, "x:7000",
+                               bootstrap=["a:7000"]) as x:
+            await trio.sleep(30)
+            assert a.alive() == [] and x.alive() == []
+            assert not x._joined.is_set()
+
+
+async def test_metadata_reaches_the_others(autojump_clock: MockClock) -> None:
+    net = SimNetwork(seed=1)
+    a_id, b_id = Identity.generate(), Identity.generate()
+    async with open_roster(net.host("a"), a_id, SWARM, "a:7000") as a:
+        async with open_roster(net.host("b"), b_id, SWARM, "b:7000", bootstrap=["a:7000"]) as b:
+            await wait_for(a, lambda: len(a.alive()) == 1)
+            assert a.random_alive(ready=True) is None
+            b.set_meta(step=42, ready=True)
+            with trio.fail_after(2):
+                await wait_for(a, lambda: a.alive(ready=True) != [])
+            member = a.random_alive(ready=True)
+            assert member.peer == b_id.peer_id and member.step == 42
+            assert member.incarnation == b.me.incarnation
