@@ -11,12 +11,19 @@ number, and runs three timers (all times are passed in; nothing here does I/O):
   after its own probe timeout, answers ``Nack``. Still no ``Ack`` at the end of the period:
   *suspect* the member. A suspicion not refuted before its Lifeguard timeout
   (:mod:`gossip.suspicion`) makes the member *dead*.
+* **Verification**, every period while we hold a suspicion: ping the suspect outside the probe
+  cycle, with the suspicion attached. A live suspect refutes and answers the teller with its
+  current Alive directly, so a member that missed a refutation gets it anyway; an Ack restarts
+  our timer (a suspicion stands only while the suspect is silent); a ping left unanswered for
+  a period is our own confirmation. Without this, a member that happened to miss a refutation
+  declared a live node dead (SWIM's gossip reaches each member with high probability, not
+  certainty), and one that missed the verdict waited out a long unconfirmed timer.
 * **Gossip**, every ``gossip_interval`` while updates are queued: send them to
   ``gossip_nodes`` random members (recently dead ones included, so they can refute).
-* **Push-pull**, every ``push_pull_interval`` (scaled up above 32 members): swap full member
-  tables with a random member over a secure channel, so a node that missed gossip catches
-  up. Every ``reconnect_interval`` the same with a random *dead* member, so the halves of a
-  healed partition find each other again.
+* **Push-pull**, every ``push_pull_interval`` (scaled up above 32 members), and once more a
+  few periods after joining: swap full member tables with a random member over a secure
+  channel, so a node that missed gossip catches up. Every ``reconnect_interval`` the same with
+  a random *dead* member, so the halves of a healed partition find each other again.
 
 Updates (Alive, Suspect, Dead, Left) are piggybacked on every datagram, each sent
 ``retransmit_mult * ceil(log10(N + 1))`` times (:mod:`gossip.broadcast`). Precedence, per
@@ -79,6 +86,7 @@ from .messages import (
     PingReq,
     Suspect,
 )
+from .probing import Probing, _Helping, _Probe, helper_wait  # noqa: F401 - helper_wait is public here too
 from .seal import SEAL_OVERHEAD
 from .suspicion import Suspicion, suspicion_bounds
 from .wire import MAX_DATAGRAM, decode, encode
@@ -97,8 +105,6 @@ __all__ = [
 ]
 
 MAX_MEMBERS = 16384  # members a table holds; news of more is ignored until some are reaped
-MAX_URGENT = 16  # members queued for an out-of-turn probe
-MAX_VERIFYING = 256  # verification pings awaiting an Ack
 JOIN_CATCH_UP = 5  # periods after a join until a second push-pull
 MAX_PACKET = MAX_DATAGRAM - SEAL_OVERHEAD  # plaintext bytes of one datagram
 _PACKET_OVERHEAD = 40  # Packet's array, tag and sender id around its parts
@@ -132,24 +138,6 @@ Effect = Union[Send, PushPullWith, Changed]
 
 
 @dataclass
-class _Probe:
-    seq: int
-    target: PeerId
-    direct_deadline: float  # no Ack by then: ask helpers
-    end: float  # no Ack by then: suspect
-    helpers_asked: bool = False
-    expected_nacks: int = 0
-    nacks: int = 0
-
-
-@dataclass
-class _Helping:
-    requester: str  # address to answer
-    seq: int  # the requester's sequence number
-    deadline: float  # no Ack by then: Nack
-
-
-@dataclass
 class _Record:
     peer: PeerId
     address: str
@@ -180,7 +168,7 @@ class _Counters:
     push_pulls: int = 0
 
 
-class Membership:
+class Membership(Probing):
     """The membership state of one node. See the module docstring.
 
     Args:
@@ -218,14 +206,15 @@ class Membership:
         self._probe_order: list[PeerId] = []
         self._probe_index = 0
         self._probe: _Probe | None = None
-        # Members to probe before the next round-robin one, oldest first: suspects we must
-        # verify ourselves, and members the averager reported (report_failure).
+        # Members to probe before the next round-robin one, oldest first: those the
+        # averager reported (report_failure).
         self._urgent: dict[PeerId, None] = {}
         self._helping: dict[int, _Helping] = {}
         # Suspects we hold -> when to ping them next (Lifeguard's buddy system, repeated
         # every period while the suspicion stands), and those pings' seq -> suspect.
         self._verify: dict[PeerId, float] = {}
         self._verifying: dict[int, PeerId] = {}
+        self._unanswered: set[PeerId] = set()  # suspects whose last verification got no Ack
         self._seq = self.rng.randrange(MAX_SEQUENCE)
         self._awareness = 0
         self._suspicions: dict[PeerId, Suspicion] = {}
@@ -442,10 +431,7 @@ class Membership:
             if self._probe is not None and message.seq == self._probe.seq:
                 self._probe.nacks += 1
         elif isinstance(message, PingReq):
-            if message.target != self.me and len(self._helping) < MAX_PARTS:
-                seq = self._next_seq()
-                self._helping[seq] = _Helping(source, message.seq, now + helper_wait(self.config))
-                self._send(message.address, [encode(Ping(seq, message.target))])
+            self._help(now, source, message)
         elif isinstance(message, Alive):
             self._on_alive(now, message)
         elif isinstance(message, Suspect):
@@ -456,30 +442,6 @@ class Membership:
             self._on_left(now, message)
         else:  # a valid message that has no business in a datagram
             self.counters.malformed += 1
-
-    def _on_ack(self, now: float, seq: int) -> None:
-        probe = self._probe
-        if probe is not None and seq == probe.seq:
-            self._probe = None
-            self._adjust_awareness(-1)
-            self._answered_by(now, probe.target)
-            return
-        peer = self._verifying.pop(seq, None)
-        if peer is not None:
-            self._answered_by(now, peer)
-            return
-        helping = self._helping.pop(seq, None)
-        if helping is not None:
-            self._send(helping.requester, [encode(Ack(helping.seq))])
-
-    def _answered_by(self, now: float, peer: PeerId) -> None:
-        suspicion = self._suspicions.get(peer)
-        if suspicion is not None:
-            # A suspect answered: it is up but has not refuted (it may not know yet, or we
-            # missed its refutation). Our timer starts over; the next verification ping
-            # carries the suspicion to it, and its reply brings its refutation to us. A
-            # suspicion can only run out while the suspect stays silent.
-            suspicion.restart(now)
 
     def _on_alive(self, now: float, m: Alive) -> None:
         if m.peer == self.me:
@@ -511,8 +473,7 @@ class Membership:
             record.incarnation = m.incarnation
             record.address, record.version = m.address, m.version
             record.step, record.ready = m.step, m.ready
-            self._suspicions.pop(record.peer, None)
-            self._verify.pop(record.peer, None)
+            self._forget_suspicion(record.peer)
         else:
             return
         self._broadcasts.enqueue(record.peer, encode(m))
@@ -571,8 +532,7 @@ class Membership:
     def _set_down(self, now: float, record: _Record, state: State, incarnation: int) -> None:
         record.state, record.incarnation, record.since = state, incarnation, now
         self._up.discard(record.peer)
-        self._suspicions.pop(record.peer, None)
-        self._verify.pop(record.peer, None)
+        self._forget_suspicion(record.peer)
         self._urgent.pop(record.peer, None)
         self._effects.append(Changed(record.view()))
 
@@ -586,95 +546,6 @@ class Membership:
         if counts_against_health:
             self._adjust_awareness(+1)  # being suspected hints that we are the slow one
         self._broadcast_self()
-
-    # ---- probing ----------------------------------------------------------------------
-
-    def _start_probe(self, now: float) -> None:
-        target = self._next_urgent() or self._next_target(now)
-        scale = self._awareness + 1
-        self._next_probe = now + self.config.probe_interval * scale
-        if target is None:
-            return
-        record = self._members[target]
-        seq = self._next_seq()
-        self.counters.probes += 1
-        self._probe = _Probe(seq, target, now + self.config.probe_timeout * scale,
-                             now + self.config.probe_interval * scale)
-        parts = [encode(Ping(seq, target))]
-        if record.state == State.SUSPECT:
-            # Lifeguard's "buddy system": tell a suspect first, so it can refute in time.
-            parts.append(encode(Suspect(target, record.incarnation, self.me)))
-        self._send(record.address, parts)
-
-    def _send_verification(self, now: float, peer: PeerId) -> None:
-        """Ping a suspect with the suspicion attached, outside the probe cycle."""
-        record = self._members[peer]
-        self._verify[peer] = now + self.config.probe_interval
-        if len(self._verifying) >= MAX_VERIFYING:
-            self._verifying.pop(next(iter(self._verifying)))  # the oldest is long answered or lost
-        seq = self._next_seq()
-        self._verifying[seq] = peer
-        self._send(record.address, [encode(Ping(seq, peer)),
-                                    encode(Suspect(peer, record.incarnation, self.me))])
-
-    def _probe_soon(self, peer: PeerId) -> None:
-        if len(self._urgent) < MAX_URGENT:
-            self._urgent[peer] = None
-
-    def _next_urgent(self) -> PeerId | None:
-        while self._urgent:
-            peer = next(iter(self._urgent))
-            del self._urgent[peer]
-            record = self._members.get(peer)
-            if record is not None and record.state <= State.SUSPECT:
-                return peer
-        return None
-
-    def _next_target(self, now: float) -> PeerId | None:
-        for _ in range(2):
-            while self._probe_index < len(self._probe_order):
-                peer = self._probe_order[self._probe_index]
-                self._probe_index += 1
-                record = self._members.get(peer)
-                if record is not None and record.state <= State.SUSPECT:
-                    return peer
-            # End of a round: forget what is long gone, reshuffle, start over.
-            self._reap(now)
-            self._probe_order = list(self._members)
-            self.rng.shuffle(self._probe_order)
-            self._probe_index = 0
-        return None
-
-    def _ask_helpers(self, now: float, probe: _Probe) -> None:
-        probe.helpers_asked = True
-        record = self._members.get(probe.target)
-        if record is None:
-            return
-        members = self._members
-        chosen = self._up.sample(
-            self.rng, self.config.indirect_checks,
-            lambda p: p != probe.target and members[p].state == State.ALIVE,
-        )
-        probe.expected_nacks = len(chosen)
-        request = encode(PingReq(probe.seq, probe.target, record.address))
-        for helper in chosen:
-            self._send(members[helper].address, [request])
-
-    def _probe_failed(self, now: float, probe: _Probe) -> None:
-        self._probe = None
-        self.counters.probes_failed += 1
-        # Missing Nacks mean our own messages are not getting through: blame ourselves.
-        # With no helpers to ask, any failure counts (Lifeguard; memberlist's probeNode).
-        if probe.expected_nacks > 0:
-            self._adjust_awareness(max(0, probe.expected_nacks - probe.nacks))
-        else:
-            self._adjust_awareness(+1)
-        record = self._members.get(probe.target)
-        if record is not None and record.state <= State.SUSPECT:
-            self._on_suspect(now, Suspect(record.peer, record.incarnation, self.me))
-
-    def _adjust_awareness(self, delta: int) -> None:
-        self._awareness = min(self.config.awareness_max, max(0, self._awareness + delta))
 
     # ---- sending ----------------------------------------------------------------------
 
@@ -736,14 +607,6 @@ class Membership:
 
     def retransmit_limit(self) -> int:
         return retransmit_limit(self.config.retransmit_mult, self.alive_count())
-
-
-def helper_wait(config: MembershipConfig) -> float:
-    """How long a helper waits for the target of a PingReq before it Nacks. The requester
-    asked ``probe_timeout`` into its period and gives up at the period's end, so the Nack
-    must leave well within what remains of it, or the requester counts it missing and blames
-    its own health for the helper's wait (memberlist's timing has exactly that race)."""
-    return 0.8 * min(config.probe_timeout, config.probe_interval - config.probe_timeout)
 
 
 def _member_state(r: _Record) -> MemberState:
