@@ -32,6 +32,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/channel.py
+	$(PY) bench/membership.py --quick
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -297,8 +297,6 @@ class Membership(Probing):
             record = self._members[peer]
             self.counters.deaths += 1
             self._on_dead(now, Dead(peer, record.incarnation, self.me))
-        for peer in [p for p, t in self._verify.items() if t <= now]:
-            self._send_verification(now, peer)
         probe = self._probe
         if probe is not None and now >= probe.end:
             self._probe_failed(now, probe)
@@ -306,6 +304,9 @@ class Membership(Probing):
             self._ask_helpers(now, probe)
         if not self.leaving and now >= self._next_probe and self._probe is None:
             self._start_probe(now)
+        # After the probe: a probe that just failed starts a suspicion due for verification now.
+        for peer in [p for p, t in self._verify.items() if t <= now]:
+            self._send_verification(now, peer)
         if now >= self._next_gossip and self._broadcasts:
             self._next_gossip = now + self.config.gossip_interval
             self._gossip(now)

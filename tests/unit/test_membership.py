@@ -360,10 +360,11 @@ def test_a_failed_probe_with_nobody_to_ask_raises_the_score_by_one():
 
 def test_a_duplicated_nack_does_not_make_a_failed_probe_improve_health():
     m = machine(5)
-    t0, *_ = first_probe(m)
+    t0, _, first, _ = first_probe(m)
     m.tick(t0 + CFG.probe_timeout)
     t1 = t0 + CFG.probe_interval
-    (_, ping), = sent(m.tick(t1), Ping)  # the failure (score 3) and the next probe
+    # The failure (score 3), the next probe, and the first verification of the new suspect.
+    (_, ping), = [(a, p) for a, p in sent(m.tick(t1), Ping) if p.target != first.target]
     assert m.awareness == 3
     helpers = [a for a, _ in sent(m.tick(t1 + 4 * CFG.probe_timeout), PingReq)]
     assert len(helpers) == 3
@@ -380,7 +381,8 @@ def test_awareness_stretches_the_probe_schedule_and_a_success_lowers_it():
     suspect = first.target  # the failed probe makes it a suspect, which we verify apart
     m.tick(t0 + CFG.probe_timeout)
     t1 = t0 + CFG.probe_interval
-    (_, ping), = sent(m.tick(t1), Ping)  # the failure and the next probe, in one tick
+    # The failure, the next probe and the suspect's first verification, in one tick.
+    (_, ping), = [(a, p) for a, p in sent(m.tick(t1), Ping) if p.target != suspect]
     assert m.awareness == 3
     scale = m.awareness + 1
     assert not sent(m.tick(t1 + scale * CFG.probe_timeout - EPS), PingReq)
@@ -804,3 +806,13 @@ def test_a_leaving_node_lists_itself_as_left_in_push_pulls():
     m.leave(1.0)
     me = m.full_state()[0]
     assert me.peer == ME and me.state == State.LEFT and me.incarnation == m.incarnation
+
+
+def test_after_a_tick_nothing_is_due_at_that_instant():
+    # A driver may sleep until next_deadline() right after tick(now): it must be later.
+    m = machine(5)
+    t = 0.0
+    for _ in range(200):
+        t = m.next_deadline()
+        m.tick(t)
+        assert m.next_deadline() > t
