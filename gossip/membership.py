@@ -264,10 +264,12 @@ class Membership(Probing):
 
     def full_state(self) -> list[MemberState]:
         """Our whole table, ourselves included, for a push-pull."""
-        me = _member_state(self._self)
-        if self.leaving:  # say so, or a member that missed our Left takes us back
-            me = MemberState(me.peer, me.incarnation, int(State.LEFT), me.address, me.version,
-                             me.step, me.ready)
+        # Ourselves as last announced (a newer step not yet announced would contradict our
+        # own Alive at the same incarnation), and LEFT once leaving, or a member that missed
+        # our Left takes us back.
+        a = self._announcement
+        state = State.LEFT if self.leaving else State.ALIVE
+        me = MemberState(a.peer, a.incarnation, int(state), a.address, a.version, a.step, a.ready)
         return [me, *(_member_state(r) for r in self._members.values())]
 
     def next_deadline(self) -> float:
@@ -354,11 +356,9 @@ class Membership(Probing):
                                           r.ready))
             elif r.state == State.LEFT:
                 self._on_left(now, Left(r.peer, r.incarnation))
-            else:  # SUSPECT or DEAD: suspect it ourselves; it may still refute
-                if r.peer not in self._members and r.peer != self.me:
-                    # Remember its address, so that a reconnect can reach it later.
-                    self._on_alive(now, Alive(r.peer, r.incarnation, r.address, r.version,
-                                              r.step, r.ready))
+            else:  # SUSPECT or DEAD: suspect it ourselves, if we know it; it may still refute
+                # (a member we never knew, or forgot, stays forgotten: news of its death is
+                # no reason to bring it back)
                 self._on_suspect(now, Suspect(r.peer, r.incarnation, by))
         return self._drain()
 
@@ -397,8 +397,8 @@ class Membership(Probing):
         """Update our metadata. A change of ``ready`` is announced at once; a new ``step``
         rides on the next announcement, or is announced after ``meta_interval``."""
         me = self._self
-        if self.leaving:
-            return []  # announcing ourselves now would undo the departure
+        if self.leaving or me.incarnation >= MAX_UINT:
+            return []  # announcing ourselves now would undo the departure, or cannot be done
         urgent = ready is not None and ready != me.ready
         if ready is not None:
             me.ready = ready

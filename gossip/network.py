@@ -114,11 +114,13 @@ class TcpNetwork:
     """Real TCP and UDP through trio. Stateless: one instance serves any number of nodes."""
 
     async def dial(self, address: str) -> trio.abc.Stream:
-        host, port = parse_address(address)
         try:
+            host, port = parse_address(address)
             stream = await trio.open_tcp_stream(host, port)
         except OSError as exc:
             raise PeerGone(f"cannot connect to {address}: {exc.strerror or exc}") from None
+        except ValueError as exc:  # includes UnicodeError: a host name no resolver accepts
+            raise PeerGone(f"cannot connect to {address}: {exc}") from None
         try:
             _tune(stream.socket)
         except OSError as exc:  # reset between connect and setsockopt

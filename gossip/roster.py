@@ -64,6 +64,7 @@ __all__ = ["Roster", "RosterStatistics", "open_roster", "MAX_PUSH_PULLS"]
 log = logging.getLogger(__name__)
 
 MAX_PUSH_PULLS = 2  # outgoing push-pulls in flight at once; more are skipped, not queued
+SEND_TIMEOUT = 0.1  # s one datagram send may take (a host name's lookup included)
 PAGE_RECORDS = 256  # member records per PushPull page, at most (the message allows 256)
 PAGE_BYTES = 48 * 1024  # and at most this many bytes of them: a page stays under MAX_MESSAGE
 MAX_RECORD_BYTES = 1100  # a MemberState with a 256-character address and the largest ints
@@ -231,26 +232,30 @@ class Roster:
                 self._drained.set()
 
     async def _execute(self, effects: list[Effect]) -> None:
-        changed = False
+        # Changes first, before any await: effects from other tasks must not overtake them,
+        # so on_change sees the changes in the order the machine made them.
+        changes = [e.member for e in effects if isinstance(e, Changed)]
+        for member in changes:
+            _log_change(member)
+            if self._on_change is not None:
+                self._on_change(member)
+        if changes:
+            self._changed.set()
+            self._changed = trio.Event()
         for effect in effects:
             if isinstance(effect, Send):
-                try:
-                    await self._endpoint.send(self._sealer.seal(effect.data), effect.address)
-                except (OSError, ValueError) as exc:  # unroutable or invalid address
-                    self._rejected += 1
-                    log.debug("datagram not sent address=%s: %s", effect.address, exc)
+                # Bounded: a send may resolve a host name, and a slow resolver must not
+                # hold up the Acks behind it. A datagram that misses the deadline is lost.
+                with trio.move_on_after(SEND_TIMEOUT):
+                    try:
+                        await self._endpoint.send(self._sealer.seal(effect.data), effect.address)
+                    except (OSError, ValueError) as exc:  # unroutable or invalid address
+                        self._rejected += 1
+                        log.debug("datagram not sent address=%s: %s", effect.address, exc)
             elif isinstance(effect, PushPullWith):
                 if self._push_pulls < MAX_PUSH_PULLS and self._nursery is not None:
                     self._push_pulls += 1
                     self._nursery.start_soon(self._push_pull_task, effect.address, effect.peer)
-            elif isinstance(effect, Changed):
-                changed = True
-                _log_change(effect.member)
-                if self._on_change is not None:
-                    self._on_change(effect.member)
-        if changed:
-            self._changed.set()
-            self._changed = trio.Event()
 
     async def _push_pull_task(self, address: str, peer: PeerId | None) -> None:
         try:
@@ -309,7 +314,7 @@ class Roster:
         cut off), checking every ``reconnect_interval``."""
         config = self._config
         delay = config.join_retry_min
-        while True:
+        while not self._left:
             if self._joined.is_set() and self._m.alive_count() > 1:
                 delay = config.join_retry_min
                 await trio.sleep(config.reconnect_interval)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import trio
 from trio.testing import MockClock
 
@@ -76,6 +77,7 @@ async def test_crash_5_of_64_is_detected_by_every_survivor(autojump_clock: MockC
                    if m is not n)
 
 
+@pytest.mark.timeout(1500)  # about 5 minutes of wall time on 2 cores: 460k probes
 async def test_no_false_death_under_loss_and_a_slow_node_for_two_hours(
     autojump_clock: MockClock,
 ) -> None:

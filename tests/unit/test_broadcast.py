@@ -61,8 +61,9 @@ def test_least_sent_first_then_newest_first():
         q.enqueue(key, key.encode())
     one = PART_OVERHEAD + 1  # room for exactly one payload
     order = [q.take(one, 1)[0] for _ in range(6)]
-    # Round one: all unsent, newest first. Round two: all sent once, newest first again.
-    assert order == [b"c", b"b", b"a", b"c", b"b", b"a"]
+    # Round one: all unsent, newest first. Round two: all sent once, most recently sent
+    # first. Either way each goes once per round.
+    assert order == [b"c", b"b", b"a", b"a", b"b", b"c"]
     q.enqueue("d", b"d")  # fresh news overtakes old
     assert q.take(one, 1) == [b"d"]
 

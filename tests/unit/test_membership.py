@@ -558,11 +558,13 @@ def test_merge(setup, remote, result):
     assert m.get(remote.peer).address == ADDR[remote.peer]  # "10.9.9.9:1" was not newer
 
 
-def test_merge_remembers_an_unknown_dead_member_and_its_address():
+def test_merge_ignores_news_of_the_death_of_a_stranger():
+    # A member we never knew, or already forgot, stays forgotten: bringing it back on news of
+    # its death would pass it around between nodes that reap it at different times.
     m = machine(2)
-    m.merge(1.0, [record(F, 4, State.DEAD, "198.51.100.7:9")], A)
-    assert state(m, F) == (State.SUSPECT, 4)
-    assert m.get(F).address == "198.51.100.7:9"
+    effects = m.merge(1.0, [record(F, 4, State.DEAD, "198.51.100.7:9"),
+                            record(G, 1, State.SUSPECT)], A)
+    assert m.get(F) is None and m.get(G) is None and effects == []
 
 
 def test_merge_of_ourselves_as_dead_makes_us_refute():
@@ -577,9 +579,19 @@ def test_full_state_round_trips_through_merge():
     feed(m, 0.5, A, Suspect(B, 0, A), Left(C, 0))
     other = Membership(F, ADDR[F], 0.0, CFG, random.Random(1))
     other.merge(1.0, m.full_state(), ME)
-    # C's departure is news only to those who knew C (Left about a stranger: unchanged).
-    assert {(x.peer, x.state) for x in other.members()} == {
-        (ME, State.ALIVE), (A, State.ALIVE), (B, State.SUSPECT)}
+    # Only what is news of the living crosses: C's departure and B's suspicion are about
+    # members the other node never knew.
+    assert {(x.peer, x.state) for x in other.members()} == {(ME, State.ALIVE), (A, State.ALIVE)}
+
+
+def test_our_record_in_a_push_pull_is_what_we_announced():
+    m = machine(2)
+    m.set_meta(1.0, step=7)  # within meta_interval: not announced yet
+    me = m.full_state()[0]
+    assert (me.incarnation, me.step) == (0, 0)
+    # Handed back to us by a peer's table, it is our own news: no refutation.
+    m.merge(2.0, [me], A)
+    assert m.incarnation == 0 and m.counters.refutations == 0
 
 
 # ---- leaving, evidence, metadata -----------------------------------------------------------
@@ -816,3 +828,11 @@ def test_after_a_tick_nothing_is_due_at_that_instant():
         t = m.next_deadline()
         m.tick(t)
         assert m.next_deadline() > t
+
+
+def test_at_the_largest_incarnation_metadata_changes_raise_nothing():
+    m = machine(2)
+    feed(m, 1.0, A, Suspect(ME, MAX_UINT - 1, A))  # refuted at MAX_UINT, the last one there is
+    assert m.incarnation == MAX_UINT
+    m.set_meta(2.0, ready=True, step=5)  # cannot be announced: ignored, nothing raised
+    assert m.incarnation == MAX_UINT and m.full_state()[0].incarnation == MAX_UINT

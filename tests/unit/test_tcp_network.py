@@ -8,6 +8,7 @@ import struct
 import pytest
 import trio
 
+from gossip.errors import PeerGone
 from gossip.network import TcpNetwork
 from tests.conformance import CHECKS, Check, NetworkUnderTest, echo, receive_exactly, serving
 
@@ -38,3 +39,10 @@ async def test_connection_reset_before_accept_does_not_stop_the_server() -> None
             await stream.send_all(b"still here")
             assert await receive_exactly(stream, 10) == b"still here"
             await stream.aclose()
+
+
+async def test_a_host_name_no_resolver_accepts_is_an_unreachable_peer() -> None:
+    # A 64-character label cannot be encoded for DNS; announced by a member, it must make
+    # that member unreachable, not crash the dialer.
+    with pytest.raises(PeerGone):
+        await TcpNetwork().dial("a" * 64 + ".example:7070")
