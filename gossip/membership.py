@@ -11,8 +11,8 @@ number, and runs three timers (all times are passed in; nothing here does I/O):
   after its own probe timeout, answers ``Nack``. Still no ``Ack`` at the end of the period:
   *suspect* the member. A suspicion not refuted before its Lifeguard timeout
   (:mod:`gossip.suspicion`) makes the member *dead*.
-* **Verification**, every period while we hold a suspicion: ping the suspect outside the probe
-  cycle, with the suspicion attached. A live suspect refutes and answers the teller with its
+* **Verification**, every period while we hold a suspicion, starting 1 to 2 periods after it
+  began: ping the suspect outside the probe cycle, with the suspicion attached. A live suspect refutes and answers the teller with its
   current Alive directly, so a member that missed a refutation gets it anyway; an Ack restarts
   our timer (a suspicion stands only while the suspect is silent); a ping left unanswered for
   a period is our own confirmation. Without this, a member that happened to miss a refutation
@@ -503,7 +503,10 @@ class Membership(Probing):
         low, high = suspicion_bounds(n, self.config.probe_interval, self.config.suspicion_mult,
                                      self.config.suspicion_max_mult)
         self._suspicions[record.peer] = Suspicion(now, m.by, expected, low, high)
-        self._verify[record.peer] = now  # see for ourselves, and tell it (buddy system)
+        # See for ourselves, a little later: by then a live suspect's refutation has usually
+        # reached us and no ping is needed; only members that missed it (or a silent suspect)
+        # verify, so a suspect is not met by a ping from every member at once.
+        self._verify[record.peer] = now + self.config.probe_interval * (1 + self.rng.random())
         self._broadcasts.enqueue(record.peer, encode(m))
         self._effects.append(Changed(record.view()))
 
