@@ -133,3 +133,34 @@ class PeerPool:
                     return chosen
         rest = [p for p in self.items if p not in chosen and accept(p)]
         return chosen + rng.sample(rest, min(k - len(chosen), len(rest)))
+
+
+@dataclass
+class _Record:
+    peer: PeerId
+    address: str
+    incarnation: int
+    state: State
+    version: int
+    step: int
+    ready: bool
+    since: float
+
+    def view(self) -> Member:
+        return Member(self.peer, self.address, self.incarnation, self.state, self.version,
+                      self.step, self.ready, self.since)
+
+
+@dataclass
+class _Counters:
+    probes: int = 0
+    probes_failed: int = 0
+    suspicions: int = 0  # members this node started suspecting
+    refutations: int = 0  # suspicions or deaths of ourselves we refuted
+    deaths: int = 0  # members this node declared dead itself
+    datagrams_sent: int = 0
+    bytes_sent: int = 0
+    datagrams_received: int = 0
+    bytes_received: int = 0
+    malformed: int = 0  # datagrams the driver could not open or decode
+    push_pulls: int = 0

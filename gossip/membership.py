@@ -69,7 +69,7 @@ from typing import Iterable, Union
 from .broadcast import PART_OVERHEAD, BroadcastQueue, retransmit_limit
 from .errors import WireError
 from .identity import PeerId
-from .member import Member, MembershipConfig, PeerPool, State
+from .member import Member, MembershipConfig, PeerPool, State, _Counters, _Record
 from .messages import (
     MAX_PARTS,
     MAX_SEQUENCE,
@@ -135,37 +135,6 @@ class Changed:
 
 
 Effect = Union[Send, PushPullWith, Changed]
-
-
-@dataclass
-class _Record:
-    peer: PeerId
-    address: str
-    incarnation: int
-    state: State
-    version: int
-    step: int
-    ready: bool
-    since: float
-
-    def view(self) -> Member:
-        return Member(self.peer, self.address, self.incarnation, self.state, self.version,
-                      self.step, self.ready, self.since)
-
-
-@dataclass
-class _Counters:
-    probes: int = 0
-    probes_failed: int = 0
-    suspicions: int = 0  # members this node started suspecting
-    refutations: int = 0  # suspicions or deaths of ourselves we refuted
-    deaths: int = 0  # members this node declared dead itself
-    datagrams_sent: int = 0
-    bytes_sent: int = 0
-    datagrams_received: int = 0
-    bytes_received: int = 0
-    malformed: int = 0  # datagrams the driver could not open or decode
-    push_pulls: int = 0
 
 
 class Membership(Probing):
