@@ -449,13 +449,23 @@ class Membership(Probing):
         self._broadcasts.enqueue(record.peer, encode(m))
         self._effects.append(Changed(record.view()))
 
-    def _on_suspect(self, now: float, m: Suspect) -> None:
+    def _applies(self, m: Suspect | Dead | Left, below: State, *, health: bool) -> _Record | None:
+        """The record a Suspect, Dead or Left updates, if it does: a member we know, at
+        ``m.incarnation`` or below it, in a state lower than ``below``. About ourselves, a
+        claim at our incarnation or above is refuted instead (``health``: it counts against
+        our local health)."""
         if m.peer == self.me:
             if m.incarnation >= self.incarnation:
-                self._refute(m.incarnation, counts_against_health=True)
-            return
+                self._refute(m.incarnation, counts_against_health=health)
+            return None
         record = self._members.get(m.peer)  # type: ignore[call-overload]
-        if record is None or m.incarnation < record.incarnation or record.state > State.SUSPECT:
+        if record is None or m.incarnation < record.incarnation or record.state >= below:
+            return None
+        return record
+
+    def _on_suspect(self, now: float, m: Suspect) -> None:
+        record = self._applies(m, State.DEAD, health=True)
+        if record is None:
             return
         suspicion = self._suspicions.get(record.peer)
         if suspicion is not None:
@@ -480,24 +490,16 @@ class Membership(Probing):
         self._effects.append(Changed(record.view()))
 
     def _on_dead(self, now: float, m: Dead) -> None:
-        if m.peer == self.me:
-            if m.incarnation >= self.incarnation:
-                self._refute(m.incarnation, counts_against_health=True)
-            return
-        record = self._members.get(m.peer)  # type: ignore[call-overload]
-        if record is None or m.incarnation < record.incarnation or record.state > State.SUSPECT:
+        record = self._applies(m, State.DEAD, health=True)
+        if record is None:
             return
         self._set_down(now, record, State.DEAD, m.incarnation)
         self._recently_dead.append(record.peer)
         self._broadcasts.enqueue(record.peer, encode(m))
 
     def _on_left(self, now: float, m: Left) -> None:
-        if m.peer == self.me:
-            if m.incarnation >= self.incarnation:
-                self._refute(m.incarnation, counts_against_health=False)
-            return
-        record = self._members.get(m.peer)  # type: ignore[call-overload]
-        if record is None or m.incarnation < record.incarnation or record.state == State.LEFT:
+        record = self._applies(m, State.LEFT, health=False)
+        if record is None:
             return
         self._set_down(now, record, State.LEFT, m.incarnation)
         self._broadcasts.enqueue(record.peer, encode(m))
