@@ -223,10 +223,6 @@ class Membership(Probing):
         """Every member we know of, ourselves excluded, in any state."""
         return [r.view() for r in self._members.values()]
 
-    def alive(self) -> list[Member]:
-        """Members believed up: ALIVE or SUSPECT (a suspect may yet refute)."""
-        return [r.view() for r in self._members.values() if r.state <= State.SUSPECT]
-
     def alive_count(self) -> int:
         """N: members believed up, ourselves included."""
         return 1 + len(self._up)

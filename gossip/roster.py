@@ -155,6 +155,11 @@ class Roster:
         """Return at the next change of any member's state, address or metadata."""
         await self._changed.wait()
 
+    @property
+    def joined(self) -> bool:
+        """Whether a bootstrap address has answered (always, if there were none)."""
+        return self._joined.is_set()
+
     async def wait_joined(self) -> None:
         """Return once a bootstrap address answered (at once if there were none)."""
         await self._joined.wait()

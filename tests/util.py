@@ -42,6 +42,15 @@ class Tap(trio.abc.Stream):
         await self.inner.aclose()
 
 
+def mutate(data: bytes, flips: list[tuple[int, int]], cut: int) -> bytes:
+    """``data`` with the byte at each position (modulo its length) set to a value, then
+    ``cut`` bytes dropped from its end: the fuzzers' way to spoil a valid encoding."""
+    buf = bytearray(data)
+    for pos, value in flips:
+        buf[pos % len(buf)] = value
+    return bytes(buf[: len(buf) - cut])
+
+
 async def pair(*, swarm_a=SWARM, swarm_b=SWARM, allow_a=None, allow_b=None, record_timeout=10.0,
                make=trio.testing.memory_stream_pair):
     """Handshake over a stream pair; returns (alice, bob, alice's tap)."""

@@ -17,12 +17,32 @@ from hypothesis import strategies as st
 
 from gossip.errors import WireError
 from gossip.identity import peer_id_from_public_key
-from gossip.membership import helper_wait, MAX_PACKET, Changed, Membership, PushPullWith, Send
 from gossip.member import MembershipConfig, State
-from gossip.messages import (MAX_PARTS, MAX_UINT, Ack, Alive, Dead, Left, MemberState, Nack,
-                             Packet, Ping, PingReq, Suspect)
+from gossip.membership import (
+    MAX_PACKET,
+    Changed,
+    Membership,
+    PushPullWith,
+    Send,
+    helper_wait,
+)
+from gossip.messages import (
+    MAX_PARTS,
+    MAX_UINT,
+    Ack,
+    Alive,
+    Dead,
+    Left,
+    MemberState,
+    Nack,
+    Packet,
+    Ping,
+    PingReq,
+    Suspect,
+)
 from gossip.suspicion import suspicion_bounds
 from gossip.wire import decode, encode
+from tests.util import mutate
 
 PEERS = [peer_id_from_public_key(i.to_bytes(32, "big")) for i in range(1, 401)]
 ME, A, B, C, D, E, F, G = PEERS[:8]
@@ -800,10 +820,7 @@ VALID = [
     st.integers(0, 3),
 )
 def test_mutated_packets_raise_only_wire_error(data, flips, cut):
-    buf = bytearray(data)
-    for pos, value in flips:
-        buf[pos % len(buf)] = value
-    receive_anything(bytes(buf[: len(buf) - cut]))
+    receive_anything(mutate(data, flips, cut))
 
 
 def test_a_datagram_that_came_back_to_us_is_ignored():

@@ -105,7 +105,7 @@ async def test_join_retries_with_backoff_until_a_bootstrap_answers(autojump_cloc
         # Backoff doubles from join_retry_min to join_retry_max: in 60 s that is a handful of
         # rounds (two dials each), not one per second.
         assert 4 <= refused <= 2 * 8
-        assert not b._joined.is_set()
+        assert not b.joined
         async with open_roster(net.host("a"), a_id, SWARM, "a:7000", config=config) as a:
             with trio.fail_after(config.join_retry_max * 1.5 + config.push_pull_timeout):
                 await b.wait_joined()
@@ -149,7 +149,7 @@ async def test_a_node_without_the_swarm_key_cannot_join(autojump_clock: MockCloc
                                bootstrap=["a:7000"]) as x:
             await trio.sleep(30)
             assert a.alive() == [] and x.alive() == []
-            assert not x._joined.is_set()
+            assert not x.joined
 
 
 async def test_metadata_reaches_the_others(autojump_clock: MockClock) -> None:
