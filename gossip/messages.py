@@ -35,6 +35,10 @@ __all__ = [
     "Left",
     "MemberState",
     "PushPull",
+    "Offer",
+    "Accept",
+    "Commit",
+    "StateInfo",
     "TAGS",
     "MAX_TEXT",
     "MAX_UINT",
@@ -48,6 +52,8 @@ PEER_ID_CHARS = 26  # gossip.identity: base32 of 16 bytes, lowercase, no padding
 MAX_SEQUENCE = 2**32 - 1  # probe sequence numbers wrap here
 MAX_PARTS = 64  # messages in one datagram, or member records in one push-pull page
 MAX_PART = 1400  # bytes of one part: a datagram never holds more
+MAX_WEIGHT = 2.0**63  # a push-sum weight (averaging) is a finite float in [0, MAX_WEIGHT]
+MAX_META = 32 * 1024  # bytes of the task metadata in a StateInfo
 _BASE32 = frozenset("abcdefghijklmnopqrstuvwxyz234567")
 
 
@@ -78,6 +84,14 @@ def _text(cls: type, name: str, value: object) -> None:
 def _bool(cls: type, name: str, value: object) -> None:
     if type(value) is not bool:
         raise ValueError(f"{cls.__name__}.{name}: expected a boolean, got {type(value).__name__}")
+
+
+def _weight(cls: type, name: str, value: object) -> None:
+    # A CBOR float decodes as a Python float; an integer is a different type on the wire.
+    if type(value) is not float:
+        raise ValueError(f"{cls.__name__}.{name}: expected a float, got {type(value).__name__}")
+    if not 0.0 <= value <= MAX_WEIGHT:  # also refuses NaN and the infinities
+        raise ValueError(f"{cls.__name__}.{name}: {value} out of range 0..{MAX_WEIGHT:g}")
 
 
 def _peer(cls: type, name: str, value: object) -> None:
@@ -385,6 +399,75 @@ class PushPull(Message):
         object.__setattr__(self, "records", tuple(self.records))
 
 
+# ---- averaging (gossip.averaging, gossip.download) ------------------------------------------
+# An exchange runs on its own secure channel: Offer -> Accept (or Close BUSY / REJECTED) ->
+# both state payloads at once -> Commit both ways (or Close REJECTED). A state download is
+# StateRequest -> StateInfo and a state payload (or Close).
+
+
+@dataclass(frozen=True, slots=True)
+class Offer(Message):
+    """The first message of an exchange: what the initiator will send and its counters."""
+
+    TAG: ClassVar[int] = 16
+    fingerprint: bytes  # schema fingerprint (gossip.tensors), 16 bytes
+    codec: str  # the codec both payloads will use
+    step: int  # the initiator's (global) training step
+    samples: int  # training samples it has processed
+    weight: float  # its push-sum weight; 0.0 when it mixes with a fixed weight
+
+    def __post_init__(self) -> None:
+        _bytes(Offer, "fingerprint", self.fingerprint, size=FINGERPRINT_BYTES)
+        _text(Offer, "codec", self.codec)
+        _uint(Offer, "step", self.step)
+        _uint(Offer, "samples", self.samples)
+        _weight(Offer, "weight", self.weight)
+
+
+@dataclass(frozen=True, slots=True)
+class Accept(Message):
+    """The responder takes the offered exchange; both payloads follow at once."""
+
+    TAG: ClassVar[int] = 17
+    step: int
+    samples: int
+    weight: float  # as Offer.weight
+
+    def __post_init__(self) -> None:
+        _uint(Accept, "step", self.step)
+        _uint(Accept, "samples", self.samples)
+        _weight(Accept, "weight", self.weight)
+
+
+@dataclass(frozen=True, slots=True)
+class Commit(Message):
+    """I hold your whole payload and it passed my checks: apply yours when you have mine.
+
+    Each side sends it after validating the other's payload and applies the result only on
+    receiving the other's Commit, so nothing is applied unless both sides hold both states.
+    """
+
+    TAG: ClassVar[int] = 18
+
+
+@dataclass(frozen=True, slots=True)
+class StateInfo(Message):
+    """The answer to a StateRequest, before the state payload: the sender's counters and the
+    task's metadata (``meta``: a canonical CBOR map, see gossip.download)."""
+
+    TAG: ClassVar[int] = 19
+    step: int
+    samples: int
+    weight: float  # as Offer.weight
+    meta: bytes
+
+    def __post_init__(self) -> None:
+        _uint(StateInfo, "step", self.step)
+        _uint(StateInfo, "samples", self.samples)
+        _weight(StateInfo, "weight", self.weight)
+        _bytes(StateInfo, "meta", self.meta, maximum=MAX_META)
+
+
 # The tag table. ONLY APPEND: never reuse or renumber a tag.
 TAGS: dict[int, type[Message]] = {
     1: Hello,
@@ -402,6 +485,10 @@ TAGS: dict[int, type[Message]] = {
     13: Left,
     14: MemberState,
     15: PushPull,
+    16: Offer,
+    17: Accept,
+    18: Commit,
+    19: StateInfo,
 }
 
 for _tag, _cls in TAGS.items():

@@ -29,18 +29,15 @@ from __future__ import annotations
 import functools
 import logging
 import random
-import sys
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from typing import AsyncIterator, Awaitable, Callable, Sequence
 
 import trio
 
-if sys.version_info < (3, 11):
-    from exceptiongroup import BaseExceptionGroup
-
 from .channel import SecureChannel, Timeouts, connect, serve
 from .errors import GossipError, PeerGone, RemoteProtocolError
+from .groups import one_error
 from .handshake import PROTOCOL_VERSION, Swarm
 from .identity import Identity, PeerId
 from .membership import (
@@ -400,7 +397,7 @@ async def open_roster(
                              rng, version=PROTOCOL_VERSION, step=step, ready=ready)
         roster = Roster(machine, identity, swarm, network, endpoint, config, timeouts)
         roster._on_change = on_change
-        with _one_error():
+        with one_error():
             async with trio.open_nursery() as nursery:
                 roster._nursery = nursery
 
@@ -429,26 +426,6 @@ async def open_roster(
     finally:
         with trio.CancelScope(shield=True):
             await endpoint.aclose()
-
-
-@contextmanager
-def _one_error() -> Iterator[None]:
-    """Raise the one exception of a nursery's group as itself: a background failure reaches
-    the caller as one typed error, not as a group around it."""
-    try:
-        yield
-    except BaseExceptionGroup as group:
-        leaves = _leaves(group)
-        if len(leaves) == 1:
-            raise leaves[0] from None
-        raise
-
-
-def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
-    out: list[BaseException] = []
-    for exc in group.exceptions:
-        out.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
-    return out
 
 
 async def _send_table(channel: SecureChannel, records: list[MemberState], *, join: bool) -> None:

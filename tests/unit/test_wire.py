@@ -31,6 +31,10 @@ EXAMPLES = [
     m.MemberState(peer=PEER, incarnation=1, state=m.MemberState.DEAD, address="a:1", version=1,
                   step=0, ready=False),
     m.PushPull(join=True, last=False, records=(b"x" * 100,)),
+    m.Offer(fingerprint=FP, codec="fp32", step=12, samples=768, weight=0.0),
+    m.Accept(step=13, samples=2**50, weight=1234.5),
+    m.Commit(),
+    m.StateInfo(step=7, samples=0, weight=1.0, meta=b"\xa0"),
 ]
 
 

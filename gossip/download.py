@@ -1,0 +1,196 @@
+"""State download: how a node with no checkpoint gets the swarm's current weights.
+
+Theory of operation
+-------------------
+A joiner asks a ready peer for its whole state on a fresh secure channel::
+
+    joiner                                   peer
+    StateRequest(fingerprint, "fp32")  --->
+                                       <---  StateInfo(step, samples, weight, meta)
+                                             state payload (section 7, fp32: exact)
+                                       <---  or Close(BUSY | REJECTED, reason)
+
+It tries the alive, ready members in order of their announced step, highest first (ties in
+random order), and falls back to the next on any failure. What arrives is checked (every value
+finite) before the replica takes it; only then does the node announce itself ready.
+
+``meta`` is a canonical CBOR map ``{"buffers": {name: int}, "task": {...}}``: the model's
+integer scalar buffers (``num_batches_tracked``), which are not part of the averaged state,
+and the task's own metadata (whatever the application passed, JSON-like values). It is
+decoded with the wire codec's limits (size, depth, no indefinite lengths, no duplicate keys)
+and nothing in it is ever executed or unpickled.
+
+A node serves at most :data:`MAX_SERVING` downloads at once (each holds a snapshot, one copy
+of the model); more are answered ``Close(BUSY)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import cbor2
+import trio
+
+from .channel import SecureChannel, Timeouts, connect
+from .errors import AveragingFailed, GossipError, PeerTimeout, RemoteProtocolError
+from .handshake import Swarm
+from .identity import Identity, PeerId
+from .member import Member
+from .messages import MAX_META, Close, StateInfo, StateRequest
+from .network import Network
+from .replica import Replica, offload
+from .tensors import all_finite
+from .transfer import receive_state, send_state
+from .wire import MAX_DEPTH
+
+__all__ = ["Download", "encode_meta", "decode_meta", "serve_download", "download", "MAX_SERVING"]
+
+log = logging.getLogger(__name__)
+
+MAX_SERVING = 2  # downloads a node serves at once
+CODEC = "fp32"  # a joiner starts from the exact state
+
+
+@dataclass(frozen=True)
+class Download:
+    """Where a joiner's state came from."""
+
+    peer: PeerId
+    step: int
+    samples: int  # the sender's, for information
+    task: dict[str, Any]  # the task metadata the sender's application published
+
+
+def encode_meta(buffers: Mapping[str, int], task: Mapping[str, Any]) -> bytes:
+    """The ``StateInfo.meta`` bytes.
+
+    Raises:
+        ValueError: the metadata is not CBOR-encodable or larger than ``MAX_META``.
+    """
+    try:
+        data = cbor2.dumps({"buffers": dict(buffers), "task": dict(task)}, canonical=True)
+    except (cbor2.CBOREncodeError, TypeError) as exc:
+        raise ValueError(f"task metadata is not CBOR-encodable: {exc}") from None
+    if len(data) > MAX_META:
+        raise ValueError(f"task metadata encodes to {len(data)} bytes, more than {MAX_META}")
+    return data
+
+
+def decode_meta(data: bytes) -> tuple[dict[str, int], dict[str, Any]]:
+    """The integer buffers and the task metadata in ``StateInfo.meta``.
+
+    Raises:
+        RemoteProtocolError: not a canonical map of the expected shape.
+    """
+    try:
+        obj = cbor2.loads(data, max_depth=MAX_DEPTH, allow_indefinite=False,
+                          allow_duplicate_keys=False, str_errors="strict")
+    except (cbor2.CBORDecodeError, ValueError, TypeError, OverflowError, RecursionError) as exc:
+        raise RemoteProtocolError(f"malformed state metadata: {exc}") from None
+    if type(obj) is not dict or set(obj) != {"buffers", "task"}:
+        raise RemoteProtocolError("state metadata is not a map of 'buffers' and 'task'")
+    buffers, task = obj["buffers"], obj["task"]
+    if type(buffers) is not dict or type(task) is not dict:
+        raise RemoteProtocolError("state metadata 'buffers' and 'task' must be maps")
+    for name, value in buffers.items():
+        if type(name) is not str or type(value) is not int or not -2**63 <= value < 2**63:
+            raise RemoteProtocolError(f"state metadata: buffer {name!r} is not a 64-bit int")
+    return buffers, task
+
+
+async def serve_download(channel: SecureChannel, request: StateRequest, replica: Replica,
+                         task: Callable[[], Mapping[str, Any]], *, ready: bool,
+                         serving: list[int], deadline: float) -> None:
+    """Answer a :class:`StateRequest` on ``channel``: our state, or Close with the reason.
+
+    Args:
+        task: returns the task metadata to publish, called once per download.
+        ready: whether we hold a state worth copying (not fetching our own).
+        serving: a one-element counter of downloads in progress, shared between calls.
+        deadline: seconds the whole answer may take.
+    """
+    peer = channel.peer
+    refusal = None
+    if request.fingerprint != replica.schema.fingerprint:
+        refusal = Close(Close.REJECTED, f"schema {request.fingerprint.hex()} is not ours "
+                                        f"({replica.schema.fingerprint_hex})")
+    elif request.codec != CODEC:
+        refusal = Close(Close.REJECTED, f"downloads use {CODEC}, not {request.codec!r}")
+    elif not ready or serving[0] >= MAX_SERVING:
+        refusal = Close(Close.BUSY, "not ready" if not ready else "serving other downloads")
+    if refusal is not None:
+        with trio.move_on_after(1.0):
+            await channel.send_message(refusal)
+        return
+    serving[0] += 1
+    flat = replica.buffer()
+    try:
+        counters = await offload(replica, replica.snapshot, flat)
+        meta = encode_meta(replica.int_buffers(), task())
+        with trio.fail_after(deadline):
+            await channel.send_message(StateInfo(counters.step, counters.samples,
+                                                 counters.weight, meta))
+            await send_state(channel, flat, replica.schema, CODEC, step=counters.step,
+                             samples=counters.samples)
+        log.info("state served peer=%s step=%d", peer.short, counters.step)
+    except trio.TooSlowError:
+        log.info("state download by peer=%s timed out", peer.short)
+    finally:
+        serving[0] -= 1
+        replica.release(flat)
+
+
+async def download(replica: Replica, candidates: list[Member], network: Network,
+                   identity: Identity, swarm: Swarm, timeouts: Timeouts, *,
+                   deadline: float, rng: random.Random) -> Download:
+    """Fetch the state of the most advanced candidate that answers, and load it.
+
+    Args:
+        candidates: alive, ready members; tried by announced step, highest first.
+        deadline: seconds one attempt may take once connected.
+
+    Raises:
+        AveragingFailed: every candidate failed (each failure is logged).
+    """
+    order = sorted(candidates, key=lambda m: (-m.step, rng.random()))
+    for member in order:
+        try:
+            result = await _fetch(replica, member, network, identity, swarm, timeouts, deadline)
+        except (GossipError, trio.TooSlowError) as exc:
+            log.info("state download failed peer=%s: %s", member.peer.short, exc)
+            continue
+        log.info("state downloaded peer=%s step=%d", member.peer.short, result.step)
+        return result
+    raise AveragingFailed(f"no state download succeeded ({len(order)} peers tried)")
+
+
+async def _fetch(replica: Replica, member: Member, network: Network, identity: Identity,
+                 swarm: Swarm, timeouts: Timeouts, deadline: float) -> Download:
+    channel = await connect(network, member.address, identity=identity, swarm=swarm,
+                            allow=frozenset({member.peer}), timeouts=timeouts)
+    async with channel:
+        flat = replica.buffer()
+        try:
+            try:
+                with trio.fail_after(deadline):
+                    await channel.send_message(StateRequest(replica.schema.fingerprint, CODEC))
+                    info = await channel.receive_message()
+                    if isinstance(info, Close):
+                        raise AveragingFailed(f"peer refused: code={info.code} {info.reason}")
+                    if not isinstance(info, StateInfo):
+                        raise RemoteProtocolError(f"expected StateInfo, got {type(info).__name__}")
+                    await receive_state(channel, replica.schema, CODEC, flat)
+            except trio.TooSlowError:
+                raise PeerTimeout(member.peer.short, "download") from None
+            buffers, task = decode_meta(info.meta)
+            if not await offload(replica, all_finite, flat):
+                raise RemoteProtocolError("downloaded state holds non-finite values")
+            await offload(replica, lambda: replica.load(flat, step=info.step, buffers=buffers))
+        finally:
+            replica.release(flat)
+    return Download(member.peer, info.step, info.samples, task)
+

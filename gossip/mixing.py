@@ -1,0 +1,210 @@
+"""The arithmetic of one averaging step, and the rules for trusting what a peer sent. Pure.
+
+Theory of operation
+-------------------
+Two nodes A and B hold snapshots ``s_A`` and ``s_B``. After an exchange each moves towards the
+other by a fraction of the difference::
+
+    delta_A = c_A · (s_B − s_A)        delta_B = c_B · (s_A − s_B)
+
+and adds its delta to its *live* parameters at the trainer's next step boundary, so local steps
+taken meanwhile are kept. Why this is sound: with plain SGD, averaging two states that each took
+local steps from a common start ``x`` equals applying the average of the two deltas to ``x``
+(``(x − Δ_A + x − Δ_B) / 2 = x − (Δ_A + Δ_B) / 2``).
+
+Two mixing modes:
+
+* **fixed** (the default): ``c_A = c_B = w`` (``w = ½`` lands both on the midpoint and keeps
+  the swarm's mean exactly).
+* **push-sum, by samples**: each node carries a weight ``ω`` that starts at 1 and grows by the
+  samples it trains on. ``c_A = ω_B / (ω_A + ω_B)``, so both land on the ``ω``-weighted mean,
+  and both then carry ``(ω_A + ω_B) / 2``. ``Σ ω`` and ``Σ ω·s`` are preserved by every
+  exchange, so the swarm converges to the sample-weighted mean of its members.
+
+Trusting a payload (:func:`make_delta`), in order:
+
+1. every value finite, else refused;
+2. the distance ``‖s_B − s_A‖`` at most ``max_norm_ratio × ‖s_A‖``, else refused: no honest
+   replica of the same model is a hundred times larger than ours;
+3. *self-centred clipping*: the difference is scaled down to at most ``clip ×`` the median
+   distance of the last ``clip_window`` accepted exchanges, so one wild peer moves us by a
+   bounded step. The raw distance enters the history, so a swarm whose spread really grows
+   (two halves of a healed partition) moves the median up within half a window.
+
+Refusals are strikes against the sender (:class:`Quarantine`); enough strikes in a row put it
+in quarantine for a while. Nothing here imports trio or does I/O; time is passed in.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .tensors import all_finite, norm
+
+__all__ = ["coefficient", "merged_weight", "DeltaHistory", "Delta", "make_delta", "Quarantine"]
+
+MAX_QUARANTINED = 4096  # peers remembered by a Quarantine; the oldest entry goes first
+
+
+def coefficient(weight: float, by_samples: bool, mine: float, theirs: float) -> float:
+    """The fraction of the difference to the peer's state that this node moves.
+
+    Args:
+        weight: the fixed mixing weight (used when ``by_samples`` is false).
+        by_samples: push-sum mode.
+        mine, theirs: the two push-sum weights (positive in push-sum mode).
+    """
+    if not by_samples:
+        return weight
+    return theirs / (mine + theirs)
+
+
+def merged_weight(mine: float, theirs: float) -> float:
+    """The push-sum weight each side carries after an exchange."""
+    return (mine + theirs) / 2
+
+
+class DeltaHistory:
+    """The raw distances of the last ``window`` accepted exchanges, for clipping.
+
+    ``bound(clip)`` is ``clip`` times their median once ``min_history`` are known, else None
+    (no clipping while there is nothing to compare with).
+    """
+
+    def __init__(self, window: int = 32, min_history: int = 8) -> None:
+        if window < 1 or not 1 <= min_history <= window:
+            raise ValueError("need window >= 1 and 1 <= min_history <= window")
+        self._recent: collections.deque[float] = collections.deque(maxlen=window)
+        self._sorted: list[float] = []
+        self._min = min_history
+
+    def __len__(self) -> int:
+        return len(self._recent)
+
+    def add(self, distance: float) -> None:
+        if len(self._recent) == self._recent.maxlen:
+            old = self._recent[0]
+            del self._sorted[bisect.bisect_left(self._sorted, old)]
+        self._recent.append(distance)
+        bisect.insort(self._sorted, distance)
+
+    def median(self) -> float | None:
+        n = len(self._sorted)
+        if n == 0:
+            return None
+        mid = n // 2
+        return self._sorted[mid] if n % 2 else (self._sorted[mid - 1] + self._sorted[mid]) / 2
+
+    def bound(self, clip: float) -> float | None:
+        if clip <= 0 or len(self._sorted) < self._min:
+            return None
+        return clip * self.median()  # type: ignore[operator]
+
+
+@dataclass(frozen=True)
+class Delta:
+    """The verdict on one received state.
+
+    Attributes:
+        distance: ``‖received − own‖`` before any scaling (nan if not computed).
+        refused: why the state was refused, or None if the delta is ready to queue.
+        clipped: whether self-centred clipping shortened the step.
+    """
+
+    distance: float
+    refused: str | None = None
+    clipped: bool = False
+
+
+def make_delta(
+    received: torch.Tensor,
+    own: torch.Tensor,
+    coefficient: float,
+    history: DeltaHistory,
+    *,
+    clip: float,
+    max_norm_ratio: float,
+) -> Delta:
+    """Check a received flat state and turn it, in place, into the delta to queue.
+
+    On success ``received`` holds ``coefficient × (received − own)``, shortened by clipping,
+    and the raw distance has entered ``history``. On refusal ``received`` holds garbage and
+    ``history`` is unchanged. ``own`` is never modified.
+    """
+    if not all_finite(received):
+        return Delta(math.nan, "non-finite values")
+    received.sub_(own)
+    distance = norm(received)
+    own_norm = norm(own)
+    if not math.isfinite(distance):
+        return Delta(distance, "difference overflows float32")
+    if own_norm > 0 and distance > max_norm_ratio * own_norm:
+        return Delta(distance, f"distance {distance:.3g} is over {max_norm_ratio:g}x "
+                               f"our norm {own_norm:.3g}")
+    bound = history.bound(clip)
+    history.add(distance)
+    scale, clipped = coefficient, False
+    if bound is not None and distance > bound:
+        scale, clipped = coefficient * bound / distance, True
+    received.mul_(scale)
+    return Delta(distance, None, clipped)
+
+
+class Quarantine:
+    """Strikes against peers that sent invalid state, and who is barred until when.
+
+    ``strikes`` refusals in a row (a valid exchange clears the count) bar a peer for
+    ``duration`` seconds; :meth:`bar` does so at once (a peer whose model we cannot use).
+    """
+
+    def __init__(self, strikes: int = 3, duration: float = 600.0) -> None:
+        if strikes < 1 or duration < 0:
+            raise ValueError("need strikes >= 1 and duration >= 0")
+        self._strikes_needed = strikes
+        self._duration = duration
+        self._strikes: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._until: collections.OrderedDict[str, float] = collections.OrderedDict()
+
+    def strike(self, peer: str, now: float) -> bool:
+        """Count one refusal; True if it put ``peer`` in quarantine."""
+        count = self._strikes.pop(peer, 0) + 1
+        if count >= self._strikes_needed:
+            self.bar(peer, now)
+            return True
+        self._strikes[peer] = count
+        _trim(self._strikes)
+        return False
+
+    def bar(self, peer: str, now: float) -> None:
+        """Quarantine ``peer`` from ``now`` for the configured duration."""
+        self._strikes.pop(peer, None)
+        self._until.pop(peer, None)
+        self._until[peer] = now + self._duration
+        _trim(self._until)
+
+    def clear(self, peer: str) -> None:
+        """A valid exchange with ``peer``: its strikes are forgiven."""
+        self._strikes.pop(peer, None)
+
+    def barred(self, peer: str, now: float) -> bool:
+        until = self._until.get(peer)
+        if until is None:
+            return False
+        if now >= until:
+            del self._until[peer]
+            return False
+        return True
+
+    def count(self, now: float) -> int:
+        """Peers in quarantine at ``now``."""
+        return sum(1 for until in self._until.values() if until > now)
+
+
+def _trim(table: collections.OrderedDict) -> None:
+    while len(table) > MAX_QUARANTINED:
+        table.popitem(last=False)

@@ -1,0 +1,232 @@
+"""A node of a training swarm: membership, averaging and state download around one model.
+
+Theory of operation
+-------------------
+:func:`open_swarm` opens a roster (:mod:`gossip.roster`) whose channel handler takes
+``Offer`` messages to the averager (:mod:`gossip.averaging`) and ``StateRequest`` messages to
+the download server (:mod:`gossip.download`), and runs two tasks in its own nursery:
+
+* *start*: become ready. The first node of a swarm (no bootstrap addresses), or one started
+  with ``start="own"`` (it has a checkpoint), is ready at once. Otherwise it joins, then
+  downloads the full state from the alive, ready peer with the highest step (falling back to
+  the next); with ``start="auto"`` a node that finds no ready peer within ``download_wait``
+  of joining starts from its own initialization (a swarm whose first nodes start together).
+  Only then does it announce ``ready`` and take part in averaging.
+* *rounds*: one averaging round every ``interval`` seconds, jittered.
+
+The trainer stays in charge of the model: :meth:`SwarmNode.step` counts a step and adds the
+queued deltas, and never waits on the network. On exit the node stops averaging (an exchange
+in flight is abandoned, which applies nothing) and leaves the swarm gracefully.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Mapping
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Callable, Sequence
+
+import torch
+import trio
+
+from .averaging import Averaging, AveragingConfig, AveragingStatistics, Result
+from .channel import SecureChannel, Timeouts
+from .download import Download, download, serve_download
+from .errors import AveragingFailed
+from .groups import one_error
+from .handshake import Swarm
+from .identity import Identity, PeerId
+from .member import Member, MembershipConfig
+from .messages import Close, Message, Offer, StateRequest
+from .network import Network, TcpNetwork
+from .replica import Replica
+from .roster import Roster, open_roster
+
+__all__ = ["SwarmNode", "open_swarm"]
+
+log = logging.getLogger(__name__)
+
+RETRY = 1.0  # s between attempts to find a peer to download from
+
+
+class SwarmNode:
+    """A model taking part in a swarm. Get one from :func:`open_swarm`.
+
+    Attributes:
+        roster: the live membership view.
+        replica: the model, its counters and its pending deltas.
+        downloaded: where the initial state came from, or None if it is our own.
+    """
+
+    def __init__(self, roster: Roster, replica: Replica, averaging: Averaging,
+                 task: Callable[[], Mapping[str, Any]]) -> None:
+        self.roster = roster
+        self.replica = replica
+        self.downloaded: Download | None = None
+        self._averaging = averaging
+        self._task = task
+        self._serving = [0]
+
+    @property
+    def peer_id(self) -> PeerId:
+        return self.roster.me.peer
+
+    @property
+    def address(self) -> str:
+        return self.roster.address
+
+    @property
+    def ready(self) -> bool:
+        """Whether the node holds its initial state and averages."""
+        return self._averaging.ready.is_set()
+
+    async def wait_ready(self) -> None:
+        """Return once the node holds its initial state (downloaded or its own)."""
+        await self._averaging.ready.wait()
+
+    @property
+    def global_step(self) -> int:
+        """This node's step, merged as a max with every peer it averaged with: use it for
+        learning-rate schedules, so that the swarm's schedules line up."""
+        return self.replica.counters().step
+
+    def step(self, samples: int = 0) -> int:
+        """Count one optimizer step over ``samples`` samples and add the queued deltas to the
+        model. Call it between steps; it takes a lock for a copy at most, never the network.
+
+        Returns:
+            The number of exchanges whose deltas were just applied.
+        """
+        self.replica.advance(1, samples)
+        return self.replica.apply_pending()
+
+    def apply_pending(self) -> int:
+        """Add the queued deltas without counting a step; returns how many there were."""
+        return self.replica.apply_pending()
+
+    async def average_now(self) -> Result:
+        """Run one averaging round now (waits until the node is ready)."""
+        return await self._averaging.round()
+
+    def statistics(self) -> AveragingStatistics:
+        return self._averaging.statistics()
+
+    # ---- internals --------------------------------------------------------------------
+
+    async def _handle(self, channel: SecureChannel, first: Message) -> None:
+        if isinstance(first, Offer):
+            await self._averaging.respond(channel, first)
+        elif isinstance(first, StateRequest):
+            config = self._averaging.config
+            deadline = config.offer_timeout + config.transfer_deadline(
+                self.replica.schema.encoded_size("fp32"))
+            await serve_download(channel, first, self.replica, self._task, ready=self.ready,
+                                 serving=self._serving, deadline=deadline)
+            self._averaging._tally.downloads_served += 1
+        else:
+            with trio.move_on_after(1.0):
+                await channel.send_message(Close(Close.REJECTED, f"unexpected {type(first).__name__}"))
+
+    async def _start(self, bootstrap: bool) -> None:
+        averaging, config = self._averaging, self._averaging.config
+        if bootstrap and config.start != "own":
+            await self.roster.wait_joined()
+            give_up = trio.current_time() + config.download_wait
+            while True:
+                candidates = self.roster.alive(ready=True)
+                if candidates:
+                    try:
+                        self.downloaded = await download(
+                            self.replica, candidates, averaging._network, averaging._identity,
+                            averaging._swarm, averaging._timeouts,
+                            deadline=config.offer_timeout + config.transfer_deadline(
+                                self.replica.schema.encoded_size("fp32")),
+                            rng=averaging._rng)
+                        break
+                    except AveragingFailed as exc:
+                        log.info("%s; retrying", exc)
+                elif config.start == "auto" and trio.current_time() >= give_up:
+                    log.info("no ready peer %.1f s after joining; starting from our own "
+                             "initialization", config.download_wait)
+                    break
+                with trio.move_on_after(RETRY):
+                    await self.roster.wait_changed()
+        step = self.replica.counters().step
+        averaging.ready.set()
+        self.roster.set_meta(step=step, ready=True)
+        log.info("ready to average peer=%s step=%d source=%s", self.peer_id.short, step,
+                 self.downloaded.peer.short if self.downloaded else "own")
+
+
+@asynccontextmanager
+async def open_swarm(
+    model: torch.nn.Module,
+    swarm: Swarm,
+    *,
+    listen: str = "127.0.0.1:0",
+    bootstrap: Sequence[str] = (),
+    advertise: str | None = None,
+    identity: Identity | None = None,
+    network: Network | None = None,
+    config: AveragingConfig = AveragingConfig(),
+    membership: MembershipConfig = MembershipConfig(),
+    timeouts: Timeouts = Timeouts(),
+    task: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None = None,
+    rng: random.Random | None = None,
+    on_change: Callable[[Member], None] | None = None,
+) -> AsyncIterator[SwarmNode]:
+    """Join (or start) a swarm and average ``model`` with it in the background.
+
+    Args:
+        model: the live module (CPU or CUDA). The node only reads it (snapshots) until the
+            caller applies deltas with :meth:`SwarmNode.step`; a download replaces it.
+        swarm: the swarm's name and key.
+        listen: ``host:port`` for datagrams and channels (port 0 picks one).
+        bootstrap: some members' addresses; empty starts a new swarm.
+        advertise: the address others should dial, when not ``listen`` (say, behind NAT).
+        identity: the node key; a fresh one if omitted.
+        network: real TCP by default; a :class:`~gossip.simnet.SimNetwork` host in tests.
+        task: metadata published to joiners with the state (JSON-like values), or a
+            function returning it at each download.
+        rng: the node's only source of randomness (seed it in tests).
+
+    Raises:
+        SchemaMismatch, ValueError: the model cannot be averaged (unsupported dtype).
+        GossipError: a background task failed (as one typed error).
+    """
+    identity = identity or Identity.generate()
+    network = network or TcpNetwork()
+    rng = rng or random.Random()
+    replica = Replica(model, by_samples=config.by_samples)
+    task_fn: Callable[[], Mapping[str, Any]]
+    if task is None:
+        task_fn = dict
+    elif callable(task):
+        task_fn = task
+    else:
+        fixed = dict(task)
+        task_fn = lambda: fixed  # noqa: E731
+    node: SwarmNode | None = None
+
+    async def handle(channel: SecureChannel, first: Message) -> None:
+        if node is None:  # a peer that is quick off the mark
+            with trio.move_on_after(1.0):
+                await channel.send_message(Close(Close.BUSY, "starting"))
+            return
+        await node._handle(channel, first)
+
+    async with open_roster(network, identity, swarm, listen, bootstrap=bootstrap,
+                           advertise=advertise, config=membership, timeouts=timeouts,
+                           rng=random.Random(rng.getrandbits(64)), handler=handle,
+                           on_change=on_change) as roster:
+        averaging = Averaging(replica, roster, network, identity, swarm, config, timeouts, rng)
+        node = SwarmNode(roster, replica, averaging, task_fn)
+        with one_error():
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(node._start, bool(bootstrap))
+                nursery.start_soon(averaging.run)
+                try:
+                    yield node
+                finally:
+                    nursery.cancel_scope.cancel()
