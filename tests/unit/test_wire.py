@@ -124,7 +124,8 @@ def test_tag_table_is_append_only_so_far():
     assert {t: c.__name__ for t, c in m.TAGS.items()} == {
         1: "Hello", 2: "Close", 3: "StateRequest", 4: "StateHeader", 5: "Packet", 6: "Ping",
         7: "PingReq", 8: "Ack", 9: "Nack", 10: "Alive", 11: "Suspect", 12: "Dead", 13: "Left",
-        14: "MemberState", 15: "PushPull",
+        14: "MemberState", 15: "PushPull", 16: "Offer", 17: "Accept", 18: "Commit",
+        19: "StateInfo",
     }
 
 
