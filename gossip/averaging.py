@@ -46,18 +46,22 @@ import enum
 import logging
 import math
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 import trio
 
 from .channel import SecureChannel, Timeouts, connect
+from .download import CODEC as DOWNLOAD_CODEC
+from .download import Download, download, serve_download
 from .errors import GossipError, PeerGone, PeerTimeout, RemoteProtocolError, SchemaMismatch
 from .groups import first_error
 from .handshake import Swarm
 from .identity import Identity
 from .member import Member
-from .messages import Accept, Close, Commit, Offer
+from .messages import Accept, Close, Commit, Offer, StateRequest
 from .mixing import DeltaHistory, Quarantine, coefficient, make_delta, merged_weight
 from .network import Network
 from .replica import Counters, Replica, offload
@@ -202,6 +206,9 @@ class Averaging:
         self._tally = _Tally()
         self.ready = trio.Event()
         self._nbytes = replica.schema.encoded_size(config.codec)
+        self._serving = [0]  # downloads being served
+        self._download_deadline = config.offer_timeout + config.transfer_deadline(
+            replica.schema.encoded_size(DOWNLOAD_CODEC))
 
     # ---- public -----------------------------------------------------------------------
 
@@ -278,6 +285,20 @@ class Averaging:
             self.replica.release(own)
             self._count(channel)
         log.debug("averaging answered peer=%s result=%s", peer.short, result.value)
+
+    async def serve_download(self, channel: SecureChannel, request: StateRequest,
+                             task: Callable[[], Mapping[str, Any]]) -> None:
+        """Answer a joiner's :class:`StateRequest` (the roster's handler calls this)."""
+        await serve_download(channel, request, self.replica, task, ready=self.ready.is_set(),
+                             serving=self._serving, deadline=self._download_deadline)
+        self._tally.downloads_served += 1
+
+    async def download(self, candidates: list[Member]) -> Download:
+        """Load the state of the most advanced candidate that answers (see
+        :func:`gossip.download.download`)."""
+        return await download(self.replica, candidates, self._network, self._identity,
+                              self._swarm, self._timeouts, deadline=self._download_deadline,
+                              rng=self._rng)
 
     # ---- the exchange -----------------------------------------------------------------
 

@@ -32,7 +32,7 @@ import trio
 
 from .averaging import Averaging, AveragingConfig, AveragingStatistics, Result
 from .channel import SecureChannel, Timeouts
-from .download import Download, download, serve_download
+from .download import Download
 from .errors import AveragingFailed
 from .groups import one_error
 from .handshake import Swarm
@@ -66,7 +66,6 @@ class SwarmNode:
         self.downloaded: Download | None = None
         self._averaging = averaging
         self._task = task
-        self._serving = [0]
 
     @property
     def peer_id(self) -> PeerId:
@@ -118,12 +117,7 @@ class SwarmNode:
         if isinstance(first, Offer):
             await self._averaging.respond(channel, first)
         elif isinstance(first, StateRequest):
-            config = self._averaging.config
-            deadline = config.offer_timeout + config.transfer_deadline(
-                self.replica.schema.encoded_size("fp32"))
-            await serve_download(channel, first, self.replica, self._task, ready=self.ready,
-                                 serving=self._serving, deadline=deadline)
-            self._averaging._tally.downloads_served += 1
+            await self._averaging.serve_download(channel, first, self._task)
         else:
             with trio.move_on_after(1.0):
                 await channel.send_message(Close(Close.REJECTED, f"unexpected {type(first).__name__}"))
@@ -137,12 +131,7 @@ class SwarmNode:
                 candidates = self.roster.alive(ready=True)
                 if candidates:
                     try:
-                        self.downloaded = await download(
-                            self.replica, candidates, averaging._network, averaging._identity,
-                            averaging._swarm, averaging._timeouts,
-                            deadline=config.offer_timeout + config.transfer_deadline(
-                                self.replica.schema.encoded_size("fp32")),
-                            rng=averaging._rng)
+                        self.downloaded = await averaging.download(candidates)
                         break
                     except AveragingFailed as exc:
                         log.info("%s; retrying", exc)
