@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) examples/two_nodes.py
+	$(PY) examples/train_together.py
 
 test: $(STAMP)
 	$(PY) -m pytest -q
