@@ -276,7 +276,11 @@ class Averaging:
         own = self.replica.buffer()
         try:
             mine = await offload(self.replica, self.replica.snapshot, own)
-            await channel.send_message(Accept(mine.step, mine.samples, self._my_weight(mine)))
+            try:
+                with trio.fail_after(self.config.offer_timeout):
+                    await channel.send_message(Accept(mine.step, mine.samples, self._my_weight(mine)))
+            except trio.TooSlowError:
+                raise PeerTimeout(peer.short, "accept") from None
             result = await self._swap(channel, own, mine, offer.step, offer.weight, started)
         except (GossipError, trio.TooSlowError) as exc:
             result = self._failure(peer, "accept", exc)
