@@ -1,0 +1,74 @@
+"""Averaging a model that lives on a GPU (skipped without CUDA).
+
+The replica's flat buffers are page-locked host memory; snapshots copy device to host and
+deltas go back host to device at the trainer's step. A CUDA node and a CPU node average to
+the same midpoint as two CPU nodes would.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import trio
+
+import gossip
+from gossip.replica import Replica
+from tests.util import SWARM
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+CONFIG = gossip.AveragingConfig(interval=None, download_wait=0.0)
+
+
+def mlp(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32),
+                               torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+
+def test_replica_of_a_cuda_model_uses_pinned_buffers() -> None:
+    replica = Replica(mlp(0).cuda())
+    flat = replica.buffer()
+    assert flat.device.type == "cpu" and flat.is_pinned()
+    replica.snapshot(flat)
+    replica.queue(torch.ones_like(flat), peer_step=0, weight=None, sent_weight=0.0)
+    assert replica.apply_pending() == 1
+    after = replica.buffer()
+    replica.snapshot(after)
+    torch.testing.assert_close(after, flat + 1)
+
+
+async def test_cuda_and_cpu_nodes_average_to_the_midpoint() -> None:
+    gpu, cpu = mlp(1).cuda(), mlp(2)
+    expected = [(a.detach().cpu() + b.detach()) / 2
+                for a, b in zip(gpu.state_dict().values(), cpu.state_dict().values())
+                if a.is_floating_point()]
+    async with gossip.open_swarm(gpu, SWARM, config=CONFIG) as a:
+        async with gossip.open_swarm(cpu, SWARM, bootstrap=[a.address],
+                                     config=gossip.AveragingConfig(interval=None, start="own")) as b:
+            while not b.roster.alive(ready=True):
+                await b.roster.wait_changed()
+            with trio.fail_after(30):
+                assert await b.average_now() is gossip.Result.COMMITTED
+            assert a.step() == 1 and b.step() == 1
+    got_gpu = [t.cpu() for t in gpu.state_dict().values() if t.is_floating_point()]
+    got_cpu = [t for t in cpu.state_dict().values() if t.is_floating_point()]
+    for e, g, c in zip(expected, got_gpu, got_cpu):
+        torch.testing.assert_close(g, e)
+        torch.testing.assert_close(c, e)
+
+
+def test_averager_trains_a_cuda_model() -> None:
+    model = mlp(3).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(64, 16, device="cuda"), torch.randint(0, 4, (64,), device="cuda")
+    with gossip.Averager(model, SWARM, config=CONFIG) as avg:
+        for _ in range(5):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            with avg.lock:
+                opt.step()
+            avg.step(samples=64)
+        assert avg.global_step == 5
+        assert avg.statistics().samples == 320
