@@ -99,16 +99,24 @@ class AveragingConfig:
     offer_timeout: float = 5.0  # from sending Offer to its answer
     transfer_timeout: float = 10.0  # both payloads: this + encoded bytes / min_rate
     min_rate: float = 1e6  # bytes/s the slowest link we accept moves (100 MB: 110 s)
-    commit_timeout: float = 5.0  # from sending Commit to the peer's
+    commit_timeout: float = 5.0  # for the peer's Commit, past the end of the transfer deadline
     start: str = "auto"  # "auto": download if a ready peer exists, else own init; "own"; "download"
     download_wait: float = 5.0  # "auto": after joining, how long to look for a ready peer
 
     def __post_init__(self) -> None:
+        for name in ("interval", "weight", "clip", "quarantine", "download_wait"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and type(value) is not bool
+                    or value is None and name == "interval"):
+                raise ValueError(f"averaging.{name} must be a number, not {value!r}")
+        if type(self.by_samples) is not bool:
+            raise ValueError(f"averaging.by_samples must be a bool, not {self.by_samples!r}")
         positive = ("backoff", "offer_timeout", "transfer_timeout", "min_rate", "commit_timeout",
                     "max_norm_ratio")
         for name in positive:
             value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            if not (isinstance(value, (int, float)) and type(value) is not bool
+                    and math.isfinite(value) and value > 0):
                 raise ValueError(f"averaging.{name} must be a positive number, not {value!r}")
         if self.interval is not None and not (math.isfinite(self.interval) and self.interval > 0):
             raise ValueError(f"averaging.interval must be positive or None, not {self.interval!r}")
@@ -270,6 +278,7 @@ class Averaging:
                 close = Close(Close.REJECTED, refusal)
             with trio.move_on_after(CLOSE_TIMEOUT):
                 await channel.send_message(close)
+            self._count(channel)
             return
         self._busy = True
         started = trio.current_time()
@@ -293,9 +302,9 @@ class Averaging:
     async def serve_download(self, channel: SecureChannel, request: StateRequest,
                              task: Callable[[], Mapping[str, Any]]) -> None:
         """Answer a joiner's :class:`StateRequest` (the roster's handler calls this)."""
-        await serve_download(channel, request, self.replica, task, ready=self.ready.is_set(),
-                             serving=self._serving, deadline=self._download_deadline)
-        self._tally.downloads_served += 1
+        if await serve_download(channel, request, self.replica, task, ready=self.ready.is_set(),
+                                serving=self._serving, deadline=self._download_deadline):
+            self._tally.downloads_served += 1
 
     async def download(self, candidates: list[Member]) -> Download:
         """Load the state of the most advanced candidate that answers (see
@@ -362,8 +371,9 @@ class Averaging:
         theirs = self.replica.buffer()
         handed_over = False
         try:
+            transfer_end = trio.current_time() + config.transfer_deadline(self._nbytes)
             try:
-                with trio.fail_after(config.transfer_deadline(self._nbytes)), first_error():
+                with trio.fail_at(transfer_end), first_error():
                     async with trio.open_nursery() as nursery:
                         nursery.start_soon(send_state, channel, own, schema, config.codec)
                         await receive_state(channel, schema, config.codec, theirs)
@@ -375,11 +385,19 @@ class Averaging:
             verdict = await offload(self.replica, make_delta, theirs, own, c, self._history,
                                           clip=config.clip, max_norm_ratio=config.max_norm_ratio)
             if verdict.refused is not None:
+                result = self._invalid(peer, verdict.refused)
                 with trio.move_on_after(CLOSE_TIMEOUT):
-                    await channel.send_message(Close(Close.REJECTED, f"invalid state: {verdict.refused}"))
-                return self._invalid(peer, verdict.refused)
+                    try:
+                        await channel.send_message(Close(Close.REJECTED, f"invalid state: {verdict.refused}"))
+                    except GossipError:
+                        pass  # it hung up already (say, it refused ours): the strike stands
+                return result
             try:
-                with trio.fail_after(config.commit_timeout):
+                # Our send may have returned while the last of our payload still sat in
+                # socket buffers on a slow link: the peer may still be receiving it, and it
+                # has until the transfer deadline to, so the commit deadline counts from there.
+                commit_by = max(transfer_end, trio.current_time()) + config.commit_timeout
+                with trio.fail_at(commit_by):
                     await channel.send_message(Commit())
                     answer = await channel.receive_message()
             except trio.TooSlowError:

@@ -69,7 +69,9 @@ def encode_meta(buffers: Mapping[str, int], task: Mapping[str, Any]) -> bytes:
     """The ``StateInfo.meta`` bytes.
 
     Raises:
-        ValueError: the metadata is not CBOR-encodable or larger than ``MAX_META``.
+        ValueError: the metadata is not CBOR-encodable, larger than ``MAX_META``, or
+            something :func:`decode_meta` refuses (too deeply nested, a buffer that is not a
+            64-bit int), which no joiner could take.
     """
     try:
         data = cbor2.dumps({"buffers": dict(buffers), "task": dict(task)}, canonical=True)
@@ -77,6 +79,10 @@ def encode_meta(buffers: Mapping[str, int], task: Mapping[str, Any]) -> bytes:
         raise ValueError(f"task metadata is not CBOR-encodable: {exc}") from None
     if len(data) > MAX_META:
         raise ValueError(f"task metadata encodes to {len(data)} bytes, more than {MAX_META}")
+    try:
+        decode_meta(data)
+    except RemoteProtocolError as exc:
+        raise ValueError(f"joiners would refuse this metadata: {exc}") from None
     return data
 
 
@@ -91,21 +97,49 @@ def decode_meta(data: bytes) -> tuple[dict[str, int], dict[str, Any]]:
                           allow_duplicate_keys=False, str_errors="strict")
     except (cbor2.CBORDecodeError, ValueError, TypeError, OverflowError, RecursionError) as exc:
         raise RemoteProtocolError(f"malformed state metadata: {exc}") from None
+    try:
+        canonical = cbor2.dumps(obj, canonical=True)
+    except (cbor2.CBOREncodeError, ValueError, TypeError) as exc:
+        raise RemoteProtocolError(f"state metadata holds an unencodable value: {exc}") from None
+    if canonical != bytes(data):
+        raise RemoteProtocolError("state metadata is not canonical CBOR (trailing bytes or "
+                                  "non-shortest form)")
     if type(obj) is not dict or set(obj) != {"buffers", "task"}:
         raise RemoteProtocolError("state metadata is not a map of 'buffers' and 'task'")
     buffers, task = obj["buffers"], obj["task"]
     if type(buffers) is not dict or type(task) is not dict:
         raise RemoteProtocolError("state metadata 'buffers' and 'task' must be maps")
+    _check_plain(task, "task")
     for name, value in buffers.items():
         if type(name) is not str or type(value) is not int or not -2**63 <= value < 2**63:
             raise RemoteProtocolError(f"state metadata: buffer {name!r} is not a 64-bit int")
     return buffers, task
 
 
+_PLAIN = (str, bytes, int, float, bool, type(None))
+
+
+def _check_plain(value: Any, where: str) -> None:
+    """Refuse anything but maps with text keys, arrays and plain scalars: cbor2 turns CBOR
+    tags into dates, decimals, regular expressions, sets and more, none of which metadata
+    needs (the depth is already bounded by the decoder)."""
+    if type(value) is dict:
+        for key, item in value.items():
+            if type(key) is not str:
+                raise RemoteProtocolError(f"state metadata: a key in {where} is not text")
+            _check_plain(item, f"{where}.{key}")
+    elif type(value) is list:
+        for item in value:
+            _check_plain(item, where)
+    elif type(value) not in _PLAIN:
+        raise RemoteProtocolError(f"state metadata: {where} holds a {type(value).__name__}")
+
+
 async def serve_download(channel: SecureChannel, request: StateRequest, replica: Replica,
                          task: Callable[[], Mapping[str, Any]], *, ready: bool,
-                         serving: list[int], deadline: float) -> None:
+                         serving: list[int], deadline: float) -> bool:
     """Answer a :class:`StateRequest` on ``channel``: our state, or Close with the reason.
+    Returns whether the whole state was sent.
 
     Args:
         task: returns the task metadata to publish, called once per download.
@@ -125,20 +159,28 @@ async def serve_download(channel: SecureChannel, request: StateRequest, replica:
     if refusal is not None:
         with trio.move_on_after(1.0):
             await channel.send_message(refusal)
-        return
+        return False
+    try:
+        meta = encode_meta(replica.int_buffers(), task())
+    except ValueError as exc:  # the application's metadata: our fault, not the joiner's
+        log.error("cannot serve a state download: %s", exc)
+        with trio.move_on_after(1.0):
+            await channel.send_message(Close(Close.REJECTED, "this node's task metadata is invalid"))
+        return False
     serving[0] += 1
     flat = replica.buffer()
     try:
         counters = await offload(replica, replica.snapshot, flat)
-        meta = encode_meta(replica.int_buffers(), task())
         with trio.fail_after(deadline):
             await channel.send_message(StateInfo(counters.step, counters.samples,
                                                  counters.weight, meta))
             await send_state(channel, flat, replica.schema, CODEC, step=counters.step,
                              samples=counters.samples)
         log.info("state served peer=%s step=%d", peer.short, counters.step)
+        return True
     except trio.TooSlowError:
         log.info("state download by peer=%s timed out", peer.short)
+        return False
     finally:
         serving[0] -= 1
         replica.release(flat)

@@ -458,7 +458,7 @@ class StateInfo(Message):
     TAG: ClassVar[int] = 19
     step: int
     samples: int
-    weight: float  # as Offer.weight
+    weight: float  # the sender's push-sum weight (1.0 in fixed mode); for information
     meta: bytes
 
     def __post_init__(self) -> None:

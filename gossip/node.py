@@ -32,7 +32,7 @@ import trio
 
 from .averaging import Averaging, AveragingConfig, AveragingStatistics, Result
 from .channel import SecureChannel, Timeouts
-from .download import Download
+from .download import Download, encode_meta
 from .errors import AveragingFailed
 from .groups import one_error
 from .handshake import Swarm
@@ -195,6 +195,7 @@ async def open_swarm(
         task_fn = task
     else:
         fixed = dict(task)
+        encode_meta({}, fixed)  # a ValueError now, not at the first joiner's request
         task_fn = lambda: fixed  # noqa: E731
     node: SwarmNode | None = None
 

@@ -113,16 +113,20 @@ class Replica:
         return tensors.new_flat(self.schema, pin_memory=self._pin)
 
     def release(self, flat: torch.Tensor) -> None:
-        """Give back a buffer from :meth:`buffer` that is no longer needed. At most two spares
-        are kept; with the pending delta that is the three buffers the module promises."""
+        """Give back a buffer from :meth:`buffer` that is no longer needed. Spares and the
+        pending delta together are at most the three buffers the module promises."""
         with self.lock:
-            if len(self._spare) < 2:
+            if len(self._spare) + (self._pending is not None) < 3:
                 self._spare.append(flat)
 
     def snapshot(self, out: torch.Tensor) -> Counters:
-        """Copy the live state into ``out``; returns the counters at that instant."""
+        """Copy the state into ``out``: the live state plus the deltas committed and not yet
+        applied, so that an exchange starts from the state the node has (and the push-sum
+        weight, merged at commit, goes with it); returns the counters at that instant."""
         with self.lock:
             tensors.snapshot(self.model, self.schema, out)
+            if self._pending is not None:
+                out.add_(self._pending)
             return Counters(self._step, self._samples, self._weight)
 
     def queue(self, delta: torch.Tensor, *, peer_step: int, weight: float | None,
