@@ -33,6 +33,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/channel.py
 	$(PY) bench/membership.py --quick
+	$(PY) bench/averaging.py --quick
 
 clean:
 	rm -rf $(VENV) build *.egg-info
