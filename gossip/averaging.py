@@ -26,7 +26,7 @@ next step boundary, so local steps taken during the exchange are kept (see
 One exchange at a time: a node that is in one answers any offer ``Close(BUSY)`` at once,
 never waiting, so two nodes that offer to each other, or a whole swarm offering at the same
 instant, cannot deadlock. The initiator then tries another peer after a short randomized
-backoff, up to ``attempts`` peers per round. Every phase runs under its own deadline
+backoff (the busy one again if nobody else is left), up to ``attempts`` tries per round. Every phase runs under its own deadline
 (connect, handshake, offer, transfer, commit), so a silent peer costs one deadline.
 
 A peer whose payload fails the checks gets a strike; ``strikes`` in a row quarantine it for
@@ -248,18 +248,26 @@ class Averaging:
         """
         await self.ready.wait()
         self._roster.set_meta(step=self.replica.counters().step)
-        tried: set[str] = set()
+        # A peer that failed or refused is not tried again this round. One that was busy
+        # may be, when nobody untried is left: two nodes whose rounds start at the same
+        # instant are busy with their own offers, and the randomized backoff lets one of
+        # them find the other idle.
+        failed: set[str] = set()
+        busy: set[str] = set()
         result = Result.NO_PEER
         for attempt in range(self.config.attempts):
             if attempt:
                 await trio.sleep(self.config.backoff * self._rng.uniform(0.5, 1.5))
-            peer = self._pick(tried)
+            if self._busy:  # answering someone else's offer: no peer is at fault
+                result = Result.BUSY
+                continue
+            peer = self._pick(failed | busy) or self._pick(failed)
             if peer is None:
                 break
-            tried.add(peer.peer)
             result = await self._initiate(peer)
             if result in (Result.COMMITTED, Result.INVALID):
                 break
+            (busy if result is Result.BUSY else failed).add(peer.peer)
         if result is Result.NO_PEER:
             self._tally.results[Result.NO_PEER] += 1
         return result
@@ -315,15 +323,14 @@ class Averaging:
 
     # ---- the exchange -----------------------------------------------------------------
 
-    def _pick(self, tried: set[str]) -> Member | None:
+    def _pick(self, skip: set[str]) -> Member | None:
         now = trio.current_time()
         candidates = [m for m in self._roster.alive(ready=True)
-                      if m.peer not in tried and not self._quarantine.barred(m.peer, now)]
+                      if m.peer not in skip and not self._quarantine.barred(m.peer, now)]
         return self._rng.choice(candidates) if candidates else None
 
     async def _initiate(self, member: Member) -> Result:
-        if self._busy:  # answering someone else's offer right now: try again next round
-            return Result.BUSY
+        assert not self._busy, "round() checks, with no checkpoint in between"
         self._busy = True
         peer, started = member.peer, trio.current_time()
         own = self.replica.buffer()
