@@ -26,6 +26,10 @@ messages; it measures nothing itself.
   no protocol and no arithmetic.
 * plain TCP, one way: the same, *a* sending and *b* only receiving.
 
+Each worker runs torch with one intra-op thread (``torch.set_num_threads(1)``), as torchrun sets
+up several processes on one machine: two workers that each spread every operation over all the
+cores of a small machine would have their threads wait on each other.
+
 Every method gets one warm-up, then ``--trials`` timed trials; the table shows medians. The
 exchanges are timed around a call that also touches the network and threads, so the other
 methods are timed the same way: wall clock on *a*, plus *a*'s CPU time (all threads).
@@ -251,6 +255,10 @@ def worker(role: str, key: bytes, trials: int) -> None:
 
     import gossip  # noqa: F401
 
+    # Two processes share this machine's cores, as torchrun's workers do, and like torchrun
+    # each gets one intra-op thread: otherwise both would spread every torch operation over
+    # all cores, and their threads would wait on each other (every method here pays alike).
+    torch.set_num_threads(1)
     torch.manual_seed(1 if role == "a" else 2)
     model = torch.nn.Module()
     for i in range(PARTS):

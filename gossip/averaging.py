@@ -414,7 +414,7 @@ class Averaging:
             if not isinstance(answer, Commit):
                 raise RemoteProtocolError(f"expected Commit, got {type(answer).__name__}")
             weight = merged_weight(self._my_weight(mine), peer_weight) if config.by_samples else None
-            self.replica.queue(theirs, peer_step=peer_step, weight=weight,
+            self.replica.queue(theirs, scale=verdict.scale, peer_step=peer_step, weight=weight,
                                sent_weight=self._my_weight(mine))
             handed_over = True
         finally:

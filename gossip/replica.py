@@ -8,6 +8,9 @@ trainer adds what is queued at its next step boundary (:meth:`Replica.apply_pend
 the same lock). So the network never waits for the trainer for longer than a copy, and the
 trainer never waits for the network at all.
 
+A queued delta is a difference and the fraction of it to take (``scale``); the add that
+applies it multiplies, so the network side never makes a pass over the model just to scale.
+
 Memory: the flat buffers (one float32 copy of the model each) are the snapshot being sent, the
 state being received, and the pending delta. The received buffer *becomes* the pending delta
 when nothing is pending, and applied deltas go back to a spare slot for the next exchange, so
@@ -66,6 +69,7 @@ class Replica:
         self._samples = 0
         self._weight = 1.0
         self._pending: torch.Tensor | None = None
+        self._pending_scale = 0.0  # the delta to apply is _pending_scale x _pending
         self._pending_count = 0
         self._spare: list[torch.Tensor] = []
         self._pin = any(t.is_cuda for t in model.state_dict().values()
@@ -88,7 +92,7 @@ class Replica:
         with self.lock:
             if self._pending is None:
                 return 0
-            tensors.add_(self.model, self.schema, self._pending)
+            tensors.add_(self.model, self.schema, self._pending, self._pending_scale)
             count, self._pending_count = self._pending_count, 0
             self._spare.append(self._pending)
             self._pending = None
@@ -126,26 +130,30 @@ class Replica:
         with self.lock:
             tensors.snapshot(self.model, self.schema, out)
             if self._pending is not None:
-                out.add_(self._pending)
+                out.add_(self._pending, alpha=self._pending_scale)
             return Counters(self._step, self._samples, self._weight)
 
-    def queue(self, delta: torch.Tensor, *, peer_step: int, weight: float | None,
-              sent_weight: float) -> None:
-        """Queue a committed delta (``delta`` is handed over: do not use it afterwards).
+    def queue(self, delta: torch.Tensor, *, scale: float = 1.0, peer_step: int,
+              weight: float | None, sent_weight: float) -> None:
+        """Queue a committed delta, ``scale × delta`` (``delta`` is handed over: do not use it
+        afterwards).
 
         Args:
+            scale: the fraction of ``delta`` to apply; positive.
             peer_step: the peer's step; ours becomes the max of the two.
             weight: the merged push-sum weight, or None in fixed mode.
             sent_weight: the weight we offered (samples trained since then are kept).
         """
+        if not scale > 0:
+            raise ValueError(f"scale must be positive, not {scale!r}")
         with self.lock:
             self._step = max(self._step, peer_step)
             if weight is not None:
                 self._weight += weight - sent_weight
             if self._pending is None:
-                self._pending = delta
-            else:
-                self._pending.add_(delta)
+                self._pending, self._pending_scale = delta, scale
+            else:  # pending = s1·p + s2·d = s1·(p + (s2/s1)·d): one pass, s1 stays
+                self._pending.add_(delta, alpha=scale / self._pending_scale)
                 if len(self._spare) < 2:
                     self._spare.append(delta)
             self._pending_count += 1

@@ -63,8 +63,9 @@ _DTYPES = {str(d).removeprefix("torch."): d
            for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64)}
 DTYPES: tuple[str, ...] = tuple(_DTYPES)
 
-# Chunk size (elements) for the reductions, so that their temporaries stay small.
-_REDUCE_CHUNK = 1 << 20
+# Chunk size (elements) for the reductions: their temporaries stay small, and a chunk (1 MiB
+# of float32) stays in cache from one operation on it to the next.
+REDUCE_CHUNK = 1 << 18
 
 Target = Union[torch.nn.Module, Mapping[str, torch.Tensor]]
 
@@ -300,8 +301,8 @@ def _views(flat: torch.Tensor, schema: StateSchema) -> Iterator[torch.Tensor]:
         yield flat[offset : offset + spec.numel].view(spec.shape)
 
 
-def add_(target: Target, schema: StateSchema, delta: torch.Tensor) -> None:
-    """Add a flat float32 delta into the model's live tensors, in place.
+def add_(target: Target, schema: StateSchema, delta: torch.Tensor, alpha: float = 1.0) -> None:
+    """Add ``alpha`` times a flat float32 delta into the model's live tensors, in place.
 
     Each slice moves to its tensor's device and is added in float32 (float64 for float64
     tensors), rounding once into the tensor's dtype. Runs under ``torch.no_grad()``.
@@ -312,7 +313,7 @@ def add_(target: Target, schema: StateSchema, delta: torch.Tensor) -> None:
     tensors = _tensors(target, schema, delta)
     with torch.no_grad():
         for t, view in zip(tensors, _views(delta, schema)):
-            t.add_(view.to(t.device))
+            t.add_(view.to(t.device), alpha=alpha)
 
 
 def load_(target: Target, schema: StateSchema, flat: torch.Tensor) -> None:
@@ -376,9 +377,10 @@ def _encode(flat: torch.Tensor, dtype: torch.dtype, per: int) -> Iterator[memory
         n = min(per, total - start)
         src, out = flat[start : start + n], scratch[:n]
         out.copy_(src)
-        # The cast turned values beyond the codec's range into ±inf. A float32 sum is a
-        # cheap test for "no inf here" (it can only err towards the exact check below).
-        if dtype != torch.float32 and not bool(torch.isfinite(out.sum(dtype=torch.float32))):
+        # The cast turns values beyond the codec's range into ±inf. Every |x| is at most the
+        # chunk's norm, so a norm within range rules that out in one fast pass (it can only
+        # err towards the exact check below: NaN, inf, or one large value).
+        if dtype != torch.float32 and not float(torch.dot(src, src)) <= limit * limit:
             src = src.cpu()
             over = out.isinf() & src.isfinite()
             out[over] = src[over].clamp(-limit, limit).to(dtype)
@@ -389,9 +391,10 @@ class StateDecoder:
     """Decode a streamed ``codec`` payload for ``schema`` into a flat float32 buffer.
 
     The payload size, :meth:`StateSchema.encoded_size`, is known before anything is read, so a
-    caller can bound every read by :attr:`remaining_bytes`. Each record is written straight
-    into the output: one copy per byte for ``fp32`` and for writable records (``bytearray``
-    or a memoryview of one). A read-only ``bf16``/``fp16`` record (``bytes``) is first copied
+    caller can bound every read by :attr:`remaining_bytes`. A record is either handed over
+    (:meth:`feed`) or written by the caller where :meth:`window` says (then :meth:`wrote`),
+    which for ``fp32`` into host memory is the output itself. Writable ``bf16``/``fp16``
+    records are cast straight into the output; a read-only one (``bytes``) is first copied
     into a record-sized scratch buffer, because torch cannot view read-only memory.
 
     Not thread-safe; one decoder per payload. After a :class:`SchemaMismatch` the decoder is
@@ -418,8 +421,9 @@ class StateDecoder:
         self.total_bytes = schema.encoded_size(codec)
         self._received = 0
         self._error: str | None = None
-        self._scratch = torch.empty(0, dtype=self._dtype)  # for read-only half records
+        self._scratch = torch.empty(0, dtype=self._dtype)  # records to cast or copy over
         self._scratch_view = memoryview(b"")
+        self._window = 0  # bytes of scratch the last window() offered
         fp32_host = self._dtype == torch.float32 and self._out.device.type == "cpu"
         self._out_view = _host_view(self._out) if fp32_host and schema.numel else None
 
@@ -454,25 +458,37 @@ class StateDecoder:
             self._out[start : start + n].copy_(self._as_tensor(data, n))
         self._received += nbytes
 
-    def window(self) -> memoryview | None:
-        """The writable bytes of the output still to be filled, when the payload's bytes *are*
-        the output's bytes (``fp32`` into host memory), else None. A caller that writes a
-        record there directly (``SecureChannel.receive_into``) then calls :meth:`wrote`: no
-        intermediate buffer, one copy fewer per byte."""
-        if self._out_view is None or self._error is not None:
+    def window(self, limit: int) -> memoryview | None:
+        """Where the next record, of at most ``limit`` bytes, can be written directly (say by
+        ``SecureChannel.receive_into``), to be followed by :meth:`wrote`: the output itself for
+        ``fp32`` into host memory (no intermediate copy at all), else a record-sized scratch
+        buffer that :meth:`wrote` casts or copies into the output. None once the decoder has
+        failed."""
+        if self._error is not None:
             return None
-        return self._out_view[self._received :]
+        if self._out_view is not None:
+            return self._out_view[self._received : self._received + limit]
+        nbytes = min(limit, self.remaining_bytes)
+        self._grow_scratch(-(-nbytes // self._dtype.itemsize))
+        self._window = nbytes
+        return self._scratch_view[:nbytes]
 
     def wrote(self, nbytes: int) -> None:
         """Account for a record of ``nbytes`` written into :meth:`window`, with the checks of
-        :meth:`feed`.
+        :meth:`feed`, and decode it.
 
         Raises:
             SchemaMismatch: as :meth:`feed`.
+            ValueError: more bytes than the last window held.
         """
-        if self._out_view is None:
-            raise ValueError("this decoder has no window")
         self._check_record(nbytes)
+        if self._out_view is None:
+            if nbytes > self._window:
+                raise ValueError(f"wrote {nbytes} bytes into a window of {self._window}")
+            self._window = 0
+            size = self._dtype.itemsize
+            start, n = self._received // size, nbytes // size
+            self._out[start : start + n].copy_(self._scratch[:n])
         self._received += nbytes
 
     def _check_record(self, nbytes: int) -> None:
@@ -490,11 +506,14 @@ class StateDecoder:
     def _as_tensor(self, data: memoryview, n: int) -> torch.Tensor:
         if not data.readonly:
             return torch.frombuffer(data, dtype=self._dtype)
+        self._grow_scratch(n)
+        self._scratch_view[: len(data)] = data
+        return self._scratch[:n]
+
+    def _grow_scratch(self, n: int) -> None:
         if self._scratch.numel() < n:
             self._scratch = torch.empty(n, dtype=self._dtype)
             self._scratch_view = _host_view(self._scratch)
-        self._scratch_view[: len(data)] = data
-        return self._scratch[:n]
 
     def result(self) -> torch.Tensor:
         """The decoded flat float32 state.
@@ -523,8 +542,8 @@ def all_finite(flat: torch.Tensor) -> bool:
     values; a chunk whose float32 sum is not (a non-finite value, or an overflow) gets the
     exact elementwise test.
     """
-    for start in range(0, flat.numel(), _REDUCE_CHUNK):
-        chunk = flat[start : start + _REDUCE_CHUNK]
+    for start in range(0, flat.numel(), REDUCE_CHUNK):
+        chunk = flat[start : start + REDUCE_CHUNK]
         if not bool(torch.isfinite(chunk.sum())) and not bool(chunk.isfinite().all()):
             return False
     return True
@@ -537,8 +556,8 @@ def norm(flat: torch.Tensor) -> float:
     whose float32 sum of squares overflows is redone in float64, so huge values are right too.
     """
     total = 0.0
-    for start in range(0, flat.numel(), _REDUCE_CHUNK):
-        chunk = flat[start : start + _REDUCE_CHUNK]
+    for start in range(0, flat.numel(), REDUCE_CHUNK):
+        chunk = flat[start : start + REDUCE_CHUNK]
         part = float(torch.dot(chunk, chunk))
         if math.isinf(part):
             part = float(torch.linalg.vector_norm(chunk, dtype=torch.float64)) ** 2

@@ -103,9 +103,9 @@ async def _receive_state(
         )
     decoder = StateDecoder(schema, codec, out)
     while not decoder.done:
-        window = decoder.window()
-        if window is None:
-            decoder.feed(await channel.receive())
-        else:  # fp32 into host memory: decrypt each record straight into the state
-            decoder.wrote(await channel.receive_into(window[:MAX_RECORD]))
+        # Each record is decrypted straight into the state (fp32 into host memory) or into a
+        # reused scratch buffer the decoder casts from: no allocation per record.
+        window = decoder.window(MAX_RECORD)
+        assert window is not None  # a failed decoder has raised already
+        decoder.wrote(await channel.receive_into(window))
     return message, decoder.result()

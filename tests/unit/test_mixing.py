@@ -19,7 +19,7 @@ from gossip.mixing import (
 )
 from gossip.tensors import StateSchema
 
-CHUNK = 1 << 20  # gossip.tensors reduces in chunks of this many elements
+CHUNK = tensors.REDUCE_CHUNK  # make_delta reduces in chunks of this many elements
 
 NO_CLIP = {"clip": 0.0, "max_norm_ratio": 100.0}
 
@@ -96,9 +96,10 @@ def test_half_deltas_through_make_delta_land_both_on_the_midpoint() -> None:
     received_b = s_a.clone()
     verdict_b = make_delta(received_b, s_b, c, DeltaHistory(), **NO_CLIP)
     assert verdict_a.refused is None and verdict_b.refused is None
+    assert verdict_a.scale == verdict_b.scale == 0.5
     schema = StateSchema.from_module(a)
-    tensors.add_(a, schema, received_a)
-    tensors.add_(b, schema, received_b)
+    tensors.add_(a, schema, received_a, verdict_a.scale)
+    tensors.add_(b, schema, received_b, verdict_b.scale)
     midpoint = (s_a + s_b) / 2
     torch.testing.assert_close(flat_of(a), midpoint, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(flat_of(b), midpoint, rtol=1e-6, atol=1e-7)
@@ -112,14 +113,14 @@ def test_deltas_applied_after_local_steps_keep_the_steps_and_the_mean() -> None:
     sgd_run(b, batches(6, 2), lr=0.1)
     s_a, s_b = flat_of(a), flat_of(b)
     delta_a, delta_b = s_b.clone(), s_a.clone()
-    assert make_delta(delta_a, s_a, 0.5, DeltaHistory(), **NO_CLIP).refused is None
-    assert make_delta(delta_b, s_b, 0.5, DeltaHistory(), **NO_CLIP).refused is None
+    assert make_delta(delta_a, s_a, 0.5, DeltaHistory(), **NO_CLIP).scale == 0.5
+    assert make_delta(delta_b, s_b, 0.5, DeltaHistory(), **NO_CLIP).scale == 0.5
     step_a = sgd_run(a, batches(7, 1), lr=0.1)
     step_b = sgd_run(b, batches(8, 1), lr=0.1)
     live_mean = (flat_of(a) + flat_of(b)) / 2
     schema = StateSchema.from_module(a)
-    tensors.add_(a, schema, delta_a)
-    tensors.add_(b, schema, delta_b)
+    tensors.add_(a, schema, delta_a, 0.5)
+    tensors.add_(b, schema, delta_b, 0.5)
     midpoint = (s_a + s_b) / 2
     torch.testing.assert_close(flat_of(a), midpoint - step_a, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(flat_of(b), midpoint - step_b, rtol=1e-5, atol=1e-6)
@@ -201,6 +202,18 @@ def test_history_bound_waits_for_min_history_and_clip_zero_disables() -> None:
     assert h.bound(-1.0) is None
 
 
+def test_a_zero_median_bounds_nothing() -> None:
+    # A node that has only met identical states (right after a download, or a swarm at
+    # rest) knows no scale for a step; clipping to 0 would freeze it.
+    h = DeltaHistory(window=4, min_history=2)
+    h.add(0.0)
+    h.add(0.0)
+    assert h.bound(5.0) is None
+    verdict, delta = make(torch.tensor([3.0, 4.0]), torch.zeros(2), h, c=0.5, clip=5.0)
+    assert verdict == Delta(5.0, None, False, 0.5)
+    exact(delta, torch.tensor([1.5, 2.0]))
+
+
 @pytest.mark.parametrize("window, min_history", [(0, 1), (4, 0), (4, 5), (-1, -1)])
 def test_history_refuses_bad_sizes(window: int, min_history: int) -> None:
     with pytest.raises(ValueError):
@@ -220,7 +233,8 @@ def test_history_median_matches_statistics_median(window: int, seq: list[float])
         recent = seq[max(0, i + 1 - window) : i + 1]
         assert len(h) == len(recent)
         assert h.median() == statistics.median(recent)
-        assert h.bound(2.0) == 2.0 * statistics.median(recent)
+        median = statistics.median(recent)
+        assert h.bound(2.0) == (2.0 * median if median else None)
 
 
 # --- make_delta -----------------------------------------------------------------------
@@ -228,22 +242,25 @@ def test_history_median_matches_statistics_median(window: int, seq: list[float])
 
 def make(received: torch.Tensor, own: torch.Tensor, history: DeltaHistory | None = None, *,
          c: float = 0.5, clip: float = 0.0, ratio: float = 100.0) -> tuple[Delta, torch.Tensor]:
-    """make_delta, checking that ``own`` is untouched and a refusal leaves ``history`` alone."""
+    """make_delta, checking that ``own`` is untouched and a refusal leaves ``history`` alone;
+    returns the verdict and the step it stands for (``scale`` times the difference)."""
     history = history if history is not None else DeltaHistory(window=8, min_history=1)
     own_before, before = own.clone(), (len(history), history.median())
     verdict = make_delta(received, own, c, history, clip=clip, max_norm_ratio=ratio)
     exact(own, own_before)
     if verdict.refused is not None:
         assert (len(history), history.median()) == before
-    else:
-        assert len(history) == min(before[0] + 1, 8)
-    return verdict, received
+        assert verdict.scale == 0.0
+        return verdict, received
+    assert len(history) == min(before[0] + 1, 8)
+    assert 0 < verdict.scale <= c
+    return verdict, received * verdict.scale
 
 
 def test_make_delta_success_queues_the_scaled_difference() -> None:
     own = torch.tensor([1.0, 2.0, 3.0])
     verdict, delta = make(torch.tensor([3.0, 2.0, -1.0]), own, c=0.5)
-    assert verdict == Delta(math.sqrt(20.0), None, False)
+    assert verdict == Delta(math.sqrt(20.0), None, False, 0.5)
     exact(delta, torch.tensor([1.0, 0.0, -2.0]))
 
 
@@ -323,7 +340,7 @@ def test_clipping_leaves_a_step_within_the_bound_alone() -> None:
     history.add(4.0)
     history.add(4.0)
     verdict, delta = make(torch.tensor([3.0, 4.0]), torch.zeros(2), history, c=0.5, clip=2.0)
-    assert verdict == Delta(5.0, None, False)
+    assert verdict == Delta(5.0, None, False, 0.5)
     exact(delta, torch.tensor([1.5, 2.0]))
 
 
@@ -331,10 +348,10 @@ def test_no_clipping_before_min_history_or_with_clip_zero() -> None:
     history = DeltaHistory(window=8, min_history=2)
     history.add(1.0)
     verdict, delta = make(torch.tensor([30.0, 40.0]), torch.zeros(2), history, c=1.0, clip=1.0)
-    assert verdict == Delta(50.0, None, False)  # one entry known, two needed
+    assert verdict == Delta(50.0, None, False, 1.0)  # one entry known, two needed
     exact(delta, torch.tensor([30.0, 40.0]))
     verdict, delta = make(torch.tensor([300.0, 400.0]), torch.zeros(2), history, c=1.0, clip=0.0)
-    assert verdict == Delta(500.0, None, False)  # clip=0: off, however far
+    assert verdict == Delta(500.0, None, False, 1.0)  # clip=0: off, however far
     exact(delta, torch.tensor([300.0, 400.0]))
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 import threading
 import weakref
@@ -36,8 +37,8 @@ def filled(replica: Replica, values: torch.Tensor) -> torch.Tensor:
     return flat
 
 
-def queue(replica: Replica, delta: torch.Tensor, peer_step: int = 0) -> None:
-    replica.queue(delta, peer_step=peer_step, weight=None, sent_weight=0.0)
+def queue(replica: Replica, delta: torch.Tensor, peer_step: int = 0, scale: float = 1.0) -> None:
+    replica.queue(delta, scale=scale, peer_step=peer_step, weight=None, sent_weight=0.0)
 
 
 def random_flat(replica: Replica, seed: int, scale: float = 0.1) -> torch.Tensor:
@@ -144,6 +145,36 @@ def test_two_queued_deltas_accumulate_and_apply_once() -> None:
     torch.testing.assert_close(tensors.snapshot(model, replica.schema), start + d1 + d2)
     assert replica.apply_pending() == 0  # nothing left: applied once
     torch.testing.assert_close(tensors.snapshot(model, replica.schema), start + d1 + d2)
+
+
+@pytest.mark.parametrize("s1, s2", [(0.5, 0.5), (0.5, 0.125), (1e-3, 0.75)])
+def test_queued_deltas_are_applied_at_their_scales(s1: float, s2: float) -> None:
+    # Each delta is queued as a difference and the fraction to take; the snapshot (what the
+    # next exchange starts from) and the applied state both see scale x difference.
+    model = linear()
+    replica = Replica(model)
+    start = tensors.snapshot(model, replica.schema)
+    d1, d2 = random_flat(replica, 5), random_flat(replica, 6)
+    queue(replica, filled(replica, d1), scale=s1)
+    expected = start + s1 * d1
+    torch.testing.assert_close(tensors.snapshot(model, replica.schema), start)  # not yet
+    out = replica.buffer()
+    replica.snapshot(out)
+    torch.testing.assert_close(out, expected)
+    queue(replica, filled(replica, d2), scale=s2)
+    expected = expected + s2 * d2
+    replica.snapshot(out)
+    torch.testing.assert_close(out, expected)
+    assert replica.apply_pending() == 2
+    torch.testing.assert_close(tensors.snapshot(model, replica.schema), expected)
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.5, math.nan])
+def test_queue_refuses_a_scale_that_is_not_positive(scale: float) -> None:
+    replica = Replica(linear())
+    with pytest.raises(ValueError, match="scale"):
+        queue(replica, replica.buffer(), scale=scale)
+    assert replica.pending == 0
 
 
 def test_apply_pending_with_nothing_queued_changes_nothing() -> None:

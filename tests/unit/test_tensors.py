@@ -435,14 +435,36 @@ def test_cuda_model_pinned_flat_round_trip() -> None:
 def test_decoder_window_takes_records_in_place() -> None:
     schema = schema_of(("w", (2, 3), "float32"))
     dec = StateDecoder(schema, "fp32")
-    window = dec.window()
-    assert window is not None and len(window) == 24
+    assert len(dec.window(16)) == 16  # at most the limit
+    window = dec.window(1 << 20)
+    assert window is not None and len(window) == 24  # at most what remains
     window[:12] = torch.tensor([1.0, 2.0, 3.0]).numpy().tobytes()
     dec.wrote(12)
-    assert len(dec.window()) == 12
+    assert len(dec.window(1 << 20)) == 12
     with pytest.raises(SchemaMismatch, match="not whole"):
         dec.wrote(5)
-    assert dec.window() is None  # a failed decoder offers nowhere to write
+    assert dec.window(1 << 20) is None  # a failed decoder offers nowhere to write
+
+
+@pytest.mark.parametrize("codec", ["bf16", "fp16"])
+def test_decoder_window_of_a_half_codec_is_a_scratch_record(codec: str) -> None:
+    schema = schema_of(("w", (5,), "float32"))
+    values = torch.tensor([1.0, -2.5, 3.0, 0.125, 1024.0])
+    payload = encode(values, codec)
+    dec = StateDecoder(schema, codec)
+    size = len(payload) // 5
+    window = dec.window(3 * size)
+    assert len(window) == 3 * size
+    window[:] = payload[: 3 * size]
+    dec.wrote(3 * size)
+    assert len(dec.window(size)) == size
+    with pytest.raises(ValueError, match="window"):
+        dec.wrote(2 * size)  # more than the last window held
+    window = dec.window(1 << 20)
+    assert len(window) == 2 * size  # what remains
+    window[:] = payload[3 * size :]
+    dec.wrote(2 * size)
+    assert torch.equal(dec.result(), values)  # all exactly representable
 
 
 def test_decoder_window_checks_like_feed() -> None:
@@ -453,4 +475,7 @@ def test_decoder_window_checks_like_feed() -> None:
     dec = StateDecoder(schema, "fp32")
     with pytest.raises(SchemaMismatch, match="exceeds"):
         dec.wrote(12)
-    assert StateDecoder(schema, "bf16").window() is None  # casting needs a record
+    dec = StateDecoder(schema, "bf16")
+    dec.window(2)
+    with pytest.raises(SchemaMismatch, match="not whole"):
+        dec.wrote(3)
