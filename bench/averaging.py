@@ -121,6 +121,14 @@ def run_workers(trials: int) -> dict:
                for i in (0, 1)]
     for thread in threads:
         thread.start()
+    # A worker that fails ends the run: the other may be waiting on it in a way its closed
+    # input does not interrupt (a node waiting for its peer to join), so it is stopped.
+    while all(worker.poll() is None for worker in workers):
+        time.sleep(0.1)
+    if any(worker.returncode for worker in workers):
+        for worker in workers:
+            if worker.poll() is None:
+                worker.terminate()
     codes = [worker.wait() for worker in workers]
     for thread in threads:
         thread.join()

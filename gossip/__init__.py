@@ -5,6 +5,7 @@ This module is the whole public API; everything else is an implementation detail
 
 from .averaging import AveragingConfig as AveragingConfig
 from .averaging import AveragingStatistics as AveragingStatistics
+from .averaging import Exchange as Exchange
 from .averaging import Result as Result
 from .channel import MAX_RECORD as MAX_RECORD
 from .channel import ChannelStatistics as ChannelStatistics

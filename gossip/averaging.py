@@ -59,7 +59,7 @@ from .download import Download, download, serve_download
 from .errors import GossipError, PeerGone, PeerTimeout, RemoteProtocolError, SchemaMismatch
 from .groups import first_error
 from .handshake import Swarm
-from .identity import Identity
+from .identity import Identity, PeerId
 from .member import Member
 from .messages import Accept, Close, Commit, Offer, StateRequest
 from .mixing import DeltaHistory, Quarantine, coefficient, make_delta, merged_weight
@@ -69,7 +69,7 @@ from .roster import Roster
 from .tensors import CODECS
 from .transfer import receive_state, send_state
 
-__all__ = ["AveragingConfig", "AveragingStatistics", "Averaging", "Result"]
+__all__ = ["AveragingConfig", "AveragingStatistics", "Averaging", "Exchange", "Result"]
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +156,21 @@ class Result(enum.Enum):
 
 
 @dataclass(frozen=True)
+class Exchange:
+    """One exchange as it ended at this node: what ``open_swarm(on_exchange=...)`` is told.
+
+    A round that found nobody to try is no exchange; an offer this node refused before any
+    payload (busy, or a schema it cannot use) is none either.
+    """
+
+    peer: PeerId
+    initiated: bool  # we made the offer
+    result: Result
+    duration: float  # seconds, from before the snapshot to the end
+    distance: float | None  # ||peer - own|| when committed, else None
+
+
+@dataclass(frozen=True)
 class AveragingStatistics:
     """A snapshot of a node's averaging since it started. Times are ``trio.current_time()``."""
 
@@ -199,7 +214,8 @@ class Averaging:
 
     def __init__(self, replica: Replica, roster: Roster, network: Network, identity: Identity,
                  swarm: Swarm, config: AveragingConfig, timeouts: Timeouts,
-                 rng: random.Random) -> None:
+                 rng: random.Random,
+                 on_exchange: Callable[[Exchange], None] | None = None) -> None:
         self.replica = replica
         self.config = config
         self._roster = roster
@@ -208,6 +224,7 @@ class Averaging:
         self._swarm = swarm
         self._timeouts = timeouts
         self._rng = rng
+        self._on_exchange = on_exchange
         self._busy = False
         self._history = DeltaHistory(config.clip_window, config.clip_min_history)
         self._quarantine = Quarantine(config.strikes, config.quarantine)
@@ -305,7 +322,7 @@ class Averaging:
             self._busy = False
             self.replica.release(own)
             self._count(channel)
-        log.debug("averaging answered peer=%s result=%s", peer.short, result.value)
+        self._ended(peer, False, result, started)
 
     async def serve_download(self, channel: SecureChannel, request: StateRequest,
                              task: Callable[[], Mapping[str, Any]]) -> None:
@@ -353,12 +370,14 @@ class Averaging:
                         # Another schema, codec or mode, or it quarantined us: it will not
                         # take our offers for a while, so stop making them.
                         self._quarantine.bar(peer, trio.current_time())
-                    return self._refused(peer, answer)
-                if not isinstance(answer, Accept):
+                    result = self._refused(peer, answer)
+                elif not isinstance(answer, Accept):
                     raise RemoteProtocolError(f"expected Accept, got {type(answer).__name__}")
-                if self.config.by_samples and answer.weight <= 0:
+                elif self.config.by_samples and answer.weight <= 0:
                     raise RemoteProtocolError("push-sum weight of 0 in Accept")
-                result = await self._swap(channel, own, mine, answer.step, answer.weight, started)
+                else:
+                    result = await self._swap(channel, own, mine, answer.step, answer.weight,
+                                              started)
         except (GossipError, trio.TooSlowError) as exc:
             result = self._failure(peer, phase, exc)
             if isinstance(exc, (PeerGone, PeerTimeout)) and phase == "connect":
@@ -368,7 +387,7 @@ class Averaging:
             self.replica.release(own)
             if channel is not None:
                 self._count(channel)
-        log.debug("averaging round peer=%s result=%s", peer.short, result.value)
+        self._ended(peer, True, result, started)
         return result
 
     async def _swap(self, channel: SecureChannel, own: torch.Tensor, mine: Counters,
@@ -432,6 +451,14 @@ class Averaging:
         return Result.COMMITTED
 
     # ---- helpers ----------------------------------------------------------------------
+
+    def _ended(self, peer: PeerId, initiated: bool, result: Result, started: float) -> None:
+        log.debug("averaging %s peer=%s result=%s", "round" if initiated else "answered",
+                  peer.short, result.value)
+        if self._on_exchange is not None:
+            distance = self._tally.last_distance if result is Result.COMMITTED else None
+            self._on_exchange(Exchange(peer, initiated, result, trio.current_time() - started,
+                                       distance))
 
     def _my_weight(self, counters: Counters) -> float:
         return counters.weight if self.config.by_samples else 0.0

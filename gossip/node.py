@@ -30,7 +30,7 @@ from typing import Any, AsyncIterator, Callable, Sequence
 import torch
 import trio
 
-from .averaging import Averaging, AveragingConfig, AveragingStatistics, Result
+from .averaging import Averaging, AveragingConfig, AveragingStatistics, Exchange, Result
 from .channel import SecureChannel, Timeouts
 from .download import Download, encode_meta
 from .errors import AveragingFailed
@@ -164,6 +164,7 @@ async def open_swarm(
     task: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None = None,
     rng: random.Random | None = None,
     on_change: Callable[[Member], None] | None = None,
+    on_exchange: Callable[[Exchange], None] | None = None,
 ) -> AsyncIterator[SwarmNode]:
     """Join (or start) a swarm and average ``model`` with it in the background.
 
@@ -179,6 +180,9 @@ async def open_swarm(
         task: metadata published to joiners with the state (JSON-like values), or a
             function returning it at each download.
         rng: the node's only source of randomness (seed it in tests).
+        on_change: called with every membership change (see :func:`~gossip.roster.open_roster`).
+        on_exchange: called with every exchange as it ends, in the node's event loop
+            (synchronously, so keep it quick): for logs, metrics, or a test waiting on one.
 
     Raises:
         SchemaMismatch, ValueError: the model cannot be averaged (unsupported dtype).
@@ -210,7 +214,8 @@ async def open_swarm(
                            advertise=advertise, config=membership, timeouts=timeouts,
                            rng=random.Random(rng.getrandbits(64)), handler=handle,
                            on_change=on_change) as roster:
-        averaging = Averaging(replica, roster, network, identity, swarm, config, timeouts, rng)
+        averaging = Averaging(replica, roster, network, identity, swarm, config, timeouts, rng,
+                              on_exchange)
         node = SwarmNode(roster, replica, averaging, task_fn)
         with one_error():
             async with trio.open_nursery() as nursery:

@@ -26,6 +26,7 @@ Every effect's network wait is under a deadline.
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import random
@@ -52,6 +53,7 @@ from .membership import (
     State,
 )
 from .messages import Close, MemberState, Message, PushPull
+from .address import parse_address
 from .network import Network
 from .seal import Sealer
 from .wire import decode, encode
@@ -60,6 +62,7 @@ __all__ = ["Roster", "RosterStatistics", "open_roster", "MAX_PUSH_PULLS"]
 
 log = logging.getLogger(__name__)
 
+PORT_ATTEMPTS = 8  # ports tried for listen port 0 when the stream port is taken
 MAX_PUSH_PULLS = 2  # outgoing push-pulls in flight at once; more are skipped, not queued
 SEND_TIMEOUT = 0.1  # s one datagram send may take (a host name's lookup included)
 PAGE_RECORDS = 256  # member records per PushPull page, at most (the message allows 256)
@@ -374,8 +377,8 @@ async def open_roster(
 ) -> AsyncIterator[Roster]:
     """Join (or start) a swarm and keep a live view of its members.
 
-    Binds datagrams and a channel server on ``address`` (port 0 picks one; the same port
-    serves both), starts a new swarm if ``bootstrap`` is empty and otherwise joins through
+    Binds datagrams and a channel server on ``address`` (port 0 picks one that is free for
+    both; the same port serves both), starts a new swarm if ``bootstrap`` is empty and otherwise joins through
     any of its addresses in the background (:meth:`Roster.wait_joined`). On exit it leaves
     gracefully, gossiping the departure for up to ``config.leave_timeout``.
 
@@ -389,25 +392,41 @@ async def open_roster(
         on_change: called (synchronously, so keep it quick) with every member whose state,
             address or metadata changed, in the order the changes happened.
     """
+    any_port = parse_address(address)[1] == 0
     endpoint = await network.open_datagram(address)
     try:
-        bound = endpoint.local_address
-        rng = rng or random.Random()
-        machine = Membership(identity.peer_id, advertise or bound, trio.current_time(), config,
-                             rng, version=PROTOCOL_VERSION, step=step, ready=ready)
-        roster = Roster(machine, identity, swarm, network, endpoint, config, timeouts)
-        roster._on_change = on_change
         with one_error():
             async with trio.open_nursery() as nursery:
-                roster._nursery = nursery
+                roster: Roster | None = None
 
                 async def on_channel(channel: SecureChannel) -> None:
+                    # The server starts first, but nothing runs before the roster exists:
+                    # there is no checkpoint between the server's start and the roster.
+                    assert roster is not None
                     await roster._on_channel(channel, handler)
 
-                await nursery.start(functools.partial(
-                    serve, network, bound, on_channel, identity=identity, swarm=swarm,
-                    timeouts=timeouts,
-                ))
+                for attempt in range(1, PORT_ATTEMPTS + 1):
+                    try:
+                        await nursery.start(functools.partial(
+                            serve, network, endpoint.local_address, on_channel,
+                            identity=identity, swarm=swarm, timeouts=timeouts,
+                        ))
+                        break
+                    except OSError as exc:
+                        # Port 0: the system picked a datagram port that a stream socket
+                        # (say, a connection's local end) holds. Another port will do.
+                        if not (any_port and exc.errno == errno.EADDRINUSE
+                                and attempt < PORT_ATTEMPTS):
+                            raise
+                    await endpoint.aclose()
+                    endpoint = await network.open_datagram(address)
+                bound = endpoint.local_address
+                machine = Membership(identity.peer_id, advertise or bound, trio.current_time(),
+                                     config, rng or random.Random(), version=PROTOCOL_VERSION,
+                                     step=step, ready=ready)
+                roster = Roster(machine, identity, swarm, network, endpoint, config, timeouts)
+                roster._on_change = on_change
+                roster._nursery = nursery
                 nursery.start_soon(roster._receiver)
                 nursery.start_soon(roster._ticker)
                 if bootstrap:

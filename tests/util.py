@@ -1,4 +1,4 @@
-"""Shared test helpers: a tapping stream and a handshaken channel pair."""
+"""Shared test helpers: a tapping stream, a handshaken channel pair, and a signal to wait on."""
 
 import sys
 
@@ -16,6 +16,24 @@ from gossip.identity import Identity
 
 SWARM = Swarm.generate("test")
 ALICE, BOB = Identity.generate(), Identity.generate()
+
+
+class Signal:
+    """Something to wait on for conditions that callbacks change: pass :meth:`fire` as the
+    callback (``on_change``, ``on_exchange``) and :meth:`wait_until` re-checks the condition
+    after every call. No polling, and no wakeup lost: the condition is checked and the wait
+    begun with no checkpoint in between."""
+
+    def __init__(self) -> None:
+        self._event = trio.Event()
+
+    def fire(self, *_: object) -> None:
+        self._event.set()
+        self._event = trio.Event()
+
+    async def wait_until(self, condition) -> None:
+        while not condition():
+            await self._event.wait()
 
 
 class Tap(trio.abc.Stream):

@@ -1,8 +1,9 @@
 """Swarms of averaging nodes on one SimNetwork, for the averaging tests.
 
 Each node is :func:`gossip.node.open_swarm` on its own simulated host, run in the test's
-nursery. Every membership change any node sees wakes :meth:`AveragingSwarm.wait_until`, so
-tests wait on conditions ("everyone sees everyone ready"), never by sleeping. Rounds are
+nursery. Every membership change any node sees, and every exchange that ends anywhere, wakes
+:meth:`AveragingSwarm.wait_until`, so tests wait on conditions ("everyone sees everyone
+ready", "the responder has committed"), never by sleeping or polling. Rounds are
 driven by the test (``interval=None``): :meth:`AveragingSwarm.round` has every given node
 call ``average_now()`` at the same virtual instant, then add what each committed.
 """
@@ -26,7 +27,7 @@ from gossip.member import MembershipConfig
 from gossip.node import SwarmNode, open_swarm
 from gossip.simnet import SimNetwork
 from gossip.tensors import StateSchema, snapshot
-from tests.util import SWARM
+from tests.util import SWARM, Signal
 
 PORT = 7000
 ROUNDS = AveragingConfig(interval=None)  # rounds only when the test asks
@@ -86,7 +87,7 @@ class AveragingSwarm:
         self._seed = seed
         self._membership = membership
         self._timeouts = timeouts
-        self._changed = trio.Event()
+        self._changed = Signal()
         self.committed_rounds = 0  # rounds run through average() that ended COMMITTED
 
     # ---- nodes ------------------------------------------------------------------------
@@ -109,7 +110,8 @@ class AveragingSwarm:
             async with open_swarm(
                 peer.model, SWARM, network=self.net.host(peer.name), listen=peer.address,
                 bootstrap=bootstrap, identity=peer.identity, rng=rng, config=config,
-                membership=membership, timeouts=self._timeouts, on_change=self._record,
+                membership=membership, timeouts=self._timeouts, on_change=self._changed.fire,
+                on_exchange=self._changed.fire,
             ) as node:
                 peer.node = node
                 task_status.started()
@@ -125,14 +127,10 @@ class AveragingSwarm:
 
     # ---- observing --------------------------------------------------------------------
 
-    def _record(self, _member: object) -> None:
-        self._changed.set()
-        self._changed = trio.Event()
-
     async def wait_until(self, condition: Callable[[], bool]) -> None:
-        """Return once ``condition()`` holds; checked after every membership change."""
-        while not condition():
-            await self._changed.wait()
+        """Return once ``condition()`` holds; checked after every membership change and every
+        exchange that ends, at any node."""
+        await self._changed.wait_until(condition)
 
     def running(self) -> list[Peer]:
         return [p for p in self.peers if p.node is not None]
@@ -167,8 +165,8 @@ class AveragingSwarm:
 
         An initiator returns on the responder's Commit, which may arrive a little before
         the responder reads ours: until then the responder's delta is not queued."""
-        await until(lambda: sum(p.swarm_node.statistics().committed for p in self.running())
-                    == 2 * self.committed_rounds)
+        await self.wait_until(lambda: sum(p.swarm_node.statistics().committed
+                                          for p in self.running()) == 2 * self.committed_rounds)
 
     async def round(self, peers: Sequence[Peer] | None = None,
                     during: Callable[[], Awaitable[object]] | None = None) -> list[Result]:
@@ -199,13 +197,6 @@ class AveragingSwarm:
         for peer in self.running():
             peer.apply()
         return [r for r in results if r is not None]
-
-
-async def until(condition: Callable[[], bool], tick: float = 0.001) -> None:
-    """Return once ``condition()`` holds, checking every ``tick`` virtual seconds: for what
-    changes as messages arrive, with no event to wait on (the caller bounds the wait)."""
-    while not condition():
-        await trio.sleep(tick)
 
 
 @asynccontextmanager

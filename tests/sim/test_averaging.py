@@ -32,7 +32,6 @@ from tests.sim.averaging_swarm import (
     open_averaging_swarm,
     start_all,
     state,
-    until,
 )
 
 # The seeds the randomized tests run with; AVERAGING_SEEDS=1,2,3 tries others.
@@ -311,7 +310,7 @@ async def test_invalid_payloads_are_refused_and_the_sender_quarantined(
             else:  # it refused our finite state against its own, or heard our refusal
                 assert result in (Result.INVALID, Result.REJECTED)
             with trio.fail_after(1):  # the answering end may finish a little after the offerer
-                await until(lambda: ended(good) == ended(bad) == k)
+                await swarm.wait_until(lambda: ended(good) == ended(bad) == k)
             good.apply()
             s = good.swarm_node.statistics()
             assert torch.equal(state(good.model), before)
@@ -403,10 +402,10 @@ async def test_an_offer_to_a_node_mid_exchange_is_busy_at_once(autojump_clock: M
             print(f"C: rounds={rounds} busy={s.busy} committed={s.committed}")
             assert s.committed == rounds and s.busy >= 1
             with trio.fail_after(1):
-                await until(lambda: d.swarm_node.statistics().committed == rounds)
+                await swarm.wait_until(lambda: d.swarm_node.statistics().committed == rounds)
         assert exchange == [Result.COMMITTED]
         with trio.fail_after(1):  # B commits when A's Commit reaches it
-            await until(lambda: b.swarm_node.statistics().committed == 1)
+            await swarm.wait_until(lambda: b.swarm_node.statistics().committed == 1)
         assert a.swarm_node.statistics().committed == 1
 
 

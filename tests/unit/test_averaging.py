@@ -4,7 +4,6 @@ over TCP on 127.0.0.1 (open_swarm with rounds only on demand, ``interval=None``)
 from __future__ import annotations
 
 import dataclasses
-import errno
 import math
 import random
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -15,14 +14,13 @@ import torch
 import trio
 
 from gossip import tensors
-from gossip.averaging import AveragingConfig, Result
+from gossip.averaging import AveragingConfig, Exchange, Result
 from gossip.member import MembershipConfig
 from gossip.network import TcpNetwork
 from gossip.node import SwarmNode, open_swarm
-from tests.util import SWARM
+from tests.util import SWARM, Signal
 
 DEADLINE = 60.0  # s for anything on real sockets: generous, the machine may be loaded
-BIND_ATTEMPTS = 5
 
 # --- AveragingConfig ------------------------------------------------------------------
 
@@ -111,55 +109,43 @@ async def until(condition: Callable[[], bool], node: SwarmNode) -> None:
         await node.roster.wait_changed()
 
 
-async def eventually(condition: Callable[[], bool]) -> None:
-    """Poll a condition that another task (the peer's side of an exchange, which has no
-    event to wait on) makes true, yielding to it between checks."""
-    while not condition():
-        await trio.sleep(0.005)
-
-
 async def enter_node(stack: AsyncExitStack, model: torch.nn.Module, config: AveragingConfig,
-                     bootstrap: list[str], seed: str) -> SwarmNode:
-    """open_swarm on 127.0.0.1, port 0. The roster binds its UDP port first and then TCP on
-    the same number, which another socket on this machine may hold: that start fails with
-    EADDRINUSE and is retried here (a limitation of the roster, not what these tests test)."""
-    for attempt in range(BIND_ATTEMPTS):
-        try:
-            return await stack.enter_async_context(open_swarm(
-                model, SWARM, listen="127.0.0.1:0", network=TcpNetwork(), bootstrap=bootstrap,
-                config=config, membership=MEMBERSHIP, rng=random.Random(seed)))
-        except OSError as exc:
-            if exc.errno != errno.EADDRINUSE or attempt == BIND_ATTEMPTS - 1:
-                raise
-    raise AssertionError("unreachable")
+                     bootstrap: list[str], seed: str,
+                     on_exchange: Callable[[Exchange], None]) -> SwarmNode:
+    """open_swarm on 127.0.0.1, port 0, entered on ``stack``."""
+    return await stack.enter_async_context(open_swarm(
+        model, SWARM, listen="127.0.0.1:0", network=TcpNetwork(), bootstrap=bootstrap,
+        config=config, membership=MEMBERSHIP, rng=random.Random(seed), on_exchange=on_exchange))
 
 
 @asynccontextmanager
 async def two_nodes(
     model_a: torch.nn.Module, model_b: torch.nn.Module, config_a: AveragingConfig,
     config_b: AveragingConfig | None = None, *, seed: int = 0,
-) -> AsyncIterator[tuple[SwarmNode, SwarmNode]]:
-    """A (starts the swarm) and B (joins it with its own state), each seeing the other ready."""
+) -> AsyncIterator[tuple[SwarmNode, SwarmNode, Signal]]:
+    """A (starts the swarm) and B (joins it with its own state), each seeing the other ready,
+    and a signal that fires when an exchange ends at either."""
     config_a = dataclasses.replace(config_a, interval=None)
     config_b = dataclasses.replace(config_b or config_a, interval=None, start="own")
+    exchanged = Signal()
     async with AsyncExitStack() as stack:
-        a = await enter_node(stack, model_a, config_a, [], f"{seed}a")
-        b = await enter_node(stack, model_b, config_b, [a.address], f"{seed}b")
+        a = await enter_node(stack, model_a, config_a, [], f"{seed}a", exchanged.fire)
+        b = await enter_node(stack, model_b, config_b, [a.address], f"{seed}b", exchanged.fire)
         with trio.fail_after(DEADLINE):
             await a.wait_ready()
             await b.wait_ready()
             await until(lambda: sees_ready(b, a), b)
             await until(lambda: sees_ready(a, b), a)
-        yield a, b
+        yield a, b, exchanged
 
 
-async def exchange(initiator: SwarmNode, responder: SwarmNode) -> None:
+async def exchange(initiator: SwarmNode, responder: SwarmNode, exchanged: Signal) -> None:
     """One committed round, both sides done with it (the responder finishes a moment after
     the initiator's round returns)."""
     before = responder.statistics().committed
     with trio.fail_after(DEADLINE):
         assert await initiator.average_now() is Result.COMMITTED
-        await eventually(lambda: responder.statistics().committed == before + 1)
+        await exchanged.wait_until(lambda: responder.statistics().committed == before + 1)
 
 
 async def test_two_nodes_land_on_the_midpoint() -> None:
@@ -167,13 +153,13 @@ async def test_two_nodes_land_on_the_midpoint() -> None:
     model_a(torch.randn(16, 8))  # BatchNorm: running stats differ too, and a batch count
     s_a, s_b = flat(model_a), flat(model_b)
     count_a = int(model_a[3].num_batches_tracked)
-    async with two_nodes(model_a, model_b, AveragingConfig()) as (a, b):
-        await exchange(b, a)
+    async with two_nodes(model_a, model_b, AveragingConfig()) as (a, b, exchanged):
+        await exchange(b, a, exchanged)
         assert a.replica.pending == 1 and b.replica.pending == 1
         torch.testing.assert_close(flat(model_a), s_a, rtol=0, atol=0)  # not until a step
         # A second round, the other way: both already hold the midpoint (committed, not yet
         # applied), so it moves nobody.
-        await exchange(a, b)
+        await exchange(a, b, exchanged)
         assert a.step() == 2 and b.step() == 2
         midpoint = (s_a + s_b) / 2
         torch.testing.assert_close(flat(model_a), midpoint)
@@ -198,8 +184,8 @@ async def test_two_nodes_land_on_the_midpoint() -> None:
 async def test_the_first_distance_is_the_distance_between_the_states() -> None:
     model_a, model_b = mlp(3), mlp(4)
     distance = float(torch.linalg.vector_norm(flat(model_a) - flat(model_b)))
-    async with two_nodes(model_a, model_b, AveragingConfig()) as (a, b):
-        await exchange(a, b)
+    async with two_nodes(model_a, model_b, AveragingConfig()) as (a, b, exchanged):
+        await exchange(a, b, exchanged)
         assert a.statistics().last_distance == pytest.approx(distance, rel=1e-5)
         assert b.statistics().last_distance == pytest.approx(distance, rel=1e-5)
 
@@ -207,8 +193,8 @@ async def test_the_first_distance_is_the_distance_between_the_states() -> None:
 async def test_local_steps_during_the_exchange_are_kept() -> None:
     model_a, model_b = mlp(5), mlp(6)
     s_a, s_b = flat(model_a), flat(model_b)
-    async with two_nodes(model_a, model_b, AveragingConfig()) as (a, b):
-        await exchange(a, b)
+    async with two_nodes(model_a, model_b, AveragingConfig()) as (a, b, exchanged):
+        await exchange(a, b, exchanged)
         with torch.no_grad():  # a local "optimizer step" after the snapshot was taken
             model_a[0].bias.add_(1.0)
         a.step()
@@ -223,8 +209,8 @@ async def test_local_steps_during_the_exchange_are_kept() -> None:
 async def test_bf16_exchange_lands_within_bf16_rounding_of_the_midpoint() -> None:
     model_a, model_b = mlp(7), mlp(8)
     s_a, s_b = flat(model_a), flat(model_b)
-    async with two_nodes(model_a, model_b, AveragingConfig(codec="bf16")) as (a, b):
-        await exchange(a, b)
+    async with two_nodes(model_a, model_b, AveragingConfig(codec="bf16")) as (a, b, exchanged):
+        await exchange(a, b, exchanged)
         a.step()
         b.step()
         stats = a.statistics()
@@ -246,11 +232,11 @@ async def test_push_sum_pair_lands_on_the_sample_weighted_mean() -> None:
     model_a, model_b = mlp(9), mlp(10)
     s_a, s_b = flat(model_a), flat(model_b)
     config = AveragingConfig(by_samples=True)
-    async with two_nodes(model_a, model_b, config) as (a, b):
+    async with two_nodes(model_a, model_b, config) as (a, b, exchanged):
         a.step(samples=30)  # weight 31
         b.step(samples=10)  # weight 11
         assert (a.statistics().weight, b.statistics().weight) == (31.0, 11.0)
-        await exchange(b, a)
+        await exchange(b, a, exchanged)
         a.step()
         b.step()
         mean = (31 * s_a + 11 * s_b) / 42
@@ -267,7 +253,7 @@ async def test_a_differing_codec_is_rejected_and_quarantined() -> None:
     model_a, model_b = mlp(11), mlp(12)
     s_a, s_b = flat(model_a), flat(model_b)
     async with two_nodes(model_a, model_b, AveragingConfig(codec="fp32"),
-                         AveragingConfig(codec="bf16")) as (a, b):
+                         AveragingConfig(codec="bf16")) as (a, b, _):
         with trio.fail_after(DEADLINE):
             assert await b.average_now() is Result.REJECTED
             stats = b.statistics()
@@ -286,8 +272,53 @@ async def test_a_differing_codec_is_rejected_and_quarantined() -> None:
 
 async def test_differing_mixing_modes_are_rejected() -> None:
     async with two_nodes(mlp(13), mlp(14), AveragingConfig(by_samples=False),
-                         AveragingConfig(by_samples=True)) as (a, b):
+                         AveragingConfig(by_samples=True)) as (a, b, _):
         with trio.fail_after(DEADLINE):
             assert await b.average_now() is Result.REJECTED
             assert await a.average_now() is Result.REJECTED
         assert a.statistics().quarantined == 1 and b.statistics().quarantined == 1
+
+
+async def test_every_exchange_is_reported_at_both_ends_as_it_ends() -> None:
+    changed = Signal()
+    seen: dict[str, list[Exchange]] = {}
+
+    def record(name: str) -> Callable[[Exchange], None]:
+        seen[name] = []
+
+        def on_exchange(exchange: Exchange) -> None:
+            seen[name].append(exchange)
+            changed.fire()
+        return on_exchange
+
+    model_a, model_b, model_c = mlp(15), mlp(16), mlp(17)
+    distance = float(torch.linalg.vector_norm(flat(model_a) - flat(model_b)))
+    own = AveragingConfig(interval=None, start="own")
+    async with AsyncExitStack() as stack:
+        a = await enter_node(stack, model_a, own, [], "a", record("a"))
+        b = await enter_node(stack, model_b, own, [a.address], "b", record("b"))
+        with trio.fail_after(DEADLINE):
+            await until(lambda: sees_ready(a, b), a)
+            assert await a.average_now() is Result.COMMITTED
+            await changed.wait_until(lambda: len(seen["b"]) == 1)
+        (mine,), (theirs,) = seen["a"], seen["b"]
+        assert (mine.peer, mine.initiated, mine.result) == (b.peer_id, True, Result.COMMITTED)
+        assert (theirs.peer, theirs.initiated, theirs.result) == (a.peer_id, False,
+                                                                 Result.COMMITTED)
+        for exchange in (mine, theirs):
+            assert exchange.distance == pytest.approx(distance, rel=1e-5)
+            assert exchange.duration > 0
+
+        # Another codec: C's offers are refused before any payload, by A and then by B (the
+        # round tries the next peer). Those are exchanges that ended (REJECTED) for C, and
+        # none for the nodes that never took them up.
+        c = await enter_node(stack, model_c, dataclasses.replace(own, codec="bf16"),
+                             [a.address], "c", record("c"))
+        with trio.fail_after(DEADLINE):
+            await until(lambda: len(c.roster.alive(ready=True)) == 2, c)
+            assert await c.average_now() is Result.REJECTED
+        assert {e.peer for e in seen["c"]} == {a.peer_id, b.peer_id}
+        for refused in seen["c"]:
+            assert refused.initiated and refused.result is Result.REJECTED
+            assert refused.distance is None
+        assert len(seen["a"]) == len(seen["b"]) == 1

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import os
 
+import pytest
 import trio
 from trio.testing import MockClock
 
@@ -165,3 +167,50 @@ async def test_metadata_reaches_the_others(autojump_clock: MockClock) -> None:
             member = a.random_alive(ready=True)
             assert member.peer == b_id.peer_id and member.step == 42
             assert member.incarnation == b.me.incarnation
+
+
+class PortTakenFirst(TcpNetwork):
+    """A TcpNetwork whose first port-0 datagram endpoint lands on ``port``, which a stream
+    socket already holds: what the system's pick of a free datagram port can give."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.datagram_ports: list[int] = []
+
+    async def open_datagram(self, address: str):
+        if address.endswith(":0") and not self.datagram_ports:
+            address = f"127.0.0.1:{self.port}"
+        endpoint = await super().open_datagram(address)
+        self.datagram_ports.append(int(endpoint.local_address.rsplit(":", 1)[1]))
+        return endpoint
+
+
+async def test_port_0_takes_another_port_when_the_stream_port_is_taken() -> None:
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    taken = listeners[0].socket.getsockname()[1]
+    net = PortTakenFirst(taken)
+    try:
+        with trio.fail_after(20):
+            async with open_roster(net, Identity.generate(), SWARM, "127.0.0.1:0") as a:
+                port = int(a.address.rsplit(":", 1)[1])
+                assert net.datagram_ports[0] == taken and port == net.datagram_ports[-1] != taken
+                # Both halves of the roster answer on the new port: a peer can join through it.
+                async with open_roster(TcpNetwork(), Identity.generate(), SWARM, "127.0.0.1:0",
+                                       bootstrap=[a.address]) as b:
+                    await wait_for(b, lambda: len(b.alive()) == 1)
+    finally:
+        for listener in listeners:
+            await listener.aclose()
+
+
+async def test_a_fixed_port_that_is_taken_is_an_error() -> None:
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    taken = listeners[0].socket.getsockname()[1]
+    try:
+        with pytest.raises(OSError) as info:
+            async with open_roster(TcpNetwork(), Identity.generate(), SWARM, f"127.0.0.1:{taken}"):
+                pass  # pragma: no cover
+        assert info.value.errno == errno.EADDRINUSE
+    finally:
+        for listener in listeners:
+            await listener.aclose()
