@@ -26,8 +26,9 @@ next step boundary, so local steps taken during the exchange are kept (see
 One exchange at a time: a node that is in one answers any offer ``Close(BUSY)`` at once,
 never waiting, so two nodes that offer to each other, or a whole swarm offering at the same
 instant, cannot deadlock. The initiator then tries another peer after a short randomized
-backoff (the busy one again if nobody else is left), up to ``attempts`` tries per round. Every phase runs under its own deadline
-(connect, handshake, offer, transfer, commit), so a silent peer costs one deadline.
+backoff (the busy one again if nobody else is left), up to ``attempts`` tries per round.
+Every phase runs under its own deadline (connect, handshake, offer, transfer, commit), so a
+silent peer costs one deadline.
 
 A peer whose payload fails the checks gets a strike; ``strikes`` in a row quarantine it for
 ``quarantine`` seconds: we neither offer to it nor accept its offers. A peer whose schema,

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .tensors import REDUCE_CHUNK
+from .tensors import REDUCE_CHUNK, sum_of_squares
 
 __all__ = ["coefficient", "merged_weight", "DeltaHistory", "Delta", "make_delta", "Quarantine"]
 
@@ -170,25 +170,17 @@ def _subtract(received: torch.Tensor, own: torch.Tensor) -> tuple[float, float, 
     """``received -= own`` chunk by chunk; returns ``‖received − own‖²``, ``‖own‖²`` and whether
     every received value was finite (if not, ``received`` is left part-way).
 
-    Float32 dot products per chunk (relative error about 1e-6), summed in float64; a chunk
-    whose float32 sum of squares overflows is redone in float64, and a received chunk whose
-    sum of squares is not finite gets the exact elementwise test first."""
+    The sums are :func:`~gossip.tensors.sum_of_squares` of each chunk; a received chunk whose
+    float32 sum of squares is not finite gets the exact elementwise test first."""
     distance_sq = own_sq = 0.0
     for start in range(0, received.numel(), REDUCE_CHUNK):
         r, o = received[start : start + REDUCE_CHUNK], own[start : start + REDUCE_CHUNK]
         if not math.isfinite(float(torch.dot(r, r))) and not bool(r.isfinite().all()):
             return math.nan, math.nan, False
         r.sub_(o)
-        distance_sq += _square(r)
-        own_sq += _square(o)
+        distance_sq += sum_of_squares(r)
+        own_sq += sum_of_squares(o)
     return distance_sq, own_sq, True
-
-
-def _square(chunk: torch.Tensor) -> float:
-    part = float(torch.dot(chunk, chunk))
-    if math.isinf(part):
-        part = float(torch.linalg.vector_norm(chunk, dtype=torch.float64)) ** 2
-    return part
 
 
 class Quarantine:

@@ -52,6 +52,7 @@ from .errors import SchemaMismatch
 __all__ = [
     "CODECS", "DTYPES", "TensorSpec", "StateSchema", "StateDecoder", "itemsize", "new_flat",
     "snapshot", "unflatten", "add_", "load_", "encode_chunks", "all_finite", "norm",
+    "sum_of_squares", "REDUCE_CHUNK",
 ]
 
 # Wire codecs: name -> element dtype. Each element is little-endian on the wire.
@@ -550,7 +551,12 @@ def all_finite(flat: torch.Tensor) -> bool:
 
 
 def norm(flat: torch.Tensor) -> float:
-    """The Euclidean norm of a flat state (inf or NaN if it holds such values).
+    """The Euclidean norm of a flat state (inf or NaN if it holds such values)."""
+    return math.sqrt(sum_of_squares(flat))
+
+
+def sum_of_squares(flat: torch.Tensor) -> float:
+    """The squared Euclidean norm of a flat float32 tensor (inf or NaN if it holds such values).
 
     Float32 dot products chunk by chunk (relative error about 1e-6), added in float64; a chunk
     whose float32 sum of squares overflows is redone in float64, so huge values are right too.
@@ -562,4 +568,4 @@ def norm(flat: torch.Tensor) -> float:
         if math.isinf(part):
             part = float(torch.linalg.vector_norm(chunk, dtype=torch.float64)) ** 2
         total += part
-    return math.sqrt(total)
+    return total
