@@ -36,6 +36,7 @@ from typing import AsyncIterator, Awaitable, Callable, Sequence
 
 import trio
 
+from .address import parse_address
 from .channel import SecureChannel, Timeouts, connect, serve
 from .errors import GossipError, PeerGone, RemoteProtocolError
 from .groups import one_error
@@ -53,7 +54,6 @@ from .membership import (
     State,
 )
 from .messages import Close, MemberState, Message, PushPull
-from .address import parse_address
 from .network import Network
 from .seal import Sealer
 from .wire import decode, encode
@@ -377,10 +377,11 @@ async def open_roster(
 ) -> AsyncIterator[Roster]:
     """Join (or start) a swarm and keep a live view of its members.
 
-    Binds datagrams and a channel server on ``address`` (port 0 picks one that is free for
-    both; the same port serves both), starts a new swarm if ``bootstrap`` is empty and otherwise joins through
-    any of its addresses in the background (:meth:`Roster.wait_joined`). On exit it leaves
-    gracefully, gossiping the departure for up to ``config.leave_timeout``.
+    Binds datagrams and a channel server on ``address`` (the same port serves both; port 0
+    picks one that is free for both), starts a new swarm if ``bootstrap`` is empty and
+    otherwise joins through any of its addresses in the background
+    (:meth:`Roster.wait_joined`). On exit it leaves gracefully, gossiping the departure for up
+    to ``config.leave_timeout``.
 
     Args:
         address: where to listen, ``host:port``.
