@@ -36,6 +36,7 @@ from .network import Network as Network
 from .node import SwarmNode as SwarmNode
 from .node import open_swarm as open_swarm
 from .network import TcpNetwork as TcpNetwork
+from .replica import Counters as Counters
 from .roster import Roster as Roster
 from .roster import RosterStatistics as RosterStatistics
 from .roster import open_roster as open_roster

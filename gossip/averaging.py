@@ -216,8 +216,10 @@ class Averaging:
     def __init__(self, replica: Replica, roster: Roster, network: Network, identity: Identity,
                  swarm: Swarm, config: AveragingConfig, timeouts: Timeouts,
                  rng: random.Random,
-                 on_exchange: Callable[[Exchange], None] | None = None) -> None:
+                 on_exchange: Callable[[Exchange], None] | None = None,
+                 allow: frozenset[str] | None = None) -> None:
         self.replica = replica
+        self.allow = allow  # peer ids we exchange with; None: any holder of the swarm key
         self.config = config
         self._roster = roster
         self._network = network
@@ -251,12 +253,18 @@ class Averaging:
         )
 
     async def run(self) -> None:
-        """Run a round every ``interval`` (jittered) until cancelled."""
+        """Run a round every ``interval`` (jittered) until cancelled.
+
+        The first round comes within a quarter interval of the node becoming ready, so that a
+        node that just joined (or a misconfigured one) learns at once whether it can exchange.
+        """
         if self.config.interval is None:
             await trio.sleep_forever()
+        await self.ready.wait()
+        await trio.sleep(self.config.interval * self._rng.uniform(0.0, 0.25))
         while True:
-            await trio.sleep(self.config.interval * self._rng.uniform(0.75, 1.25))
             await self.round()
+            await trio.sleep(self.config.interval * self._rng.uniform(0.75, 1.25))
 
     async def round(self) -> Result:
         """Average with one peer: try up to ``attempts`` random peers until one commits.
@@ -341,9 +349,15 @@ class Averaging:
 
     # ---- the exchange -----------------------------------------------------------------
 
+    def allowed(self, members: list[Member]) -> list[Member]:
+        """The members on the allow-list (all of them when there is none)."""
+        if self.allow is None:
+            return members
+        return [m for m in members if m.peer in self.allow]
+
     def _pick(self, skip: set[str]) -> Member | None:
         now = trio.current_time()
-        candidates = [m for m in self._roster.alive(ready=True)
+        candidates = [m for m in self.allowed(self._roster.alive(ready=True))
                       if m.peer not in skip and not self._quarantine.barred(m.peer, now)]
         return self._rng.choice(candidates) if candidates else None
 

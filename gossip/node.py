@@ -25,7 +25,7 @@ import logging
 import random
 from collections.abc import Mapping
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any, AsyncIterator, Callable, Collection, Sequence
 
 import torch
 import trio
@@ -40,7 +40,7 @@ from .identity import Identity, PeerId
 from .member import Member, MembershipConfig
 from .messages import Close, Message, Offer, StateRequest
 from .network import Network, TcpNetwork
-from .replica import Replica
+from .replica import Counters, Replica
 from .roster import Roster, open_roster
 
 __all__ = ["SwarmNode", "open_swarm"]
@@ -114,7 +114,12 @@ class SwarmNode:
     # ---- internals --------------------------------------------------------------------
 
     async def _handle(self, channel: SecureChannel, first: Message) -> None:
-        if isinstance(first, Offer):
+        allow = self._averaging.allow
+        if allow is not None and channel.peer not in allow and isinstance(first, (Offer, StateRequest)):
+            log.info("refused peer=%s reason=not-on-allow-list", channel.peer.short)
+            with trio.move_on_after(1.0):
+                await channel.send_message(Close(Close.REJECTED, "not on the allow-list"))
+        elif isinstance(first, Offer):
             await self._averaging.respond(channel, first)
         elif isinstance(first, StateRequest):
             await self._averaging.serve_download(channel, first, self._task)
@@ -128,7 +133,7 @@ class SwarmNode:
             await self.roster.wait_joined()
             give_up = trio.current_time() + config.download_wait
             while True:
-                candidates = self.roster.alive(ready=True)
+                candidates = averaging.allowed(self.roster.alive(ready=True))
                 if candidates:
                     try:
                         self.downloaded = await averaging.download(candidates)
@@ -163,6 +168,8 @@ async def open_swarm(
     timeouts: Timeouts = Timeouts(),
     task: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None = None,
     rng: random.Random | None = None,
+    counters: Counters | None = None,
+    allow: Collection[str] | None = None,
     on_change: Callable[[Member], None] | None = None,
     on_exchange: Callable[[Exchange], None] | None = None,
 ) -> AsyncIterator[SwarmNode]:
@@ -180,6 +187,9 @@ async def open_swarm(
         task: metadata published to joiners with the state (JSON-like values), or a
             function returning it at each download.
         rng: the node's only source of randomness (seed it in tests).
+        counters: the step, samples and weight to resume from (saved with a checkpoint).
+        allow: the peer ids this node exchanges weights with (offers, downloads, both ways);
+            None: any holder of the swarm key. Membership itself is open to every key holder.
         on_change: called with every membership change (see :func:`~gossip.roster.open_roster`).
         on_exchange: called with every exchange as it ends, in the node's event loop
             (synchronously, so keep it quick): for logs, metrics, or a test waiting on one.
@@ -192,6 +202,8 @@ async def open_swarm(
     network = network or TcpNetwork()
     rng = rng or random.Random()
     replica = Replica(model, by_samples=config.by_samples)
+    if counters is not None:
+        replica.restore(counters)
     task_fn: Callable[[], Mapping[str, Any]]
     if task is None:
         task_fn = dict
@@ -215,7 +227,7 @@ async def open_swarm(
                            rng=random.Random(rng.getrandbits(64)), handler=handle,
                            on_change=on_change) as roster:
         averaging = Averaging(replica, roster, network, identity, swarm, config, timeouts, rng,
-                              on_exchange)
+                              on_exchange, allow=None if allow is None else frozenset(allow))
         node = SwarmNode(roster, replica, averaging, task_fn)
         with one_error():
             async with trio.open_nursery() as nursery:

@@ -87,6 +87,14 @@ class Replica:
             if self.by_samples:
                 self._weight += samples
 
+    def restore(self, counters: Counters) -> None:
+        """Take the counters saved with a checkpoint (before the node starts averaging)."""
+        if counters.step < 0 or counters.samples < 0 or not counters.weight > 0:
+            raise ValueError(f"bad counters {counters}")
+        with self.lock:
+            self._step, self._samples = counters.step, counters.samples
+            self._weight = counters.weight if self.by_samples else 1.0
+
     def apply_pending(self) -> int:
         """Add every queued delta to the live parameters; returns how many were queued."""
         with self.lock:

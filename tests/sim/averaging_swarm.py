@@ -14,7 +14,7 @@ import dataclasses
 import random
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
 import torch
 import trio
@@ -94,24 +94,26 @@ class AveragingSwarm:
 
     async def start(self, model: torch.nn.Module, *, name: str | None = None,
                     bootstrap: Sequence[Peer] = (), config: AveragingConfig = ROUNDS,
-                    membership: MembershipConfig | None = None) -> Peer:
+                    membership: MembershipConfig | None = None, **options: Any) -> Peer:
         """Run a node on host ``name`` in the background; returns once it is open (not
-        necessarily ready: see :meth:`SwarmNode.wait_ready`)."""
+        necessarily ready: see :meth:`SwarmNode.wait_ready`). ``options`` go to
+        :func:`open_swarm` (``allow``, ``counters``)."""
         peer = Peer(name or f"n{len(self.peers)}", model, Identity.generate())
         self.peers.append(peer)
         await self._nursery.start(self._run, peer, [p.address for p in bootstrap], config,
-                                  membership or self._membership)
+                                  membership or self._membership, options)
         return peer
 
     async def _run(self, peer: Peer, bootstrap: list[str], config: AveragingConfig,
-                   membership: MembershipConfig, *, task_status) -> None:
+                   membership: MembershipConfig, options: dict[str, Any], *,
+                   task_status) -> None:
         rng = random.Random(f"{self._seed}:{peer.name}")
         try:
             async with open_swarm(
                 peer.model, SWARM, network=self.net.host(peer.name), listen=peer.address,
                 bootstrap=bootstrap, identity=peer.identity, rng=rng, config=config,
                 membership=membership, timeouts=self._timeouts, on_change=self._changed.fire,
-                on_exchange=self._changed.fire,
+                on_exchange=self._changed.fire, **options,
             ) as node:
                 peer.node = node
                 task_status.started()

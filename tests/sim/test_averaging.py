@@ -543,3 +543,43 @@ async def test_push_sum_converges_to_the_sample_weighted_mean(autojump_clock: Mo
             rounds += 1
         print(f"push-sum 1000x in {rounds} rounds")
         assert (target - plain).norm() > 100 * rms0 / 1000  # the weighting mattered
+
+
+# ---- allow-list and resuming -----------------------------------------------------------
+
+
+async def test_a_node_with_an_allow_list_exchanges_only_with_those_peers(
+    autojump_clock: MockClock,
+) -> None:
+    torch.manual_seed(0)
+    async with open_averaging_swarm(latency=0.005) as swarm:
+        own = dataclasses.replace(ROUNDS, start="own")
+        b = await swarm.start(torch.nn.Linear(8, 4), config=own)
+        c = await swarm.start(torch.nn.Linear(8, 4), bootstrap=[b], config=own)
+        a = await swarm.start(torch.nn.Linear(8, 4), bootstrap=[b], config=own,
+                              allow={b.identity.peer_id})
+        with trio.fail_after(30):
+            await swarm.wait_until(lambda: swarm.sees_ready())
+            for _ in range(6):  # a only ever picks b
+                assert await swarm.average(a) is Result.COMMITTED
+                await swarm.settle()
+            for _ in range(6):  # c's offers to a are refused; it averages with b instead
+                await swarm.average(c)
+                await swarm.settle()
+        sa, sb, sc = (p.swarm_node.statistics() for p in (a, b, c))
+        # Every commit counts at both ends: a and c never committed with each other.
+        assert sa.committed == 6 and sb.committed == sa.committed + sc.committed
+        assert sc.committed == 6
+
+
+async def test_a_node_resumes_the_counters_of_its_checkpoint(autojump_clock: MockClock) -> None:
+    from gossip.replica import Counters
+
+    async with open_averaging_swarm() as swarm:
+        peer = await swarm.start(torch.nn.Linear(8, 4),
+                                 config=dataclasses.replace(ROUNDS, start="own"),
+                                 counters=Counters(step=42, samples=1344, weight=1.0))
+        await peer.swarm_node.wait_ready()
+        stats = peer.swarm_node.statistics()
+        assert (stats.step, stats.samples) == (42, 1344)
+        assert peer.swarm_node.roster.me.step == 42  # announced to the swarm
