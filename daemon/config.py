@@ -1,0 +1,557 @@
+"""The daemon's configuration: one TOML file read into a tree of frozen dataclasses.
+
+Theory of operation
+-------------------
+Each table of the file is a frozen dataclass below, and each of its fields is declared once,
+with ``_field(default, doc, check)``. That one declaration is the field's documentation (the
+``doc`` metadata, which :func:`render` writes as a comment above the key), its type (the type of
+the default) and its validation (``check``). Validation runs in ``__post_init__``, so a bad
+config is an error however it is built, from a file or in code, in two stages:
+
+1. each section checks the *form* of its own values: the type (an int is accepted where a float
+   is expected; a bool or a float never where an int is), the range, the enumeration, the
+   address syntax, and relations inside the section (``task.shard < task.shards``);
+2. :class:`Config` checks that required values are *present* (``swarm.name``, ``task.entry``,
+   and ``node.advertise`` behind a wildcard ``node.listen``). Keeping presence out of stage 1
+   lets every section's defaults be a valid section on their own.
+
+:func:`load` reads the file, applies ``--set section.key=value`` overrides to the parsed table
+(so an override is validated exactly like a value in the file), and hands it to
+:func:`from_dict`, which rejects unknown sections and keys before building the tree. Every
+error is a one-line :class:`ConfigError` that starts with where the value came from (the file,
+or the ``--set`` argument) and names the key.
+
+Relative paths start from ``node.data_dir``, which itself starts from the directory of the
+config file (``Config.base``), never from the current directory of whoever started the daemon.
+"""
+
+from __future__ import annotations
+
+import datetime
+import difflib
+import math
+import os
+import re
+import reprlib
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+import gossip
+from gossip.address import parse_address
+
+__all__ = [
+    "ENV", "DEFAULT_PATH", "ConfigError", "NodeConfig", "SwarmConfig", "TaskConfig",
+    "AveragingSection", "CheckpointConfig", "MetricsConfig", "Config",
+    "load", "from_dict", "parse_override", "render",
+]
+
+ENV = "GOSSIPD_CONFIG"  # names the config file when no path is given
+DEFAULT_PATH = "gossipd.toml"  # in the current directory, when neither a path nor ENV is given
+
+WILDCARDS = ("0.0.0.0", "::")  # listen hosts that peers cannot dial
+_PEER_ID = re.compile(r"[a-z2-7]{26}")
+_DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid: the operator's to fix. The message is one line that starts
+    with the file (or ``--set`` argument) and the key; the CLI prints it and exits with 2.
+
+    Attributes:
+        key: the dotted key at fault (``"task.device"``), or None when no key is.
+    """
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+
+    def within(self, source: str) -> ConfigError:
+        """The same error, its message prefixed with ``source``."""
+        return ConfigError(f"{source}: {self}", self.key)
+
+
+class _Invalid(Exception):
+    """A value's problem, before the key is known. ``where`` locates it inside the value."""
+
+    def __init__(self, problem: str, where: str = "") -> None:
+        super().__init__(problem)
+        self.where = where
+
+
+# --- checks: each takes a value of the field's type and returns a problem, or None ----------
+
+Check = Callable[[Any], "str | None"]
+
+
+def _want(ok: Callable[[Any], bool], expected: str) -> Check:
+    return lambda value: None if ok(value) else f"expected {expected}, got {reprlib.repr(value)}"
+
+
+def _one_of(*choices: str) -> Check:
+    return _want(lambda value: value in choices, ", ".join(choices[:-1]) + " or " + choices[-1])
+
+
+def _address(*, dialable: bool, optional: bool = False) -> Check:
+    """A ``host:port``. A dialable one (what peers connect to) needs a real host and port."""
+
+    def check(value: str) -> str | None:
+        if optional and value == "":
+            return None
+        try:
+            host, port = parse_address(value)
+        except ValueError as exc:
+            return str(exc)
+        if dialable and port == 0:
+            return f"port 0 cannot be dialed: expected a port in 1..65535, got {value!r}"
+        if dialable and host in WILDCARDS:
+            return f"{host} cannot be dialed: expected the host peers reach, got {value!r}"
+        return None
+
+    return check
+
+
+def _entry(value: str) -> str | None:
+    target, _, function = value.rpartition(":")
+    if value and not (target and function.isidentifier()):
+        return f"expected 'module:function' or 'path/to/file.py:function', got {value!r}"
+    return None
+
+
+POSITIVE = _want(lambda v: v > 0, "a number > 0")
+NON_NEGATIVE = _want(lambda v: v >= 0, "a number >= 0")
+COUNT = _want(lambda v: v >= 0, "an integer >= 0")
+AT_LEAST_1 = _want(lambda v: v >= 1, "an integer >= 1")
+NOT_EMPTY = _want(bool, "a non-empty string")
+
+
+def _field(default: Any, doc: str, check: Check | None = None) -> Any:
+    """A config field: ``doc`` (with its unit) is the only description the field has."""
+    metadata = {"doc": doc, "check": check}
+    if isinstance(default, dict):
+        return field(default_factory=dict, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+# --- types: the default's type is the field's type ------------------------------------------
+
+_KINDS = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+          tuple: "an array of strings", dict: "a table"}
+_TOML_SCALARS = (str, int, float, datetime.date, datetime.time)  # bool is an int, datetime a date
+
+
+def _describe(value: Any) -> str:
+    names = {bool: "boolean", int: "integer", float: "float", str: "string", list: "array",
+             tuple: "array", dict: "table"}
+    return f"{names.get(type(value), type(value).__name__)} {reprlib.repr(value)}"
+
+
+def _coerce(value: Any, kind: type) -> Any:
+    """``value`` as a ``kind``, the type of the field's default. Raises _Invalid."""
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    ok = {bool: isinstance(value, bool), int: is_number and isinstance(value, int),
+          float: is_number, tuple: isinstance(value, (list, tuple)),
+          dict: isinstance(value, Mapping)}.get(kind, isinstance(value, str))
+    if not ok:
+        raise _Invalid(f"expected {_KINDS[kind]}, got {_describe(value)}")
+    if kind is float and not math.isfinite(value):
+        raise _Invalid(f"expected a finite number, got {value!r}")
+    if kind is tuple:
+        for i, item in enumerate(value):
+            if not isinstance(item, str):
+                raise _Invalid(f"expected a string, got {_describe(item)}", f"[{i}]")
+        return tuple(str(item) for item in value)
+    if kind is dict:
+        return _plain(value, "")
+    return kind(value)  # int for float fields; plain str for str subclasses such as PeerId
+
+
+def _plain(value: Any, where: str) -> Any:
+    """A copy of a free-form value made of plain dicts and lists; only what TOML can hold."""
+    if isinstance(value, Mapping):
+        for key in value:
+            if not isinstance(key, str):
+                raise _Invalid(f"expected string keys, got {_describe(key)}", where)
+        return {key: _plain(item, f"{where}.{key}") for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(item, f"{where}[{i}]") for i, item in enumerate(value)]
+    if isinstance(value, _TOML_SCALARS):
+        return value
+    raise _Invalid(f"expected a TOML value, got {_describe(value)}", where)
+
+
+class _Section:
+    """Validation shared by the sections. ``section`` is the TOML table's name: a plain class
+    attribute (it has no annotation), not a field."""
+
+    section = ""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            key = f"{self.section}.{f.name}"
+            try:
+                kind = dict if f.default is MISSING else type(f.default)  # dicts use a factory
+                value = _coerce(getattr(self, f.name), kind)
+                check = f.metadata["check"] or (lambda item: None)
+                # An array's check applies to each item, and the error points at the item.
+                items = value if isinstance(value, tuple) else (value,)
+                for i, item in enumerate(items):
+                    problem = check(item)
+                    if problem:
+                        raise _Invalid(problem, f"[{i}]" if isinstance(value, tuple) else "")
+            except _Invalid as exc:
+                raise ConfigError(f"{key}{exc.where}: {exc}", key) from None
+            object.__setattr__(self, f.name, value)
+
+
+@dataclass(frozen=True)
+class NodeConfig(_Section):
+    """Where this node listens, and where it keeps its files."""
+
+    section = "node"
+    listen: str = _field("0.0.0.0:7070", "host:port for UDP datagrams and TCP channels; port 0 "
+                         "picks any free port", _address(dialable=False))
+    advertise: str = _field("", "host:port peers dial to reach us; \"\" means listen (required "
+                            "when listen's host is 0.0.0.0 or ::)",
+                            _address(dialable=True, optional=True))
+    data_dir: str = _field(".", "directory of this node's files, relative to this file's "
+                           "directory", NOT_EMPTY)
+    identity: str = _field("identity.key", "node key file, relative to data_dir; created at "
+                           "first run", NOT_EMPTY)
+    control: str = _field("control.sock", "Unix control socket for `gossipd status`, relative "
+                          "to data_dir", NOT_EMPTY)
+
+
+@dataclass(frozen=True)
+class SwarmConfig(_Section):
+    """Which swarm to join, and whom to exchange with."""
+
+    section = "swarm"
+    name: str = _field("", "the swarm's name, 1..64 characters, the same on every node "
+                       "(required)", _want(lambda v: len(v) <= 64, "at most 64 characters"))
+    key_file: str = _field("swarm.key", "swarm key file, relative to data_dir: 32 random bytes "
+                           "as 64 hex characters", NOT_EMPTY)
+    bootstrap: tuple[str, ...] = _field((), "host:port of some members to join through; empty: "
+                                        "this node starts the swarm", _address(dialable=True))
+    allow: tuple[str, ...] = _field((), "peer ids allowed to exchange with us; empty: anyone "
+                                    "holding the swarm key", _want(
+                                        _PEER_ID.fullmatch, "a peer id (26 of a-z, 2-7)"))
+    profile: str = _field("lan", "membership timing: lan (fast failure detection) or wan "
+                          "(patient, for nodes across the internet)", _one_of("lan", "wan"))
+
+
+@dataclass(frozen=True)
+class TaskConfig(_Section):
+    """What to train, on which device, and which share of the data."""
+
+    section = "task"
+    entry: str = _field("", "what to train: \"module:function\" or \"path/to/file.py:function\" "
+                        "(required)", _entry)
+    device: str = _field("auto", "auto, cpu, cuda or cuda:N; auto picks cuda when available",
+                         _want(_DEVICE.fullmatch, "auto, cpu, cuda or cuda:N"))
+    seed: int = _field(0, "seeds the model's initialization: the same on every node (>= 0)",
+                       COUNT)
+    shard: int = _field(0, "this node's shard of the data, in [0, shards)", COUNT)
+    shards: int = _field(1, "how many shards the data is split into (>= 1)", AT_LEAST_1)
+    options: Mapping[str, Any] = _field({}, "free-form table passed to the task as given")
+    chunk: float = _field(0.25, "s; the trainer thread returns to the event loop at least this "
+                          "often (> 0)", POSITIVE)
+    progress_every: int = _field(100, "steps between progress log lines (>= 1)", AT_LEAST_1)
+    max_steps: int = _field(0, "stop after this many steps; 0: run until stopped", COUNT)
+    threads: int = _field(0, "CPU threads torch may use; 0: torch's default (one per core). "
+                          "Small models train faster on 1", COUNT)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.shard >= self.shards:
+            raise ConfigError(f"task.shard: expected an integer in [0, task.shards) = "
+                              f"[0, {self.shards}), got {self.shard}", "task.shard")
+
+
+@dataclass(frozen=True)
+class AveragingSection(_Section):
+    """How, and how often, this node averages its model with a random peer."""
+
+    section = "averaging"
+    interval: float = _field(5.0, "s, mean time between the rounds we start; 0: never start "
+                             "one (still answers peers)", NON_NEGATIVE)
+    mixing: str = _field("fixed", "fixed: own += weight * (peer - own); samples: weigh both "
+                         "sides by samples trained (push-sum)", _one_of("fixed", "samples"))
+    weight: float = _field(0.5, "fixed mixing's weight, in (0, 1]; 0.5 keeps the swarm's mean",
+                           _want(lambda v: 0 < v <= 1, "a number in (0, 1]"))
+    codec: str = _field("fp32", "wire format of exchanged states: fp32 (exact), bf16 or fp16 "
+                        "(half the bytes)", _one_of("fp32", "bf16", "fp16"))
+    clip: float = _field(5.0, "clip a step to clip x the median recent distance (>= 0); 0: off",
+                         NON_NEGATIVE)
+    max_norm_ratio: float = _field(100.0, "refuse a state farther from ours than this x our "
+                                   "norm (> 0)", POSITIVE)
+    strikes: int = _field(3, "refused payloads in a row that quarantine a peer (>= 1)",
+                          AT_LEAST_1)
+    quarantine: float = _field(600.0, "s a quarantined peer is left alone (>= 0)", NON_NEGATIVE)
+    start: str = _field("auto", "first weights: auto (download if a ready peer exists, else "
+                        "own), own or download", _one_of("auto", "own", "download"))
+    download_wait: float = _field(5.0, "s; with start = auto, how long to look for a ready peer "
+                                  "after joining (>= 0)", NON_NEGATIVE)
+    connect_timeout: float = _field(5.0, "s to open a TCP connection (> 0)", POSITIVE)
+    handshake_timeout: float = _field(5.0, "s for the whole handshake (> 0)", POSITIVE)
+    record_timeout: float = _field(10.0, "s for one record to cross; a 1 MiB record must cross "
+                                   "within this (> 0)", POSITIVE)
+    offer_timeout: float = _field(5.0, "s from sending an offer to its answer (> 0)", POSITIVE)
+    transfer_timeout: float = _field(10.0, "s for both payloads, plus encoded bytes / min_rate "
+                                     "(> 0)", POSITIVE)
+    commit_timeout: float = _field(5.0, "s for the peer's commit, past the transfer deadline "
+                                   "(> 0)", POSITIVE)
+    min_rate: float = _field(1e6, "bytes/s of the slowest link we accept (> 0); stretches "
+                             "transfer_timeout", POSITIVE)
+
+    def to_averaging(self) -> gossip.AveragingConfig:
+        """The library's averaging settings: the fields of the same name, plus interval 0 as
+        None (never start a round) and mixing as ``by_samples``."""
+        shared = {f.name for f in fields(gossip.AveragingConfig)}
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name in shared}
+        values["interval"] = None if self.interval == 0 else self.interval
+        return gossip.AveragingConfig(**values, by_samples=self.mixing == "samples")
+
+    def to_timeouts(self) -> gossip.Timeouts:
+        """The channel's per-phase deadlines."""
+        return gossip.Timeouts(connect=self.connect_timeout, handshake=self.handshake_timeout,
+                               record=self.record_timeout)
+
+
+@dataclass(frozen=True)
+class CheckpointConfig(_Section):
+    """When, and where, the model is saved."""
+
+    section = "checkpoint"
+    interval: float = _field(300.0, "s between checkpoints (> 0); one is also written at exit",
+                             POSITIVE)
+    keep: int = _field(3, "newest checkpoints kept (>= 1)", AT_LEAST_1)
+    dir: str = _field("checkpoints", "checkpoint directory, relative to data_dir", NOT_EMPTY)
+
+
+@dataclass(frozen=True)
+class MetricsConfig(_Section):
+    """What this node reports about itself, and where."""
+
+    section = "metrics"
+    prometheus: str = _field("", "host:port of the Prometheus endpoint; \"\": off",
+                             _address(dialable=False, optional=True))
+    log: str = _field("metrics.jsonl", "JSON-lines metrics log, relative to data_dir; \"\": off")
+    every: float = _field(10.0, "s between JSON lines (> 0)", POSITIVE)
+
+
+_SECTIONS = {cls.section: cls for cls in (NodeConfig, SwarmConfig, TaskConfig, AveragingSection,
+                                          CheckpointConfig, MetricsConfig)}
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole configuration: one field per TOML table, plus where relative paths start."""
+
+    node: NodeConfig = field(default_factory=NodeConfig)
+    swarm: SwarmConfig = field(default_factory=SwarmConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    averaging: AveragingSection = field(default_factory=AveragingSection)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    base: Path = Path(".")  # the config file's directory; node.data_dir starts here. Not a key
+
+    def __post_init__(self) -> None:
+        for name, cls in _SECTIONS.items():
+            if not isinstance(getattr(self, name), cls):
+                raise ConfigError(f"{name}: expected a {cls.__name__}, got "
+                                  f"{_describe(getattr(self, name))}", name)
+        object.__setattr__(self, "base", Path(self.base))
+        if not self.swarm.name:
+            raise ConfigError("swarm.name: required: the swarm's name, 1..64 characters, the "
+                              "same on every node", "swarm.name")
+        if not self.task.entry:
+            raise ConfigError("task.entry: required: what to train, as 'module:function' or "
+                              "'path/to/file.py:function'", "task.entry")
+        host, _ = parse_address(self.node.listen)
+        if host in WILDCARDS and not self.node.advertise:
+            raise ConfigError(f"node.advertise: required because node.listen's host is a "
+                              f"wildcard ({self.node.listen}): set the host:port peers dial to "
+                              f"reach this node", "node.advertise")
+
+    def data_dir(self) -> Path:
+        """The absolute directory of this node's files."""
+        return (self.base / self.node.data_dir).resolve()
+
+    def path(self, relative: str) -> Path:
+        """``relative`` under :meth:`data_dir`; an absolute path stays as it is."""
+        return self.data_dir() / relative
+
+    def membership(self) -> gossip.MembershipConfig:
+        """Membership timing for ``swarm.profile``."""
+        if self.swarm.profile == "wan":
+            return gossip.MembershipConfig.wan()
+        return gossip.MembershipConfig()
+
+
+# --- reading ---------------------------------------------------------------------------------
+
+def load(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> Config:
+    """Read the config file and apply ``--set`` overrides.
+
+    Args:
+        path: the TOML file; None means ``$GOSSIPD_CONFIG``, or else ``gossipd.toml``.
+        overrides: ``section.key=value`` strings, applied in order (see :func:`parse_override`).
+
+    Raises:
+        ConfigError: the file is missing or unreadable, is not TOML, or holds a bad value.
+    """
+    path = Path(path if path is not None else os.environ.get(ENV) or DEFAULT_PATH)
+    source = str(path)
+    try:
+        with open(path, "rb") as file:
+            data = tomllib.load(file)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {source} does not exist (run `gossipd init` to write "
+                          f"one)") from None
+    except OSError as exc:
+        raise ConfigError(f"{source}: cannot read: {exc.strerror}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{source}: invalid TOML: {exc}") from None
+    applied = [(text, _apply_override(data, text)) for text in overrides]
+    try:
+        return _build(data, Path(os.path.abspath(path)).parent)
+    except ConfigError as exc:
+        # Blame the last override that set the key at fault (or a table above or below it).
+        blamed = [text for text, key in applied if exc.key and _overlap(key, exc.key)]
+        raise exc.within(f"--set {blamed[-1]}" if blamed else source) from None
+
+
+def from_dict(data: Mapping, base: Path = Path("."), source: str = "<config>") -> Config:
+    """Build a :class:`Config` from a parsed TOML table; errors are prefixed with ``source``.
+
+    Raises:
+        ConfigError: an unknown section or key, or a bad or missing value.
+    """
+    try:
+        return _build(data, base)
+    except ConfigError as exc:
+        raise exc.within(source) from None
+
+
+def _build(data: Mapping, base: Path) -> Config:
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"expected a table of sections, got {_describe(data)}")
+    sections = {}
+    for name, table in data.items():
+        if name not in _SECTIONS:
+            raise ConfigError(f"{name}: unknown section{_suggest(name, _SECTIONS)}", name)
+        if not isinstance(table, Mapping):
+            raise ConfigError(f"{name}: expected a table [{name}], got {_describe(table)}", name)
+        known = [f.name for f in fields(_SECTIONS[name])]
+        for key in table:
+            if key not in known:
+                raise ConfigError(f"{name}.{key}: unknown key{_suggest(key, known)}",
+                                  f"{name}.{key}")
+        sections[name] = _SECTIONS[name](**table)
+    return Config(**sections, base=base)
+
+
+def _suggest(word: object, known: Sequence[str] | Mapping[str, Any]) -> str:
+    close = difflib.get_close_matches(str(word), list(known), n=1)
+    return f" (did you mean {close[0]}?)" if close else f" (expected one of {', '.join(known)})"
+
+
+def _overlap(a: str, b: str) -> bool:
+    return a == b or a.startswith(b + ".") or b.startswith(a + ".")
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """Split ``section.key=value`` into ``(section, key, value)``.
+
+    The value is read as a TOML value (``3``, ``0.5``, ``true``, ``["a:1", "b:2"]``), and is
+    the bare string when it is not one, so that ``task.device=cpu`` needs no quotes. ``key``
+    may be dotted to reach into a table: ``task.options.lr=0.01`` gives ``("task",
+    "options.lr", 0.01)``.
+
+    Raises:
+        ConfigError: ``text`` is not of that form.
+    """
+    dotted, sep, raw = text.partition("=")
+    parts = dotted.strip().split(".")
+    if not sep or len(parts) < 2 or not all(_BARE_KEY.fullmatch(part) for part in parts):
+        raise ConfigError(f"--set {text!r}: expected section.key=value, e.g. task.device=cpu")
+    try:
+        parsed = tomllib.loads("v = " + raw)
+        value = parsed["v"] if parsed.keys() == {"v"} else raw.strip()
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return parts[0], ".".join(parts[1:]), value
+
+
+def _apply_override(data: dict, text: str) -> str:
+    """Set the override's value in the parsed file ``data``; returns its dotted key."""
+    section, key, value = parse_override(text)
+    *tables, last = [section, *key.split(".")]
+    table = data
+    for depth, name in enumerate(tables, 1):
+        table = table.setdefault(name, {})
+        if not isinstance(table, dict):
+            dotted = ".".join(tables[:depth])
+            raise ConfigError(f"--set {text}: {dotted}: expected a table, got {_describe(table)}",
+                              dotted)
+    table[last] = value
+    return f"{section}.{key}"
+
+
+# --- writing ---------------------------------------------------------------------------------
+
+_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f",
+            "\r": "\\r"}
+
+
+def render(config: Config) -> str:
+    """The whole config as TOML, every field preceded by its documentation. Loading the text
+    back (from a file in ``config.base``) gives an equal config."""
+    lines = ["# gossipd configuration. Every key is listed with its value; absent keys take the",
+             "# default. Relative paths start from node.data_dir, which starts from this file's",
+             "# directory. Override a key when starting: gossipd run --set section.key=value"]
+    for name, cls in _SECTIONS.items():
+        section = getattr(config, name)
+        lines += ["", f"# {cls.__doc__}", f"[{name}]"]
+        tables = []
+        for f in fields(section):
+            value = getattr(section, f.name)
+            if isinstance(value, dict):  # must follow the section's plain keys
+                tables.append((f, value))
+                continue
+            lines += [f"# {f.metadata['doc']}", f"{f.name} = {_toml(value)}"]
+        for f, table in tables:
+            lines += ["", f"# {f.metadata['doc']}", f"[{name}.{f.name}]"]
+            lines += [f"{_toml_key(key)} = {_toml(value)}" for key, value in table.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _toml(value: Any) -> str:
+    """One TOML value on one line; nested tables are written inline."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)  # float reprs (1e+16, inf, nan, 1e-05) are TOML floats too
+    if isinstance(value, str):
+        return '"' + "".join(_ESCAPES.get(c) or (f"\\u{ord(c):04x}" if c < " " or c == "\x7f"
+                                                 else c) for c in value) + '"'
+    if isinstance(value, (datetime.date, datetime.time)):
+        return value.isoformat()
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{_toml_key(k)} = {_toml(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml(item) for item in value) + "]"
+    raise TypeError(f"cannot write {type(value).__name__} as TOML")
+
+
+def _toml_key(key: str) -> str:
+    return key if _BARE_KEY.fullmatch(key) else _toml(key)
