@@ -1,0 +1,369 @@
+"""Atomic, checksummed checkpoints in one directory, keeping the newest N.
+
+Theory of operation
+-------------------
+A checkpoint is one file, ``checkpoint-<step, 12 digits>.ckpt``, so that sorting names sorts
+steps. Its bytes are::
+
+    header   12 bytes   FORMAT: MAGIC b"GOSSIPCK" + VERSION as u32 little-endian
+    payload  n bytes    exactly what torch.save(state, ...) writes (a torch zip archive)
+    trailer  48 bytes   n as u64 little-endian
+                        SHA-256 of header + payload (32 bytes)
+                        END_MAGIC b"GOSSIPND"
+
+Every truncation and every flipped byte is caught before a byte of the payload is unpickled:
+a cut file is shorter than ``header + n + trailer`` or no longer ends in ``END_MAGIC``, and a
+flipped byte breaks the magic, the version, the length or the digest. SHA-256 here detects
+damage, not forgery: anyone who can write the directory can write a valid file. That is why
+the payload is still read only with ``torch.load(weights_only=True, map_location="cpu")``,
+which refuses pickles that name arbitrary classes or functions.
+
+Writing (:func:`save`) streams: ``torch.save`` writes through :class:`_HashingWriter`, which
+hashes each chunk on its way to the file, so the payload is never held in memory. The file is
+a temp file in the same directory (``.checkpoint-<step>.ckpt.<random>.tmp``, which
+:func:`checkpoints` ignores), flushed, fsynced, renamed over the final name with
+``os.replace``, and the directory fsynced. Until the rename the previous checkpoint is
+untouched, so a crash at any instant leaves the last completed checkpoint on disk, plus at
+most a temp file, which the next save removes. After the rename, all but the newest ``keep``
+checkpoints are deleted, never the new one. One process writes a directory at a time (the
+daemon's trainer): a second writer's temp file would be taken for a stale one.
+
+Reading (:func:`load`) reads the file once, verifies it, and only then unpickles.
+:func:`load_latest` walks back from the newest checkpoint, logging and skipping each that
+fails verification. Costs: a save writes the state once and hashes it once (SHA-256 runs at
+about 1 GB/s per core); a load holds the file's bytes and the loaded state at the same time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import io
+import logging
+import os
+import random
+import re
+import struct
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+
+__all__ = [
+    "CheckpointError", "FORMAT", "MAGIC", "VERSION", "END_MAGIC", "MAX_STEP", "save", "load",
+    "load_latest", "checkpoints", "capture_rng", "restore_rng", "atomic_write",
+    "torch_load_reason",
+]
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"GOSSIPCK"
+VERSION = 1
+FORMAT = MAGIC + struct.pack("<I", VERSION)  # the 12 bytes every checkpoint starts with
+END_MAGIC = b"GOSSIPND"
+_TRAILER = struct.Struct("<Q32s8s")  # payload length, SHA-256(header + payload), END_MAGIC
+MAX_STEP = 10**12 - 1  # the most a 12-digit name holds; past it names would stop sorting
+_NAME = re.compile(r"checkpoint-(\d{12})\.ckpt")
+_TEMP_PREFIX, _TEMP_SUFFIX = ".checkpoint-", ".tmp"
+
+
+class CheckpointError(Exception):
+    """A checkpoint file is torn, corrupt or not ours. Nobody's fault in the code: the disk,
+    a crash outside our write protocol, or someone else's file. The message names the file
+    and why; :attr:`path` and :attr:`reason` hold the two parts."""
+
+    def __init__(self, path: Path, reason: str) -> None:
+        super().__init__(f"{path}: {reason}")
+        self.path = path
+        self.reason = reason
+
+
+class _HashingWriter:
+    """The file-like object torch.save writes to: hashes each chunk, then passes it on.
+    Keeps the first OSError, which torch's zip writer would otherwise bury under a
+    RuntimeError of its own."""
+
+    def __init__(self, f: BinaryIO, digest: Any) -> None:
+        self._f = f
+        self._digest = digest
+        self.size = 0
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self._digest.update(view)
+        try:
+            self._f.write(view)
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+        self.size += view.nbytes
+        return view.nbytes
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
+def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
+    """Create or replace ``path`` so that readers see the old file or the whole new one.
+
+    ``write(f)`` fills a temp file ``.<name>.<random>.tmp`` (mode 0600) beside ``path``; it is
+    then flushed, fsynced, renamed over ``path`` and the directory fsynced. On any error,
+    cancellation included, the temp file is removed and the error propagates.
+
+    Args:
+        path: the final file; its directory must exist.
+        write: writes the content to the binary file it is given.
+
+    Raises:
+        OSError: creating, writing, syncing or renaming failed; ``path`` is unchanged.
+    """
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=_TEMP_SUFFIX, dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    _fsync_directory(path.parent)
+
+
+def _fsync_directory(directory: Path) -> None:
+    # Makes the rename itself durable; without it a power cut may bring back the old name.
+    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _check_int(name: str, value: object, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{name} must be an int in [{low}, {high}], got {value!r}")
+    return value
+
+
+def save(directory: Path, state: Mapping[str, Any], *, step: int, keep: int) -> Path:
+    """Write ``state`` as the checkpoint for ``step``, atomically, then prune old ones.
+
+    Creates ``directory`` (mode 0700) if missing and removes temp files left by a crash.
+    Saving a step twice replaces the first file. After the rename, all but the newest
+    ``keep`` checkpoints are deleted, never the one just written.
+
+    Args:
+        directory: where checkpoints live.
+        state: anything ``torch.load(weights_only=True)`` can read back: tensors, dicts,
+            lists, tuples, str, int, float, bool, None.
+        step: the training step, 0 to :data:`MAX_STEP`; it names the file.
+        keep: how many checkpoints to keep, at least 1.
+
+    Returns:
+        The path of the new checkpoint.
+
+    Raises:
+        ValueError: ``step`` or ``keep`` is out of range.
+        OSError: the disk refused; the previous checkpoints are untouched.
+        Exception: whatever torch.save raises for an unpicklable state; nothing is written.
+    """
+    _check_int("step", step, 0, MAX_STEP)
+    _check_int("keep", keep, 1, MAX_STEP)
+    directory = Path(directory)
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for name in os.listdir(directory):
+        stale = directory / name
+        if name.startswith(_TEMP_PREFIX) and name.endswith(_TEMP_SUFFIX) and stale.is_file():
+            log.warning("checkpoint stale temp removed path=%s", stale)
+            with contextlib.suppress(FileNotFoundError):
+                stale.unlink()
+
+    path = directory / f"checkpoint-{step:012d}.ckpt"
+    started = time.monotonic()
+    size = 0
+
+    def write(f: BinaryIO) -> None:
+        nonlocal size
+        digest = hashlib.sha256(FORMAT)
+        f.write(FORMAT)
+        payload = _HashingWriter(f, digest)
+        try:
+            torch.save(dict(state), payload)
+        except Exception:
+            if payload.error is not None:  # the disk failed: say so, not torch's echo of it
+                raise payload.error from None
+            raise
+        f.write(_TRAILER.pack(payload.size, digest.digest(), END_MAGIC))
+        size = len(FORMAT) + payload.size + _TRAILER.size
+
+    atomic_write(path, write)
+    log.debug("checkpoint saved path=%s step=%d bytes=%d seconds=%.3f",
+              path, step, size, time.monotonic() - started)
+
+    for old in checkpoints(directory)[:-keep]:
+        if old != path:
+            with contextlib.suppress(FileNotFoundError):
+                old.unlink()
+            log.info("checkpoint pruned path=%s", old)
+    return path
+
+
+def load(path: Path) -> dict[str, Any]:
+    """Read one checkpoint, verify it, and only then unpickle it (weights only, onto the CPU).
+
+    Args:
+        path: a checkpoint file.
+
+    Returns:
+        The state as saved (a dict with str keys).
+
+    Raises:
+        CheckpointError: unreadable, truncated, wrong magic or version, bad length or digest,
+            or a payload that ``torch.load(weights_only=True)`` refuses or that is not a dict.
+    """
+    path = Path(path)
+    least = len(FORMAT) + _TRAILER.size
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < least:
+                raise CheckpointError(path, f"truncated: {size} bytes, a checkpoint has at "
+                                            f"least {least}")
+            header = f.read(len(FORMAT))
+            payload = f.read(size - least)
+            trailer = f.read()
+    except OSError as exc:
+        raise CheckpointError(path, f"cannot read: {exc.strerror or exc}") from exc
+
+    if header[:len(MAGIC)] != MAGIC:
+        raise CheckpointError(path, "not a gossipd checkpoint (bad magic)")
+    if header != FORMAT:
+        version = struct.unpack("<I", header[len(MAGIC):])[0]
+        raise CheckpointError(path, f"format version {version}, this build reads {VERSION}")
+    if len(trailer) != _TRAILER.size:
+        raise CheckpointError(path, "file changed while being read")
+    length, digest, end = _TRAILER.unpack(trailer)
+    if end != END_MAGIC:
+        raise CheckpointError(path, "truncated or damaged (bad end magic)")
+    if length != len(payload):
+        raise CheckpointError(path, f"truncated or damaged: trailer says {length} payload "
+                                    f"bytes, file holds {len(payload)}")
+    actual = hashlib.sha256(header)
+    actual.update(payload)  # not header + payload: that would copy the payload
+    if not hmac.compare_digest(digest, actual.digest()):
+        raise CheckpointError(path, "damaged: SHA-256 mismatch")
+
+    try:
+        # BytesIO over a bytes object shares it: no copy of the payload.
+        state = torch.load(io.BytesIO(payload), weights_only=True, map_location="cpu")
+    except Exception as exc:  # torch.load raises many types on hostile bytes; all mean "refused"
+        raise CheckpointError(path, f"payload refused by torch.load(weights_only=True): "
+                                    f"{torch_load_reason(exc)}") from exc
+    if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
+        raise CheckpointError(path, f"payload is a {type(state).__name__}, not a dict with "
+                                    "str keys")
+    return state
+
+
+def torch_load_reason(exc: BaseException) -> str:
+    """One line saying why torch.load refused a file: torch's weights_only message is a page
+    whose first line is boilerplate (advising ``weights_only=False``, which we never do) and
+    whose cause is in the middle."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    useful = [line for line in lines
+              if not line.startswith(("Weights only load failed", "Check the documentation"))]
+    text = (useful or lines or [""])[0]
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def load_latest(directory: Path) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint in ``directory`` that verifies, skipping (and logging) newer
+    ones that do not.
+
+    Args:
+        directory: where checkpoints live; it may be missing.
+
+    Returns:
+        ``(path, state)``, or None if the directory is missing or holds no valid checkpoint.
+    """
+    for path in reversed(checkpoints(directory)):
+        try:
+            return path, load(path)
+        except CheckpointError as exc:
+            log.warning("checkpoint unusable path=%s reason=%s; trying the previous one",
+                        path, exc.reason)
+    return None
+
+
+def checkpoints(directory: Path) -> list[Path]:
+    """Checkpoint files in ``directory`` by name, oldest first, without verifying them.
+
+    Temp files and anything not named ``checkpoint-<12 digits>.ckpt`` are ignored; a
+    missing directory has none.
+    """
+    directory = Path(directory)
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    return [directory / n for n in sorted(names)
+            if _NAME.fullmatch(n) and (directory / n).is_file()]
+
+
+def capture_rng() -> dict[str, Any]:
+    """The random generators' states, in a form ``torch.load(weights_only=True)`` reads.
+
+    Returns:
+        ``{"python": [version, [ints...], gauss_next], "torch": uint8 tensor}``, plus
+        ``"cuda": [uint8 tensor per device]`` when CUDA has been initialized (when it has
+        not, no CUDA generator has been used, so there is nothing to save).
+    """
+    version, internal, gauss_next = random.getstate()
+    state: dict[str, Any] = {
+        "python": [version, list(internal), gauss_next],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_initialized():
+        state["cuda"] = [s.cpu() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def restore_rng(state: Mapping[str, Any]) -> None:
+    """Put back the generators' states from :func:`capture_rng`.
+
+    A missing ``"cuda"`` entry is fine; a CUDA state for a different number of devices (or
+    for a machine without CUDA) is logged and skipped, since the draws cannot match anyway.
+
+    Raises:
+        ValueError: the python or torch state is missing or malformed; nothing is changed.
+    """
+    try:
+        version, internal, gauss_next = state["python"]
+        python = (int(version), tuple(int(x) for x in internal),
+                  None if gauss_next is None else float(gauss_next))
+        cpu = state["torch"]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"rng state malformed: {type(exc).__name__}: {exc}") from exc
+    expected = torch.get_rng_state()
+    if (not isinstance(cpu, torch.Tensor) or cpu.dtype != torch.uint8
+            or cpu.shape != expected.shape):
+        raise ValueError(f"rng state malformed: torch state is not a uint8 tensor of shape "
+                         f"{tuple(expected.shape)}")
+    random.setstate(python)
+    torch.set_rng_state(cpu.cpu())
+
+    cuda = state.get("cuda")
+    if cuda is None:
+        return
+    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if len(cuda) != available:
+        log.warning("rng cuda state skipped saved_devices=%d devices=%d", len(cuda), available)
+        return
+    torch.cuda.set_rng_state_all(cuda)

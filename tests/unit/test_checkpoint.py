@@ -1,0 +1,418 @@
+"""Tests for daemon.checkpoint: round trips, the file layout, every truncation and flipped
+byte caught before unpickling, fallback to the previous checkpoint, pruning, crash safety,
+RNG capture, and refusal of hostile pickles by weights_only."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import os
+import pickle
+import random
+import stat
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from daemon import checkpoint
+from daemon.checkpoint import CheckpointError
+
+TRAILER = 48  # payload length (8) + SHA-256 (32) + END_MAGIC (8)
+
+
+def frame(payload: bytes, header: bytes = checkpoint.FORMAT) -> bytes:
+    """A checkpoint built from the documented layout, independently of save()."""
+    digest = hashlib.sha256(header + payload).digest()
+    return header + payload + struct.pack("<Q", len(payload)) + digest + checkpoint.END_MAGIC
+
+
+def torch_bytes(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def make_state() -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(16, 4)).square().mean().backward()
+        opt.step()
+    return {
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "counters": {"step": 3, "samples": 48, "weight": 0.75},
+        "rng": checkpoint.capture_rng(),
+        "meta": {"entry": "tests:task", "schema": "ab" * 16, "time": 1234.5},
+    }
+
+
+def assert_same(a: Any, b: Any, where: str = "state") -> None:
+    assert type(a) is type(b) or (isinstance(a, dict) and isinstance(b, dict)), where
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert list(a) == list(b), where
+        for k in a:
+            assert_same(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+@pytest.fixture
+def no_torch_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        pytest.fail("torch.load reached on data that failed verification")
+
+    monkeypatch.setattr(torch, "load", refuse)
+
+
+@pytest.fixture(scope="module")
+def tiny_bytes(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    path = checkpoint.save(tmp_path_factory.mktemp("tiny"), {"x": torch.tensor([1.0, 2.0])},
+                           step=1, keep=1)
+    return path.read_bytes()
+
+
+# --- round trip and layout ------------------------------------------------------------
+
+
+def test_round_trip(tmp_path: Path) -> None:
+    state = make_state()
+    path = checkpoint.save(tmp_path, state, step=3, keep=2)
+    assert path == tmp_path / "checkpoint-000000000003.ckpt"
+    loaded = checkpoint.load(path)
+    assert_same(state, loaded)
+    for t in loaded["model"].values():
+        assert t.device.type == "cpu"
+
+    # The loaded state goes back into a fresh model and optimizer.
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+    model.load_state_dict(loaded["model"])
+    torch.optim.AdamW(model.parameters()).load_state_dict(loaded["optimizer"])
+
+
+def test_layout_matches_documentation(tmp_path: Path) -> None:
+    state = {"x": torch.arange(10.0), "n": 7}
+    data = checkpoint.save(tmp_path, state, step=0, keep=1).read_bytes()
+    assert data.startswith(b"GOSSIPCK\x01\x00\x00\x00") and data.endswith(b"GOSSIPND")
+    payload = data[len(checkpoint.FORMAT):-TRAILER]
+    assert data == frame(payload)
+    assert_same(torch.load(io.BytesIO(payload), weights_only=True), state)
+
+
+def test_modes_and_names(tmp_path: Path) -> None:
+    directory = tmp_path / "a" / "ckpt"
+    path = checkpoint.save(directory, {"x": 1}, step=42, keep=1)
+    assert stat.S_IMODE(directory.stat().st_mode) & 0o077 == 0
+    assert stat.S_IMODE(path.stat().st_mode) & 0o077 == 0
+    assert path.name == "checkpoint-000000000042.ckpt"
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"step": -1, "keep": 1}, {"step": 10**12, "keep": 1}, {"step": True, "keep": 1},
+    {"step": 1.0, "keep": 1}, {"step": 1, "keep": 0}, {"step": 1, "keep": -2},
+])
+def test_bad_arguments(tmp_path: Path, kwargs: dict[str, Any]) -> None:
+    with pytest.raises(ValueError):
+        checkpoint.save(tmp_path, {"x": 1}, **kwargs)
+    assert checkpoints_and_temps(tmp_path) == []
+
+
+def checkpoints_and_temps(directory: Path) -> list[str]:
+    return sorted(os.listdir(directory)) if directory.exists() else []
+
+
+# --- damage is caught before torch.load -----------------------------------------------
+
+HEADER = len(checkpoint.FORMAT)
+CUTS = {
+    "empty": lambda n: 0, "one": lambda n: 1, "in-magic": lambda n: 5,
+    "header-1": lambda n: HEADER - 1, "header": lambda n: HEADER, "header+1": lambda n: HEADER + 1,
+    "middle": lambda n: n // 2, "before-trailer": lambda n: n - TRAILER,
+    "in-length": lambda n: n - TRAILER + 4, "in-digest": lambda n: n - 20,
+    "before-end-magic": lambda n: n - 8, "last": lambda n: n - 1,
+}
+
+
+@pytest.mark.parametrize("cut", list(CUTS))
+def test_truncation_detected(tmp_path: Path, no_torch_load: None, cut: str) -> None:
+    data = checkpoint.save(tmp_path, make_state(), step=1, keep=1).read_bytes()
+    bad = tmp_path / "bad.ckpt"
+    bad.write_bytes(data[:CUTS[cut](len(data))])
+    with pytest.raises(CheckpointError, match="bad.ckpt"):
+        checkpoint.load(bad)
+
+
+@pytest.mark.parametrize("where", list(CUTS))
+def test_flipped_byte_detected(tmp_path: Path, no_torch_load: None, where: str) -> None:
+    data = bytearray(checkpoint.save(tmp_path, make_state(), step=1, keep=1).read_bytes())
+    i = min(CUTS[where](len(data)), len(data) - 1)
+    data[i] ^= 0x01
+    bad = tmp_path / "bad.ckpt"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError):
+        checkpoint.load(bad)
+
+
+def test_every_truncation_and_every_flip_detected(tmp_path: Path, tiny_bytes: bytes,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    bad = tmp_path / "bad.ckpt"
+    bad.write_bytes(tiny_bytes)
+    assert_same(checkpoint.load(bad), {"x": torch.tensor([1.0, 2.0])})
+    monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("torch.load reached"))
+    for n in range(len(tiny_bytes)):
+        bad.write_bytes(tiny_bytes[:n])
+        with pytest.raises(CheckpointError):
+            checkpoint.load(bad)
+    for i in range(len(tiny_bytes)):
+        for bit in (0x01, 0x80):
+            data = bytearray(tiny_bytes)
+            data[i] ^= bit
+            bad.write_bytes(bytes(data))
+            with pytest.raises(CheckpointError):
+                checkpoint.load(bad)
+    bad.write_bytes(tiny_bytes + b"\0")  # appended bytes, too
+    with pytest.raises(CheckpointError):
+        checkpoint.load(bad)
+
+
+@pytest.mark.parametrize("data,reason", [
+    (b"PK\x03\x04" + b"\0" * 100, "bad magic"),
+    (frame(b"x" * 10, header=b"GOSSIPCK\x02\x00\x00\x00"), "format version 2"),
+    (frame(b"x" * 10)[:-1] + b"X", "end magic"),
+])
+def test_reasons(tmp_path: Path, no_torch_load: None, data: bytes, reason: str) -> None:
+    bad = tmp_path / "bad.ckpt"
+    bad.write_bytes(data)
+    with pytest.raises(CheckpointError, match=reason) as info:
+        checkpoint.load(bad)
+    assert info.value.path == bad and reason in info.value.reason
+
+
+def test_missing_file_is_checkpoint_error(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="cannot read"):
+        checkpoint.load(tmp_path / "nope.ckpt")
+
+
+def test_payload_not_a_dict(tmp_path: Path) -> None:
+    bad = tmp_path / "list.ckpt"
+    bad.write_bytes(frame(torch_bytes([torch.zeros(2)])))
+    with pytest.raises(CheckpointError, match="not a dict"):
+        checkpoint.load(bad)
+
+
+class Evil:
+    """Unpickling this runs a shell command that creates a marker file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, (f"touch '{self.marker}'",))
+
+
+def test_malicious_torch_payload_refused(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    # save() happily pickles it: the checksum is valid, so only weights_only stands in the way.
+    path = checkpoint.save(tmp_path / "ck", {"x": torch.zeros(1), "evil": Evil(marker)},
+                           step=1, keep=1)
+    with pytest.raises(CheckpointError, match=r"weights_only.*\.system"):
+        checkpoint.load(path)
+    assert not marker.exists()
+
+
+def test_malicious_plain_pickle_payload_refused(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    bad = tmp_path / "evil.ckpt"
+    payload = pickle.dumps({"evil": Evil(marker)}, protocol=2)
+    bad.write_bytes(frame(payload))
+    with pytest.raises(CheckpointError, match=r"weights_only.*\.system"):
+        checkpoint.load(bad)
+    assert not marker.exists()
+    pickle.loads(payload)  # the payload is live: plain pickle runs the command
+    assert marker.exists()
+
+
+# --- directory: latest, pruning, temp files, crashes ----------------------------------
+
+
+def test_load_latest_falls_back(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    assert checkpoint.load_latest(tmp_path / "missing") is None
+    assert checkpoint.load_latest(tmp_path) is None
+    first = checkpoint.save(tmp_path, {"step": 1}, step=1, keep=5)
+    second = checkpoint.save(tmp_path, {"step": 2}, step=2, keep=5)
+    assert checkpoint.load_latest(tmp_path) == (second, {"step": 2})
+
+    second.write_bytes(second.read_bytes()[:-10])
+    with caplog.at_level(logging.WARNING, logger="daemon.checkpoint"):
+        assert checkpoint.load_latest(tmp_path) == (first, {"step": 1})
+    [record] = [r for r in caplog.records if "checkpoint unusable" in r.getMessage()]
+    assert str(second) in record.getMessage() and "trying the previous one" in record.getMessage()
+
+    first.write_bytes(b"garbage")
+    assert checkpoint.load_latest(tmp_path) is None
+
+
+def test_keep_prunes_oldest(tmp_path: Path) -> None:
+    for step in range(1, 6):
+        checkpoint.save(tmp_path, {"step": step}, step=step, keep=2)
+    assert [p.name for p in checkpoint.checkpoints(tmp_path)] == [
+        "checkpoint-000000000004.ckpt", "checkpoint-000000000005.ckpt"]
+    # An older step is never pruned as it is written, even when newer ones fill `keep`.
+    older = checkpoint.save(tmp_path, {"step": 3}, step=3, keep=1)
+    assert checkpoint.checkpoints(tmp_path) == [older, tmp_path / "checkpoint-000000000005.ckpt"]
+
+
+def test_same_step_replaces(tmp_path: Path) -> None:
+    checkpoint.save(tmp_path, {"v": 1}, step=7, keep=3)
+    path = checkpoint.save(tmp_path, {"v": 2}, step=7, keep=3)
+    assert checkpoint.checkpoints(tmp_path) == [path]
+    assert checkpoint.load(path) == {"v": 2}
+
+
+def test_checkpoints_ignores_other_names_and_stale_temps_are_removed(tmp_path: Path) -> None:
+    names = [".checkpoint-000000000009.ckpt.abc.tmp", "checkpoint-9.ckpt",
+             "checkpoint-000000000009.ckpt.bak", "checkpoint-0000000000009.ckpt", "notes.txt"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+    (tmp_path / "checkpoint-000000000008.ckpt").mkdir()
+    assert checkpoint.checkpoints(tmp_path) == []
+    path = checkpoint.save(tmp_path, {"x": 1}, step=1, keep=1)
+    assert checkpoint.checkpoints(tmp_path) == [path]
+    assert not (tmp_path / names[0]).exists()
+    assert all((tmp_path / name).exists() for name in names[1:])
+
+
+class Bomb:
+    """Pickling this fails: torch.save has already written part of the payload."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        raise self.exc
+
+
+@pytest.mark.parametrize("exc", [RuntimeError("boom"), KeyboardInterrupt()])
+def test_crash_while_serializing_keeps_previous(tmp_path: Path, exc: BaseException) -> None:
+    good = checkpoint.save(tmp_path, make_state(), step=1, keep=1)
+    state = {"model": make_state()["model"], "z": Bomb(exc)}
+    with pytest.raises(type(exc)):
+        checkpoint.save(tmp_path, state, step=2, keep=1)
+    assert os.listdir(tmp_path) == [good.name]  # no partial final file, no temp file
+    assert checkpoint.load_latest(tmp_path)[0] == good
+
+
+def test_disk_full_mid_payload_keeps_previous(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    good = checkpoint.save(tmp_path, {"v": 1}, step=1, keep=1)
+    written: list[int] = []
+
+    class Full(io.BufferedWriter):  # a disk that fills up after 4 KiB of payload
+        def write(self, data: Any) -> int:
+            if sum(written) > 4096:
+                raise OSError(28, "No space left on device")
+            written.append(memoryview(data).nbytes)
+            return super().write(data)
+
+    real_fdopen = os.fdopen
+    monkeypatch.setattr(os, "fdopen", lambda fd, mode: Full(real_fdopen(fd, "wb", buffering=0)))
+    with pytest.raises(OSError, match="No space"):
+        checkpoint.save(tmp_path, make_state(), step=2, keep=1)
+    assert sum(written) > 4096
+    assert os.listdir(tmp_path) == [good.name]
+    assert checkpoint.load_latest(tmp_path) == (good, {"v": 1})
+
+
+def test_crash_at_rename_keeps_previous(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    good = checkpoint.save(tmp_path, {"v": 1}, step=1, keep=1)
+
+    def fail(src: Any, dst: Any) -> None:
+        # The new file is complete and fsynced, but not yet in place.
+        assert checkpoint.load(Path(src)) == {"v": 2}
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", fail)
+    with pytest.raises(OSError):
+        checkpoint.save(tmp_path, {"v": 2}, step=2, keep=1)
+    assert os.listdir(tmp_path) == [good.name]
+    assert checkpoint.load_latest(tmp_path) == (good, {"v": 1})
+
+
+def test_crash_leftover_temp_does_not_shadow(tmp_path: Path) -> None:
+    good = checkpoint.save(tmp_path, {"v": 1}, step=1, keep=1)
+    # What a kill -9 during a write leaves: half a temp file.
+    (tmp_path / ".checkpoint-000000000002.ckpt.x1y2.tmp").write_bytes(good.read_bytes()[:30])
+    assert checkpoint.load_latest(tmp_path) == (good, {"v": 1})
+
+
+# --- RNG --------------------------------------------------------------------------------
+
+
+def draws() -> tuple[list[float], torch.Tensor]:
+    return [random.random() for _ in range(5)] + [random.gauss(0, 1)], torch.rand(5)
+
+
+def test_rng_round_trip(tmp_path: Path) -> None:
+    random.seed(123)
+    torch.manual_seed(456)
+    random.gauss(0, 1)  # leaves a cached gauss_next in python's state
+    saved = checkpoint.capture_rng()
+    expected = draws()
+    path = checkpoint.save(tmp_path, {"rng": saved}, step=1, keep=1)
+
+    random.seed(0)
+    torch.manual_seed(0)
+    checkpoint.restore_rng(checkpoint.load(path)["rng"])
+    again = draws()
+    assert again[0] == expected[0] and torch.equal(again[1], expected[1])
+
+
+def test_rng_cuda_entry_tolerated(caplog: pytest.LogCaptureFixture) -> None:
+    state = checkpoint.capture_rng()
+    checkpoint.restore_rng({k: v for k, v in state.items() if k != "cuda"})
+    fake = dict(state, cuda=[torch.zeros(16, dtype=torch.uint8)] * 9)
+    with caplog.at_level(logging.WARNING, logger="daemon.checkpoint"):
+        checkpoint.restore_rng(fake)
+    assert "rng cuda state skipped" in caplog.text
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_rng_cuda_round_trip(tmp_path: Path) -> None:
+    torch.cuda.init()
+    torch.cuda.manual_seed_all(7)
+    saved = checkpoint.capture_rng()
+    assert len(saved["cuda"]) == torch.cuda.device_count()
+    expected = torch.rand(5, device="cuda").cpu()
+    path = checkpoint.save(tmp_path, {"rng": saved}, step=1, keep=1)
+    torch.cuda.manual_seed_all(0)
+    checkpoint.restore_rng(checkpoint.load(path)["rng"])
+    assert torch.equal(torch.rand(5, device="cuda").cpu(), expected)
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda s: s.pop("python"), lambda s: s.pop("torch"),
+    lambda s: s.__setitem__("python", [3, "x", None]),
+    lambda s: s.__setitem__("torch", torch.zeros(3, dtype=torch.uint8)),
+    lambda s: s.__setitem__("torch", s["torch"].float()),
+])
+def test_rng_malformed_changes_nothing(mutate: Any) -> None:
+    state = checkpoint.capture_rng()
+    mutate(state)
+    random.seed(5)
+    before = random.getstate()
+    with pytest.raises(ValueError):
+        checkpoint.restore_rng(state)
+    assert random.getstate() == before
