@@ -1,0 +1,205 @@
+"""What a daemon trains: the task plugin interface.
+
+A task is named in the config as ``module:function`` (an importable module, or a path to a
+``.py`` file). The daemon calls ``function(context)`` once at start-up and gets a
+:class:`Task` back: the model, its optimizer, a batch iterator for the node's shard, a step
+function and, optionally, an evaluation. The daemon moves the model to the configured device
+before the first step and moves each batch there too (tensors inside tuples, lists and
+dicts), so a task written for the CPU also trains on a GPU.
+
+::
+
+    def task(ctx: Context) -> Task:
+        torch.manual_seed(ctx.seed)          # every node starts from the same weights
+        model = Net()
+        opts = read_options(ctx.options, {"lr": 1e-3, "hidden": 64})  # typos are errors
+        opt = torch.optim.AdamW(model.parameters(), lr=opts["lr"])
+
+        def batches(shard: Shard) -> Iterator[tuple[Tensor, Tensor]]:
+            ...                              # endless; this node's part of the data
+
+        def step(batch) -> Tensor:
+            x, y = batch
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad(); loss.backward(); opt.step()
+            return loss
+
+        return Task(model, opt, batches, step, batch_size=64, evaluate=...)
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["Context", "Shard", "Task", "TaskError", "load_entry", "pick_device", "read_options",
+           "to_device"]
+
+
+class TaskError(Exception):
+    """The task named in the config cannot be loaded or used (the operator's to fix)."""
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This node's part of the data: shard ``index`` of ``count`` (0-based)."""
+
+    index: int = 0
+    count: int = 1
+
+    def __post_init__(self) -> None:
+        if not (type(self.count) is int and self.count >= 1
+                and type(self.index) is int and 0 <= self.index < self.count):
+            raise ValueError(f"a shard is an index in [0, count): got {self.index}/{self.count}")
+
+
+@dataclass(frozen=True)
+class Context:
+    """What the daemon tells the task function.
+
+    Attributes:
+        seed: the swarm's seed (``task.seed``, >= 0): seed the model's initialization with it
+            so that every node starts from the same weights.
+        device: where the daemon will train (the task may build on the CPU; the daemon moves
+            the model and batches).
+        options: the config's ``[task.options]`` table, as given.
+        cache_dir: a directory the task may keep downloaded or prepared data in.
+    """
+
+    seed: int
+    device: torch.device
+    options: Mapping[str, Any] = field(default_factory=dict)
+    cache_dir: Path = Path(".")
+
+
+@dataclass
+class Task:
+    """What to train.
+
+    Attributes:
+        model: the module the swarm averages (its parameters and floating-point buffers).
+        optimizer: its optimizer; its state is checkpointed and never leaves the node.
+        batches: ``batches(shard)`` returns an endless iterator over this node's batches.
+        step: ``step(batch)`` runs one optimizer step and returns the loss (float or
+            0-dim tensor).
+        batch_size: samples per step (the daemon counts samples with it).
+        evaluate: optional; returns metrics such as ``{"accuracy": 0.93}`` on held-out data.
+    """
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    batches: Callable[[Shard], Iterator[Any]]
+    step: Callable[[Any], Any]
+    batch_size: int
+    evaluate: Callable[[], Mapping[str, float]] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, torch.nn.Module):
+            raise TaskError(f"Task.model must be a torch.nn.Module, not {type(self.model).__name__}")
+        if not isinstance(self.optimizer, torch.optim.Optimizer):
+            raise TaskError("Task.optimizer must be a torch.optim.Optimizer")
+        if not callable(self.batches) or not callable(self.step):
+            raise TaskError("Task.batches and Task.step must be callables")
+        if type(self.batch_size) is not int or self.batch_size < 1:
+            raise TaskError(f"Task.batch_size must be a positive integer, not {self.batch_size!r}")
+        if self.evaluate is not None and not callable(self.evaluate):
+            raise TaskError("Task.evaluate must be a callable or None")
+
+
+def read_options(given: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """``defaults`` updated with ``given`` (the config's ``[task.options]``); each value a
+    positive number of its default's type (an integer option takes only integers).
+
+    Raises:
+        TaskError: an unknown key (a typo, most likely) or a bad value.
+    """
+    unknown = sorted(set(given) - set(defaults))
+    if unknown:
+        raise TaskError(f"unknown task option(s) {', '.join(unknown)}; "
+                        f"this task takes {', '.join(defaults)}")
+    opts = {**defaults, **given}
+    for key, value in opts.items():
+        want_int = type(defaults[key]) is int
+        ok = type(value) is int or not want_int and type(value) is float
+        if not ok or not (value > 0 and math.isfinite(value)):
+            kind = "integer" if want_int else "number"
+            raise TaskError(f"task option {key} must be a positive {kind}, not {value!r}")
+    return opts
+
+
+def load_entry(entry: str) -> Callable[[Context], Task]:
+    """Resolve ``module:function`` (or ``path/to/file.py:function``) to the function.
+
+    Raises:
+        TaskError: the module cannot be imported or has no such function.
+    """
+    module_name, sep, attr = entry.rpartition(":")
+    if not sep or not module_name or not attr.isidentifier():
+        raise TaskError(f"task entry {entry!r} is not module:function")
+    if module_name.endswith(".py"):
+        path = Path(module_name)
+        if not path.is_file():
+            raise TaskError(f"task file {path} does not exist")
+        name = f"gossipd_task_{path.stem}"
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            raise TaskError(f"cannot load task file {path}")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except Exception as exc:
+            raise TaskError(f"task file {path} failed to import: {exc!r}") from exc
+    else:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise TaskError(f"cannot import task module {module_name!r}: {exc}") from exc
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise TaskError(f"task module {module_name!r} has no function {attr!r}")
+    return fn
+
+
+def pick_device(name: str) -> torch.device:
+    """``auto`` (CUDA when present, else CPU), ``cpu``, ``cuda`` or ``cuda:N``.
+
+    Raises:
+        TaskError: CUDA was asked for and is not available, or no such device.
+    """
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise TaskError(f"task.device {name!r} is not auto, cpu, cuda or cuda:N") from exc
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise TaskError(f"task.device is {name!r} but CUDA is not available here")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise TaskError(f"task.device {name!r}: this machine has "
+                            f"{torch.cuda.device_count()} CUDA device(s)")
+    elif device.type != "cpu":
+        raise TaskError(f"task.device {name!r} is not auto, cpu, cuda or cuda:N")
+    return device
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """Move the tensors of a batch (nested tuples, lists and dicts) to ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, tuple):
+        return tuple(to_device(b, device) for b in batch)
+    if isinstance(batch, list):
+        return [to_device(b, device) for b in batch]
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return batch
