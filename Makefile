@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) examples/train_together.py
+	$(VENV)/bin/gossipd demo --nodes 3 --seconds 60
 
 test: $(STAMP)
 	$(PY) -m pytest -q

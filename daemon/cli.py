@@ -1,2 +1,310 @@
-def main():
-    raise SystemExit("gossipd: the daemon is not built yet")
+"""The ``gossipd`` command line. Parsing and messages only; the work is in the other modules.
+
+Exit codes:
+    0   success (``run``: stopped cleanly by a signal or ``task.max_steps``)
+    1   the daemon failed while running (a bug or an environment failure; see the log)
+    2   bad usage, config, file or key; an address in use; a task that cannot be loaded
+    3   ``status``: no daemon is running with this config
+    128+N  ``run``: stopped at once by a second signal N (no checkpoint written)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import socket
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+__all__ = ["main"]
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_RUNNING = 0, 1, 2, 3
+NEW_SWARM_TASK = "daemon.tasks.digits:task"
+
+log = logging.getLogger("daemon")
+
+
+class UsageError(Exception):
+    """Printed as one line; exit code 2."""
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("gossipd")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="gossipd", description="Peer-to-peer training daemon: train locally, average "
+        "weights with random peers.", epilog="Exit codes: 0 ok, 1 failed while running, 2 bad "
+        "usage/config/file/key or address in use, 3 no daemon running (status).")
+    p.add_argument("--version", action="version", version=f"gossipd {_version()}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def with_config(sp: argparse.ArgumentParser, overrides: bool = True) -> None:
+        sp.add_argument("-c", "--config", help="config file (default: $GOSSIPD_CONFIG or "
+                        "./gossipd.toml)")
+        if overrides:
+            sp.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                            help="override one config value (repeatable)")
+
+    sp = sub.add_parser("init", help="write a config, an identity key and (for a new swarm) "
+                        "a swarm key; print the join line")
+    group = sp.add_mutually_exclusive_group(required=True)
+    group.add_argument("--swarm", metavar="NAME", help="start a new swarm with this name")
+    group.add_argument("--join", metavar="LINE", help="join the swarm a join line describes")
+    sp.add_argument("--dir", default=".", help="directory for the config and keys (default .)")
+    sp.add_argument("--listen", default="0.0.0.0:7070", help="host:port to listen on")
+    sp.add_argument("--advertise", help="host:port peers dial (default: this machine's "
+                    "address on the listen port)")
+    sp.add_argument("--task", help=f"task entry point module:function (default "
+                    f"{NEW_SWARM_TASK}; a join line names its own)")
+
+    sp = sub.add_parser("run", help="run the daemon")
+    with_config(sp)
+    sp.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
+
+    sp = sub.add_parser("status", help="ask the running daemon what it is doing")
+    with_config(sp)
+    sp.add_argument("--json", action="store_true", help="print the raw JSON reply")
+
+    sp = sub.add_parser("check-config", help="validate a config (and its key files and task)")
+    with_config(sp)
+
+    sp = sub.add_parser("keygen", help="write a new key file (0600)")
+    group = sp.add_mutually_exclusive_group(required=True)
+    group.add_argument("--identity", metavar="PATH", help="a node identity (Ed25519) key")
+    group.add_argument("--swarm-key", metavar="PATH", help="a swarm key (32 random bytes)")
+
+    sp = sub.add_parser("average", help="average checkpoints or state-dict files of one model")
+    sp.add_argument("inputs", nargs="+", metavar="FILE")
+    sp.add_argument("-o", "--output", required=True, metavar="OUT")
+    sp.add_argument("--weights", metavar="W1,W2,...", help="relative weights (default equal)")
+
+    sp = sub.add_parser("demo", help="run a swarm of real daemons on 127.0.0.1 and report")
+    sp.add_argument("--nodes", type=int, default=3)
+    sp.add_argument("--seconds", type=float, default=60.0, help="how long they train")
+    sp.add_argument("--dir", help="where to keep the nodes' files (default: a new temp dir)")
+    sp.add_argument("--task", default=NEW_SWARM_TASK, help="task entry point")
+    sp.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="override one config value on every node (repeatable)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        code = COMMANDS[args.command](args)
+    except UsageError as exc:
+        print(f"gossipd {args.command}: {exc}", file=sys.stderr)
+        code = EXIT_USAGE
+    except KeyboardInterrupt:
+        code = 130
+    return code
+
+
+def _load(args: argparse.Namespace) -> Any:
+    from .config import ConfigError, load
+    try:
+        return load(args.config, getattr(args, "set", ()))
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    config = _load(args)
+    import trio
+
+    from . import logs
+    from .service import StartupError, prepare, run
+    live = logs.setup(args.log_level)
+    try:
+        prepared = prepare(config)
+        if prepared.resumed:
+            log.info("resuming checkpoint=%s step=%d", prepared.resumed, prepared.counters.step)
+        trio.run(lambda: run(prepared, live=live))
+    except StartupError as exc:
+        raise UsageError(str(exc)) from None
+    except Exception:
+        log.exception("the daemon failed")
+        return EXIT_FAILED
+    finally:
+        if live is not None:
+            live.clear()
+    return EXIT_OK
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    config = _load(args)
+    from .control import ControlError, query
+    try:
+        reply = query(config.path(config.node.control))
+    except ControlError as exc:
+        print(f"gossipd status: {exc}", file=sys.stderr)
+        return EXIT_NOT_RUNNING
+    if args.json:
+        print(json.dumps(reply, indent=2))
+    else:
+        print(format_status(reply))
+    return EXIT_OK
+
+
+def format_status(s: dict[str, Any]) -> str:
+    """The human-readable ``gossipd status``."""
+    loss = "-" if s.get("loss") is None else f"{s['loss']:.4f}"
+    ex = s["exchanges"]
+    ckpt = s.get("last_checkpoint")
+    lines = [
+        f"peer      {s['peer']}  {s['address']}  swarm {s['swarm']}",
+        f"task      {s['task']} on {s['device']}, up {s['uptime_s']:.0f} s"
+        + ("" if s["ready"] else "  (fetching the swarm's state)"),
+        f"training  step {s['step']}  loss {loss}  {s['samples_per_s']:.0f} samples/s",
+        f"averaging {ex['committed']} committed, {ex['busy']} busy, {ex['failed']} failed, "
+        f"{ex['invalid']} invalid, {ex['rejected']} rejected; {s['pending']} pending",
+        f"traffic   {s['bytes']['sent'] / 1e6:.1f} MB out, {s['bytes']['received'] / 1e6:.1f} MB in",
+        "checkpoint " + (f"step {ckpt['step']} {ckpt['path']}" if ckpt else "none yet"),
+        f"peers     {len(s['members'])}",
+    ]
+    for m in sorted(s["members"], key=lambda m: (m["state"], m["peer"])):
+        lines.append(f"  {m['peer'][:8]}  {m['address']:<22} {m['state']:<8} step {m['step']}"
+                     + ("" if m["ready"] else "  not ready"))
+    return "\n".join(lines)
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    config = _load(args)
+    from .config import render
+    from .keys import KeyFileError, read_swarm_key
+    from .task import TaskError, load_entry, pick_device
+    try:
+        read_swarm_key(config.path(config.swarm.key_file))
+        pick_device(config.task.device)
+        load_entry(config.task.entry)
+    except (KeyFileError, TaskError) as exc:
+        raise UsageError(str(exc)) from None
+    print(render(config), end="")
+    print(f"# ok: {args.config or 'the config'} is valid; keys and task load", file=sys.stderr)
+    return EXIT_OK
+
+
+def cmd_keygen(args: argparse.Namespace) -> int:
+    import secrets
+
+    from gossip import Identity, IdentityError
+
+    from .keys import KeyFileError, write_swarm_key
+    try:
+        if args.swarm_key:
+            write_swarm_key(Path(args.swarm_key), secrets.token_bytes(32))
+            print(f"wrote swarm key {args.swarm_key}")
+        else:
+            identity = Identity.generate()
+            identity.save(args.identity)
+            print(f"wrote identity {args.identity}  peer id {identity.peer_id}")
+    except (KeyFileError, IdentityError) as exc:
+        raise UsageError(str(exc)) from None
+    return EXIT_OK
+
+
+def cmd_average(args: argparse.Namespace) -> int:
+    from .merge import MergeError, average_files
+    weights = None
+    if args.weights:
+        try:
+            weights = [float(w) for w in args.weights.split(",")]
+        except ValueError:
+            raise UsageError(f"--weights {args.weights!r} is not a comma-separated list of "
+                             "numbers") from None
+        if len(weights) != len(args.inputs):
+            raise UsageError(f"{len(weights)} weights for {len(args.inputs)} files")
+    try:
+        merged = average_files([Path(p) for p in args.inputs], Path(args.output), weights)
+    except MergeError as exc:
+        raise UsageError(str(exc)) from None
+    print(f"wrote {args.output}: the average of {len(args.inputs)} files, "
+          f"{len(merged)} tensors")
+    return EXIT_OK
+
+
+def guess_address() -> str:
+    """This machine's address on its default route (no packet is sent), else 127.0.0.1."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # TEST-NET-1: never routed, only used to pick a route
+            return s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    import secrets
+
+    from .config import ConfigError, from_dict, render
+    from .keys import JoinLine, KeyFileError, write_new, write_swarm_key
+    from gossip.address import format_address, parse_address
+    directory = Path(args.dir)
+    config_path = directory / "gossipd.toml"
+    if config_path.exists():
+        raise UsageError(f"{config_path} exists; not overwriting it")
+    try:
+        host, port = parse_address(args.listen)
+    except ValueError as exc:
+        raise UsageError(f"--listen: {exc}") from None
+    advertise = args.advertise or format_address(
+        guess_address() if host in ("0.0.0.0", "::") else host, port)
+    if args.join:
+        try:
+            line = JoinLine.parse(args.join)
+        except KeyFileError as exc:
+            raise UsageError(str(exc)) from None
+        name, key, bootstrap = line.name, line.key, list(line.bootstrap)
+        entry, seed = args.task or line.task, line.seed
+    else:
+        name, key, bootstrap = args.swarm, secrets.token_bytes(32), []
+        entry, seed = args.task or NEW_SWARM_TASK, 0
+    data = {"node": {"listen": args.listen, "advertise": advertise},
+            "swarm": {"name": name, "bootstrap": bootstrap},
+            "task": {"entry": entry, "seed": seed}}
+    try:
+        config = from_dict(data, directory.resolve(), str(config_path))
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from None
+    import gossip
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        write_swarm_key(config.path(config.swarm.key_file), key)
+        identity = gossip.Identity.generate()
+        identity.save(config.path(config.node.identity))
+        write_new(config_path, render(config).encode())
+    except (KeyFileError, OSError, gossip.IdentityError) as exc:
+        raise UsageError(str(exc)) from None
+    print(f"wrote {config_path}, {config.path(config.node.identity)} (peer id "
+          f"{identity.peer_id}) and {config.path(config.swarm.key_file)}")
+    if not args.join and not args.advertise and host in ("0.0.0.0", "::"):
+        print(f"node.advertise = {advertise} (guessed: edit it if peers reach this machine by "
+              "another address)")
+    join = JoinLine(name, key, (advertise,) if not args.join else tuple(bootstrap), entry, seed)
+    print("start it:   gossipd run -c", config_path)
+    print("a volunteer joins with (this line holds the swarm key: share it privately):")
+    print(f"  gossipd init --join '{join}'")
+    return EXIT_OK
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import DemoError, run_demo
+    try:
+        return run_demo(nodes=args.nodes, seconds=args.seconds, directory=args.dir,
+                        entry=args.task, overrides=args.set)
+    except DemoError as exc:
+        raise UsageError(str(exc)) from None
+
+
+COMMANDS = {
+    "init": cmd_init, "run": cmd_run, "status": cmd_status, "check-config": cmd_check_config,
+    "keygen": cmd_keygen, "average": cmd_average, "demo": cmd_demo,
+}

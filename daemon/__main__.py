@@ -1,0 +1,7 @@
+"""``python -m daemon``: the same as the ``gossipd`` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

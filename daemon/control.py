@@ -1,0 +1,155 @@
+"""The local control socket: how ``gossipd status`` asks a running daemon what it is doing.
+
+A Unix stream socket in the data directory, mode 0600, so only the daemon's own user can
+connect. One request per connection: a JSON object on one line (``{"command": "status"}``),
+answered by one JSON line. Requests are bounded (``MAX_REQUEST`` bytes, ``TIMEOUT``
+seconds); a bad one gets ``{"error": ...}`` and the connection is closed.
+
+At start-up a socket file left by a crashed daemon is removed, and one that still answers
+means another daemon is running with this data directory (an error, not a takeover).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+from pathlib import Path
+from typing import Any, Callable
+
+import trio
+
+__all__ = ["ControlError", "serve_control", "query", "claim"]
+
+log = logging.getLogger(__name__)
+
+MAX_REQUEST = 4096  # bytes
+MAX_REPLY = 1 << 22  # bytes a client reads at most
+TIMEOUT = 5.0  # s for one request and its reply
+
+
+class ControlError(Exception):
+    """The control socket cannot be used: no daemon is running, or one already is."""
+
+
+def _answers(path: Path) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(1.0)
+        try:
+            s.connect(str(path))
+            return True
+        except OSError:
+            return False
+
+
+def claim(path: Path) -> None:
+    """Make ``path`` free for a new control socket: remove a stale one.
+
+    Raises:
+        ControlError: a daemon is answering on it.
+    """
+    if len(os.fsencode(path)) > 100:  # sun_path is 108 bytes on Linux, 104 on macOS
+        raise ControlError(f"control socket path {path} is too long for a Unix socket; "
+                           "set node.control to a shorter path")
+    if path.exists() or path.is_symlink():
+        if _answers(path):
+            raise ControlError(f"a daemon is already running with control socket {path}")
+        path.unlink()
+
+
+async def serve_control(path: Path, handlers: dict[str, Callable[[], Any]], *,
+                        task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    """Answer requests on ``path`` until cancelled; removes the socket file on the way out.
+
+    Args:
+        handlers: command name -> function returning a JSON-able reply.
+    """
+    claim(path)
+    sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)  # the socket file is created 0600, with no window of wider access
+    try:
+        await sock.bind(str(path))
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o600)
+    sock.listen(16)
+    listener = trio.SocketListener(sock)
+    try:
+        async with listener:
+            task_status.started(path)
+            async with trio.open_nursery() as nursery:
+                while True:
+                    stream = await listener.accept()
+                    nursery.start_soon(_serve_one, stream, handlers)
+    finally:
+        with trio.CancelScope(shield=True):
+            path.unlink(missing_ok=True)
+
+
+async def _serve_one(stream: trio.abc.Stream, handlers: dict[str, Callable[[], Any]]) -> None:
+    async with stream:
+        reply: Any
+        with trio.move_on_after(TIMEOUT):
+            try:
+                request = json.loads(await _read_line(stream, MAX_REQUEST))
+                command = request.get("command") if isinstance(request, dict) else None
+                handler = handlers.get(command) if isinstance(command, str) else None
+                if handler is None:
+                    reply = {"error": f"unknown command {command!r}; try one of {sorted(handlers)}"}
+                else:
+                    reply = handler()
+            except (ValueError, UnicodeDecodeError) as exc:
+                reply = {"error": f"bad request: {exc}"}
+            except trio.BrokenResourceError:
+                return
+            await stream.send_all(json.dumps(reply, default=str).encode() + b"\n")
+
+
+async def _read_line(stream: trio.abc.ReceiveStream, limit: int) -> bytes:
+    data = bytearray()
+    while b"\n" not in data:
+        chunk = await stream.receive_some(limit + 1 - len(data))
+        if not chunk:
+            break
+        data += chunk
+        if len(data) > limit:
+            raise ValueError(f"longer than {limit} bytes")
+    return bytes(data.split(b"\n", 1)[0])
+
+
+def query(path: Path, command: str = "status") -> dict[str, Any]:
+    """Ask the daemon at ``path`` (synchronous; for the CLI).
+
+    Raises:
+        ControlError: no daemon answers there, or the reply is not a JSON object.
+    """
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(TIMEOUT)
+        try:
+            s.connect(str(path))
+        except (FileNotFoundError, ConnectionRefusedError):
+            raise ControlError(f"no daemon is running (nothing answers on {path})") from None
+        except OSError as exc:
+            raise ControlError(f"cannot reach the daemon at {path}: {exc.strerror}") from None
+        try:
+            s.sendall(json.dumps({"command": command}).encode() + b"\n")
+            data = bytearray()
+            while not data.endswith(b"\n"):
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+                if len(data) > MAX_REPLY:
+                    raise ControlError("the daemon's reply is too long")
+        except socket.timeout:
+            raise ControlError(f"the daemon at {path} did not answer within {TIMEOUT:g} s") from None
+    try:
+        reply = json.loads(data)
+    except ValueError:
+        raise ControlError("the daemon's reply is not JSON") from None
+    if not isinstance(reply, dict):
+        raise ControlError("the daemon's reply is not a JSON object")
+    if "error" in reply:
+        raise ControlError(f"the daemon says: {reply['error']}")
+    return reply

@@ -1,0 +1,172 @@
+"""The daemon's metrics: Prometheus series, and the same figures as JSON lines.
+
+Theory of operation
+-------------------
+:class:`Metrics` owns a private :class:`prometheus_client.CollectorRegistry` (two daemons in
+one process, as in tests, do not collide). Counters move beside the log line for the same
+event: :meth:`Metrics.exchange` is the averaging node's ``on_exchange`` callback, and
+:meth:`Metrics.trained` is told each chunk of training steps. Gauges that mirror a state
+(peers by state, step, pending deltas) are refreshed by :meth:`Metrics.sample`, which also
+returns the snapshot the JSON-lines log and ``gossipd status`` show, so the three never
+disagree. Names follow ``gossip_<noun>_<unit>``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections import deque
+from pathlib import Path
+from typing import IO, Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+import gossip
+from gossip.address import parse_address
+
+__all__ = ["Metrics", "MetricsLog"]
+
+RESULTS = tuple(r.value for r in gossip.Result if r is not gossip.Result.NO_PEER)
+STATES = ("alive", "suspect", "dead", "left")
+RATE_WINDOW = 30.0  # s of chunks the samples/s figure averages over
+
+
+class Metrics:
+    """Counters and gauges of one daemon."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.steps = Counter("gossip_steps", "Optimizer steps taken here", registry=r)
+        self.samples = Counter("gossip_samples", "Training samples consumed here", registry=r)
+        self.loss = Gauge("gossip_loss", "Mean training loss of the last chunk of steps", registry=r)
+        self.rate = Gauge("gossip_samples_per_second", f"Training samples per second over the "
+                          f"last {RATE_WINDOW:g} s", registry=r)
+        self.step = Gauge("gossip_step", "Training step, merged as a max across the swarm",
+                          registry=r)
+        self.exchanges = Counter("gossip_exchanges", "Averaging exchanges by result",
+                                 ["result"], registry=r)
+        self.rounds_without_peer = Counter("gossip_rounds_without_peer",
+                                           "Averaging rounds that found no peer", registry=r)
+        self.bytes = Counter("gossip_averaging_bytes", "Bytes on the wire in averaging channels",
+                             ["direction"], registry=r)
+        self.duration = Histogram(
+            "gossip_exchange_duration_seconds", "Committed exchanges, offer to commit",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120), registry=r)
+        self.peers = Gauge("gossip_peers", "Swarm members by state, this node excluded",
+                           ["state"], registry=r)
+        self.pending = Gauge("gossip_pending_deltas", "Committed deltas not yet applied",
+                             registry=r)
+        self.checkpoints = Counter("gossip_checkpoints", "Checkpoints written", registry=r)
+        self.checkpoint_failures = Counter("gossip_checkpoint_failures",
+                                           "Checkpoints that could not be written", registry=r)
+        self.checkpoint_seconds = Gauge("gossip_checkpoint_duration_seconds",
+                                        "Time to write the last checkpoint", registry=r)
+        for result in RESULTS:
+            self.exchanges.labels(result)
+        for direction in ("sent", "received"):
+            self.bytes.labels(direction)
+        self._chunks: deque[tuple[float, int]] = deque()  # (monotonic end, samples)
+        self._last_loss = math.nan
+        self._bytes_seen = (0, 0)
+        self._no_peer_seen = 0
+
+    # ---- events -----------------------------------------------------------------------
+
+    def trained(self, steps: int, samples: int, loss: float) -> None:
+        """Count one chunk of ``steps`` steps over ``samples`` samples with mean ``loss``."""
+        self.steps.inc(steps)
+        self.samples.inc(samples)
+        if math.isfinite(loss):
+            self.loss.set(loss)
+            self._last_loss = loss
+        now = time.monotonic()
+        self._chunks.append((now, samples))
+        while self._chunks and self._chunks[0][0] < now - RATE_WINDOW:
+            self._chunks.popleft()
+
+    def exchange(self, exchange: gossip.Exchange) -> None:
+        self.exchanges.labels(exchange.result.value).inc()
+        if exchange.result is gossip.Result.COMMITTED:
+            self.duration.observe(exchange.duration)
+
+    def checkpointed(self, seconds: float) -> None:
+        self.checkpoints.inc()
+        self.checkpoint_seconds.set(seconds)
+
+    # ---- state ------------------------------------------------------------------------
+
+    def samples_per_second(self) -> float:
+        if len(self._chunks) < 2:
+            return 0.0
+        span = self._chunks[-1][0] - self._chunks[0][0]
+        return sum(n for _, n in list(self._chunks)[1:]) / span if span > 0 else 0.0
+
+    def sample(self, node: gossip.SwarmNode) -> dict[str, Any]:
+        """Refresh the state gauges from ``node`` and return one snapshot of everything."""
+        stats, roster = node.statistics(), node.roster.statistics()
+        sent, received = self._bytes_seen
+        self.bytes.labels("sent").inc(stats.bytes_sent - sent)
+        self.bytes.labels("received").inc(stats.bytes_received - received)
+        self._bytes_seen = (stats.bytes_sent, stats.bytes_received)
+        self.rounds_without_peer.inc(stats.no_peer - self._no_peer_seen)
+        self._no_peer_seen = stats.no_peer
+        for state in STATES:
+            self.peers.labels(state).set(getattr(roster, state))
+        self.step.set(stats.step)
+        self.pending.set(stats.pending)
+        rate = self.samples_per_second()
+        self.rate.set(rate)
+        return {
+            "step": stats.step,
+            "samples": stats.samples,
+            "loss": None if math.isnan(self._last_loss) else self._last_loss,
+            "samples_per_s": round(rate, 1),
+            "ready": stats.ready,
+            "peers": {state: getattr(roster, state) for state in STATES},
+            "exchanges": {"committed": stats.committed, "busy": stats.busy,
+                          "rejected": stats.rejected, "invalid": stats.invalid,
+                          "failed": stats.failed, "no_peer": stats.no_peer},
+            "bytes": {"sent": stats.bytes_sent, "received": stats.bytes_received},
+            "mean_exchange_s": round(stats.mean_duration, 4),
+            "last_distance": stats.last_distance,
+            "pending": stats.pending,
+            "quarantined": stats.quarantined,
+            "downloads_served": stats.downloads_served,
+        }
+
+    def serve(self, address: str) -> Any:
+        """Start the Prometheus endpoint on ``host:port`` (a thread of prometheus_client's).
+
+        Returns:
+            The HTTP server; call ``shutdown()`` on it to stop.
+
+        Raises:
+            OSError: the address cannot be bound (in use, or not ours).
+        """
+        host, port = parse_address(address)
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        return server
+
+
+class MetricsLog:
+    """Append-only JSON lines: one object per line, each with ``time`` (Unix seconds) and
+    ``event``. A line is written whole and flushed, so a crash loses at most the last one and
+    a reader (``gossipd demo``) can follow the file as it grows."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._file: IO[str] = open(path, "a", encoding="utf-8")
+
+    def write(self, event: str, **fields: Any) -> None:
+        record = {"time": round(time.time(), 3), "event": event, **fields}
+        self._file.write(json.dumps(record, separators=(",", ":"), default=str) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        try:
+            os.fsync(self._file.fileno())
+        finally:
+            self._file.close()

@@ -1,0 +1,373 @@
+"""``gossipd run``: one daemon, from its config to a clean exit.
+
+Theory of operation
+-------------------
+:func:`prepare` does everything that can fail because of the operator — read the keys, claim
+the control socket, load the task, pick the device, find the newest valid checkpoint — before
+anything touches the network, and raises :class:`StartupError` with a one-line message.
+
+:func:`run` then owns one nursery (signals) around the node (:func:`gossip.open_swarm`),
+whose own nursery runs the control socket, the metrics and the training loop. The training
+loop waits until the node is ready (a joiner without a checkpoint downloads the swarm's
+state first), then alternates: a chunk of steps in a worker thread, then — on the trio side —
+counters, the progress line and, when due, a checkpoint (state copied between chunks, written
+by a background thread).
+
+Stopping (SIGTERM, SIGINT, or ``task.max_steps``): the current chunk ends after its step, the
+node leaves (no new exchanges; one in flight is abandoned and applies nothing; the departure
+is gossiped), the deltas already committed are applied, a final checkpoint is written, and
+:func:`run` returns. A second signal ends the process at once (exit code 128 + signal).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import trio
+
+import gossip
+
+from . import checkpoint
+from .config import Config
+from .control import ControlError, claim, serve_control
+from .keys import KeyFileError, read_swarm_key
+from .logs import LiveLine
+from .metrics import Metrics, MetricsLog
+from .task import Context, Shard, Task, TaskError, load_entry, pick_device
+from .train import Chunk, Trainer
+
+__all__ = ["StartupError", "Prepared", "prepare", "run"]
+
+log = logging.getLogger(__name__)
+
+VERSION = gossip.__version__
+
+
+class StartupError(Exception):
+    """The daemon cannot start as configured (the operator's to fix; exit code 2)."""
+
+
+@dataclass
+class Prepared:
+    """What :func:`prepare` found, ready for :func:`run`."""
+
+    config: Config
+    identity: gossip.Identity
+    swarm: gossip.Swarm
+    device: torch.device
+    task: Task
+    counters: gossip.Counters | None  # from the checkpoint resumed, if any
+    resumed: Path | None
+
+
+def prepare(config: Config) -> Prepared:
+    """Check and load everything :func:`run` needs, in the order an operator would fix it.
+
+    Raises:
+        StartupError: with a one-line message.
+    """
+    data_dir = config.data_dir()
+    try:
+        data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        claim(config.path(config.node.control))
+        identity = gossip.Identity.load_or_generate(config.path(config.node.identity))
+        swarm = gossip.Swarm(config.swarm.name, read_swarm_key(config.path(config.swarm.key_file)))
+        device = pick_device(config.task.device)
+        fn = load_entry(config.task.entry)
+    except (OSError, ControlError, KeyFileError, TaskError, gossip.IdentityError) as exc:
+        raise StartupError(str(exc)) from None
+    if config.task.threads:
+        torch.set_num_threads(config.task.threads)
+    cache = data_dir / "cache"
+    try:
+        task = fn(Context(config.task.seed, device, dict(config.task.options), cache))
+        if not isinstance(task, Task):
+            raise TaskError(f"{config.task.entry} returned {type(task).__name__}, not a Task")
+    except TaskError as exc:
+        raise StartupError(str(exc)) from None
+    task.model.to(device)
+    counters, resumed = None, None
+    found = checkpoint.load_latest(config.path(config.checkpoint.dir))
+    if found is not None:
+        resumed, state = found
+        try:
+            counters = Trainer.restore(task, state)
+        except (KeyError, ValueError, RuntimeError, TypeError) as exc:
+            raise StartupError(f"checkpoint {resumed} does not fit task {config.task.entry}: "
+                               f"{str(exc).splitlines()[0]}") from None
+    return Prepared(config, identity, swarm, device, task, counters, resumed)
+
+
+async def run(prepared: Prepared, *, live: LiveLine | None = None,
+              task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    """Run the daemon until a signal or ``task.max_steps``; returns after a clean stop.
+
+    Raises:
+        StartupError: the listen or metrics address cannot be bound.
+        gossip.GossipError: the node failed.
+    """
+    stop = trio.Event()
+    service = _Service(prepared, stop, live)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(service.watch_signals)
+        await service.serve(task_status)
+        nursery.cancel_scope.cancel()
+
+
+class _Service:
+    def __init__(self, prepared: Prepared, stop: trio.Event, live: LiveLine | None) -> None:
+        self.p = prepared
+        self.config = prepared.config
+        self.stop = stop
+        self.live = live
+        self.metrics = Metrics()
+        self.trainer: Trainer | None = None
+        self.node: gossip.SwarmNode | None = None
+        self.log_file: MetricsLog | None = None
+        self.started = time.monotonic()
+        self.last_checkpoint: dict[str, Any] | None = None
+        self.writing = trio.Lock()  # one checkpoint write at a time
+        self.first_exchange = True
+
+    # ---- the pieces -------------------------------------------------------------------
+
+    async def watch_signals(self) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                name = signal.Signals(signum).name
+                if not self.stop.is_set():
+                    log.info("stopping signal=%s: finishing the step, leaving the swarm, "
+                             "writing a checkpoint (send it again to exit at once)", name)
+                    self.request_stop()
+                else:
+                    log.warning("second signal=%s: exiting now without a checkpoint", name)
+                    logging.shutdown()
+                    os._exit(128 + signum)
+
+    def request_stop(self) -> None:
+        self.stop.set()
+        if self.trainer is not None:
+            self.trainer.stop.set()
+
+    async def serve(self, task_status: Any) -> None:
+        c, p = self.config, self.p
+        if c.metrics.log:
+            self.log_file = MetricsLog(c.path(c.metrics.log))
+        task_meta = {"entry": c.task.entry, "seed": c.task.seed}
+        start = "own" if p.resumed is not None else c.averaging.start
+        server = None
+        try:
+            async with gossip.open_swarm(
+                p.task.model, p.swarm, listen=c.node.listen, advertise=c.node.advertise or None,
+                bootstrap=c.swarm.bootstrap, identity=p.identity,
+                config=replace(c.averaging.to_averaging(), start=start),
+                membership=c.membership(), timeouts=c.averaging.to_timeouts(), task=task_meta,
+                counters=p.counters, allow=c.swarm.allow or None, on_exchange=self.on_exchange,
+            ) as node:
+                self.node = node
+                self.trainer = Trainer(p.task, node, p.device, Shard(c.task.shard, c.task.shards))
+                if self.stop.is_set():
+                    self.trainer.stop.set()
+                log.info("start version=%s peer=%s address=%s swarm=%s task=%s device=%s "
+                         "source=%s step=%d", VERSION, node.peer_id.short, node.address,
+                         p.swarm.name, c.task.entry, p.device,
+                         p.resumed or ("new" if p.counters is None else ""), node.global_step)
+                self.event("start", peer=node.peer_id, address=node.address,
+                           resumed=str(p.resumed) if p.resumed else None, step=node.global_step)
+                if c.metrics.prometheus:
+                    server = self._serve_metrics(c.metrics.prometheus)
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(serve_control, c.path(c.node.control),
+                                        {"status": self.status})
+                    nursery.start_soon(self.metrics_loop)
+                    task_status.started(node.address)
+                    await self.train()
+                    nursery.cancel_scope.cancel()
+                log.info("leaving the swarm peer=%s", node.peer_id.short)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise StartupError(f"node.listen {c.node.listen}: address already in use") from None
+            if exc.errno == errno.EADDRNOTAVAIL:
+                raise StartupError(f"node.listen {c.node.listen}: not an address of this "
+                                   "machine") from None
+            raise
+        finally:
+            if server is not None:
+                server.shutdown()
+        await self.final_checkpoint()
+
+    def _serve_metrics(self, address: str) -> Any:
+        try:
+            server = self.metrics.serve(address)
+        except OSError as exc:
+            raise StartupError(f"metrics.prometheus {address}: {exc.strerror}") from None
+        log.info("metrics endpoint address=http://%s/metrics", address)
+        return server
+
+    # ---- training ---------------------------------------------------------------------
+
+    async def train(self) -> None:
+        c, node, trainer = self.config, self.node, self.trainer
+        assert node is not None and trainer is not None
+        await _race(node.wait_ready, self.stop.wait)
+        if self.stop.is_set():
+            return
+        if node.downloaded is not None:
+            theirs = node.downloaded.task.get("entry")
+            if theirs != c.task.entry:
+                log.warning("task mismatch ours=%s theirs=%s: the swarm may train another model",
+                            c.task.entry, theirs)
+            self.event("download", peer=node.downloaded.peer, step=node.downloaded.step)
+        every, max_steps = c.task.progress_every, c.task.max_steps
+        steps_here = 0
+        next_progress = every
+        next_checkpoint = trio.current_time() + c.checkpoint.interval
+        async with trio.open_nursery() as writers:
+            while not self.stop.is_set():
+                limit = max_steps - steps_here if max_steps else 1 << 62
+                chunk = await trio.to_thread.run_sync(trainer.chunk, c.task.chunk, limit)
+                steps_here += chunk.steps
+                self.metrics.trained(chunk.steps, chunk.samples, chunk.loss)
+                self.show(chunk)
+                if steps_here >= next_progress:
+                    next_progress = (steps_here // every + 1) * every
+                    self.progress(chunk)
+                if max_steps and steps_here >= max_steps:
+                    log.info("stopping reason=max_steps steps=%d", steps_here)
+                    self.request_stop()
+                elif trio.current_time() >= next_checkpoint and not self.writing.locked():
+                    next_checkpoint = trio.current_time() + c.checkpoint.interval
+                    state = await self.capture()
+                    writers.start_soon(self.periodic_checkpoint, state)
+
+    def progress(self, chunk: Chunk) -> None:
+        node = self.node
+        assert node is not None
+        stats, peers = node.statistics(), node.roster.statistics().alive
+        rate = self.metrics.samples_per_second()
+        log.info("progress step=%d loss=%.4f samples_per_s=%.0f peers=%d exchanges=%d pending=%d",
+                 stats.step, chunk.loss, rate, peers, stats.committed, stats.pending)
+        self.event("progress", step=stats.step, loss=_finite(chunk.loss),
+                   samples_per_s=round(rate, 1), peers=peers, exchanges=stats.committed)
+
+    def show(self, chunk: Chunk) -> None:
+        if self.live is None or self.node is None:
+            return
+        stats = self.node.statistics()
+        self.live.show(f"step {stats.step}  loss {chunk.loss:.4f}  "
+                       f"{self.metrics.samples_per_second():.0f} samples/s  "
+                       f"peers {self.node.roster.statistics().alive}  "
+                       f"exchanges {stats.committed}")
+
+    # ---- checkpoints ------------------------------------------------------------------
+
+    async def capture(self) -> dict[str, Any]:
+        assert self.trainer is not None and self.node is not None
+        meta = {"entry": self.config.task.entry, "peer": str(self.node.peer_id),
+                "schema": self.node.replica.schema.fingerprint.hex(), "time": time.time()}
+        return await trio.to_thread.run_sync(self.trainer.state, meta)
+
+    async def periodic_checkpoint(self, state: dict[str, Any]) -> None:
+        """A checkpoint while training: a failure (disk full) is logged and training goes on;
+        the previous checkpoint is still there."""
+        try:
+            await self.write_checkpoint(state)
+        except OSError as exc:
+            self.metrics.checkpoint_failures.inc()
+            log.error("checkpoint failed dir=%s error=%s; training goes on",
+                      self.config.path(self.config.checkpoint.dir), exc)
+
+    async def write_checkpoint(self, state: dict[str, Any]) -> None:
+        c = self.config
+        async with self.writing:
+            started = time.monotonic()
+            step = state["counters"]["step"]
+            path = await trio.to_thread.run_sync(
+                lambda: checkpoint.save(c.path(c.checkpoint.dir), state, step=step,
+                                        keep=c.checkpoint.keep))
+            seconds = time.monotonic() - started
+            self.metrics.checkpointed(seconds)
+            self.last_checkpoint = {"path": str(path), "step": step, "time": time.time()}
+            log.info("checkpoint path=%s step=%d seconds=%.2f", path, step, seconds)
+            self.event("checkpoint", path=str(path), step=step, seconds=round(seconds, 3))
+
+    async def final_checkpoint(self) -> None:
+        if self.trainer is None or self.node is None:
+            return
+        evaluation = await trio.to_thread.run_sync(self.trainer.evaluate)
+        if evaluation:
+            log.info("evaluation %s", " ".join(f"{k}={v:.4f}" for k, v in evaluation.items()))
+        self.event("eval", step=self.node.global_step, **evaluation)
+        await self.write_checkpoint(await self.capture())
+        log.info("stopped step=%d", self.node.global_step)
+        self.event("stop", step=self.node.global_step)
+        if self.log_file is not None:
+            self.log_file.close()
+
+    # ---- observability ----------------------------------------------------------------
+
+    def event(self, name: str, **fields: Any) -> None:
+        if self.log_file is not None:
+            self.log_file.write(name, **fields)
+
+    def on_exchange(self, exchange: gossip.Exchange) -> None:
+        self.metrics.exchange(exchange)
+        r = exchange.result
+        level = (logging.INFO if r is gossip.Result.COMMITTED
+                 else logging.DEBUG if r is gossip.Result.BUSY else logging.WARNING)
+        distance = "-" if exchange.distance is None else f"{exchange.distance:.4g}"
+        log.log(level, "exchange peer=%s result=%s initiated=%d seconds=%.3f distance=%s",
+                exchange.peer.short, r.value, exchange.initiated, exchange.duration, distance)
+        self.event("exchange", peer=exchange.peer, result=r.value, initiated=exchange.initiated,
+                   seconds=round(exchange.duration, 4), distance=exchange.distance)
+        if self.first_exchange and r is gossip.Result.COMMITTED:
+            self.first_exchange = False
+            self.event("first_exchange", uptime=round(time.monotonic() - self.started, 3))
+
+    async def metrics_loop(self) -> None:
+        assert self.node is not None
+        while True:
+            snapshot = self.metrics.sample(self.node)
+            self.event("metrics", **snapshot)
+            await trio.sleep(self.config.metrics.every)
+
+    def status(self) -> dict[str, Any]:
+        node, c = self.node, self.config
+        assert node is not None
+        me = node.peer_id
+        peers = [{"peer": m.peer, "address": m.address, "state": m.state.name.lower(),
+                  "step": m.step, "ready": m.ready}
+                 for m in node.roster.members() if m.peer != me]
+        return {
+            "peer": me, "address": node.address, "swarm": self.p.swarm.name,
+            "task": c.task.entry, "device": str(self.p.device), "version": VERSION,
+            "uptime_s": round(time.monotonic() - self.started, 1),
+            "data_dir": str(c.data_dir()),
+            **self.metrics.sample(node),
+            "members": peers,
+            "downloaded_from": node.downloaded.peer if node.downloaded else None,
+            "last_checkpoint": self.last_checkpoint,
+        }
+
+
+async def _race(*fns: Any) -> None:
+    """Wait until the first of the async functions ``fns`` returns, then cancel the rest."""
+    async with trio.open_nursery() as nursery:
+        async def one(fn: Any) -> None:
+            await fn()
+            nursery.cancel_scope.cancel()
+        for fn in fns:
+            nursery.start_soon(one, fn)
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None

@@ -1,0 +1,138 @@
+"""The training side of the daemon: steps in a worker thread, in chunks.
+
+Theory of operation
+-------------------
+The service's trio loop calls :meth:`Trainer.chunk` through ``trio.to_thread.run_sync``.
+One chunk is a run of optimizer steps that ends after ``seconds`` of wall time, at the step
+limit, or as soon as :attr:`Trainer.stop` is set (a signal). Then, still in the worker
+thread, the chunk's steps and samples are counted on the replica and the deltas queued by
+committed exchanges meanwhile are added to the model. The thread never waits on the network:
+exchanges read the model through the replica's snapshot (a copy under the replica's lock)
+and hand back deltas, while this thread steps. A snapshot may straddle an optimizer step
+(some tensors from step t, the rest from t+1); that is one step's worth of noise in one
+exchange, cheaper than making every exchange wait for a step to end.
+
+Between chunks, and only then, the service takes checkpoints (:meth:`Trainer.state`) and
+evaluations, so neither ever sees a half-applied step.
+
+Losses stay on the device within a chunk and are read once at its end: reading a CUDA loss
+after every step would wait for the GPU each time.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import threading
+import torch
+
+import gossip
+from gossip.replica import Counters
+
+from . import checkpoint
+from .task import Shard, Task, to_device
+
+__all__ = ["Chunk", "Trainer"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """What one chunk did."""
+
+    steps: int
+    samples: int
+    loss: float  # mean over the chunk's steps (nan if none)
+    applied: int  # exchanges whose deltas were added after it
+    seconds: float
+
+
+def _to_cpu(value: Any) -> Any:
+    """A deep copy of ``value`` with every tensor copied to the CPU (for a checkpoint)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
+
+
+class Trainer:
+    """Trains ``task`` on this node's shard, counting on ``node``'s replica."""
+
+    def __init__(self, task: Task, node: gossip.SwarmNode, device: torch.device,
+                 shard: Shard) -> None:
+        self.task = task
+        self.node = node
+        self.device = device
+        self.stop = threading.Event()  # set from any thread: the chunk ends after this step
+        self._batches = iter(task.batches(shard))
+        self._warned_nan = False
+
+    def chunk(self, seconds: float, limit: int) -> Chunk:
+        """Run up to ``limit`` steps for about ``seconds`` (in a worker thread)."""
+        task, started = self.task, time.monotonic()
+        deadline = started + seconds
+        task.model.train()
+        total: torch.Tensor | float = 0.0
+        steps = 0
+        while steps < limit and not self.stop.is_set():
+            batch = to_device(next(self._batches), self.device)
+            loss = task.step(batch)
+            total = total + (loss.detach() if isinstance(loss, torch.Tensor) else float(loss))
+            steps += 1
+            if time.monotonic() >= deadline:
+                break
+        samples = steps * task.batch_size
+        self.node.replica.advance(steps, samples)
+        applied = self.node.apply_pending()
+        mean = float(total) / steps if steps else math.nan
+        if steps and not math.isfinite(mean) and not self._warned_nan:
+            self._warned_nan = True
+            log.warning("loss is not finite step=%d: peers will refuse this model's state "
+                        "until it is fixed (lower the learning rate?)",
+                        self.node.global_step)
+        return Chunk(steps, samples, mean, applied, time.monotonic() - started)
+
+    def evaluate(self) -> dict[str, float]:
+        """The task's evaluation, if it has one (in a worker thread, between chunks)."""
+        if self.task.evaluate is None:
+            return {}
+        with torch.no_grad():
+            result = self.task.evaluate()
+        self.task.model.train()
+        return {str(k): float(v) for k, v in result.items()}
+
+    def state(self, meta: Mapping[str, Any]) -> dict[str, Any]:
+        """A checkpoint's content, copied to the CPU (between chunks): the model with every
+        committed delta applied, the optimizer, the counters and the RNG states."""
+        self.node.apply_pending()
+        counters = self.node.replica.counters()
+        return {
+            "model": _to_cpu(self.task.model.state_dict()),
+            "optimizer": _to_cpu(self.task.optimizer.state_dict()),
+            "counters": {"step": counters.step, "samples": counters.samples,
+                         "weight": counters.weight},
+            "rng": checkpoint.capture_rng(),
+            "meta": dict(meta),
+        }
+
+    @staticmethod
+    def restore(task: Task, state: Mapping[str, Any]) -> Counters:
+        """Load a checkpoint's model, optimizer and RNG state into ``task`` (before the node
+        opens); returns its counters for :func:`gossip.open_swarm`.
+
+        Raises:
+            KeyError, ValueError, RuntimeError: the checkpoint is not of this task's model.
+        """
+        task.model.load_state_dict(state["model"])
+        task.optimizer.load_state_dict(state["optimizer"])
+        checkpoint.restore_rng(state["rng"])
+        c = state["counters"]
+        return Counters(int(c["step"]), int(c["samples"]), float(c["weight"]))
