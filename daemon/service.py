@@ -35,6 +35,7 @@ import torch
 import trio
 
 import gossip
+from gossip.groups import one_error
 
 from . import checkpoint
 from .config import Config
@@ -117,10 +118,11 @@ async def run(prepared: Prepared, *, live: LiveLine | None = None,
     """
     stop = trio.Event()
     service = _Service(prepared, stop, live)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(service.watch_signals)
-        await service.serve(task_status)
-        nursery.cancel_scope.cancel()
+    with one_error():
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(service.watch_signals)
+            await service.serve(task_status)
+            nursery.cancel_scope.cancel()
 
 
 class _Service:

@@ -1,0 +1,97 @@
+"""End to end: every way ``gossipd run`` can be misconfigured ends in one line and exit code 2.
+
+No traceback, nothing half-started: the message names the file or key to fix.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from daemon.config import from_dict, render
+from daemon.keys import write_swarm_key
+
+pytestmark = pytest.mark.slow
+
+
+def write_config(directory: Path, **sections: dict) -> Path:
+    data = {"node": {"listen": "127.0.0.1:0"}, "swarm": {"name": "e2e"},
+            "task": {"entry": "daemon.tasks.digits:task"}}
+    for name, values in sections.items():
+        data.setdefault(name, {}).update(values)
+    path = directory / "gossipd.toml"
+    path.write_text(render(from_dict(data, directory, str(path))))
+    return path
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "daemon", *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+def with_key(tmp_path: Path) -> Path:
+    write_swarm_key(tmp_path / "swarm.key", bytes(32))
+    return write_config(tmp_path)
+
+
+def busy_port() -> tuple[socket.socket, int]:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    return s, s.getsockname()[1]
+
+
+MINIMAL = """\
+[node]
+listen = "127.0.0.1:0"
+[swarm]
+name = "e2e"
+[task]
+entry = "daemon.tasks.digits:task"
+"""
+
+# Each case makes its files in a directory and returns the arguments after ``run``; the
+# error line must contain the second element.
+CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
+    "missing config file": (lambda d: ["-c", str(d / "nope.toml")], "does not exist"),
+    "not TOML": (lambda d: (d / "c.toml").write_text("[node\n") and ["-c", str(d / "c.toml")],
+                 "c.toml"),
+    "unknown key": (lambda d: (d / "c.toml").write_text(MINIMAL + "[metrics]\nevry = 1\n")
+                    and ["-c", str(d / "c.toml")], "metrics.evry"),
+    "bad value": (lambda d: ["-c", str(with_key(d)), "--set", "task.device=gpu"], "task.device"),
+    "missing swarm key": (lambda d: ["-c", str(write_config(d))], "swarm.key"),
+    "malformed swarm key": (lambda d: (d / "swarm.key").write_text("xyz\n")
+                            and ["-c", str(write_config(d))], "64 hex"),
+    "task not importable": (lambda d: ["-c", str(with_key(d)), "--set",
+                                       "task.entry=no_such_module:task"], "no_such_module"),
+    "task file missing": (lambda d: ["-c", str(with_key(d)), "--set",
+                                     "task.entry=./missing.py:task"], "missing.py"),
+    "cuda asked, absent": (lambda d: ["-c", str(with_key(d)), "--set", "task.device=cuda:7"],
+                           "cuda"),
+    "bad identity file": (lambda d: (d / "identity.key").write_text("garbage")
+                          and ["-c", str(with_key(d))], "identity.key"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_bad_setup_is_one_line_and_exit_2(tmp_path: Path, case: str) -> None:
+    make, needle = CASES[case]
+    out = run("run", *make(tmp_path))
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
+    assert lines[0].startswith("gossipd run: ") and needle in lines[0], lines[0]
+
+
+def test_a_listen_port_in_use_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    holder, port = busy_port()
+    with holder:
+        out = run("run", "-c", str(with_key(tmp_path)), "--set", f"node.listen=127.0.0.1:{port}")
+    assert out.returncode == 2, out.stderr
+    line = out.stderr.strip().splitlines()[-1]
+    assert "address already in use" in line and "Traceback" not in out.stderr, out.stderr

@@ -1,0 +1,137 @@
+"""End to end: real ``gossipd`` processes on 127.0.0.1 train, average, crash and resume.
+
+Every wait has a deadline and follows the daemons' JSON-lines logs (see ``daemons.py``).
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+
+from daemon import checkpoint
+from tests.e2e.daemons import START, Daemon, Swarm, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+def mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def alive_in_status(observer: Daemon, peer: str) -> str | None:
+    """The state ``observer``'s daemon reports for ``peer``, asked with ``gossipd status``."""
+    for m in observer.status()["members"]:
+        if m["peer"] == peer:
+            return m["state"]
+    return None
+
+
+def test_three_daemons_train_average_and_report(tmp_path: Path) -> None:
+    with Swarm(tmp_path) as swarm:
+        a = swarm.add("a", shard=0, shards=3).start()
+        wait_for(lambda: a.last("start"), START, [a], "a to start")
+        b = swarm.add("b", bootstrap=[a], shard=1, shards=3).start()
+        c = swarm.add("c", bootstrap=[a], shard=2, shards=3).start()
+        nodes = [a, b, c]
+        wait_for(lambda: all(d.committed() >= 3 for d in nodes), 90, nodes,
+                 "3 committed exchanges at every daemon")
+        wait_for(lambda: all(len(d.of("progress")) >= 10 for d in nodes), 60, nodes,
+                 "10 progress lines each")
+
+        # gossipd status lists the other two, alive, and the daemon's own figures.
+        status = a.status()
+        peers = {m["peer"]: m["state"] for m in status["members"]}
+        assert peers == {b.last("start")["peer"]: "alive", c.last("start")["peer"]: "alive"}
+        assert status["ready"] and status["exchanges"]["committed"] >= 3
+        assert status["step"] > 0 and status["loss"] is not None
+
+        # The late joiners downloaded the swarm's state rather than starting from scratch.
+        assert b.last("download") is not None and c.last("download") is not None
+
+        # Loss falls at every node.
+        for d in nodes:
+            losses = [e["loss"] for e in d.of("progress")]
+            assert mean(losses[-3:]) < mean(losses[:3]), (d.name, losses)
+        for d in nodes:
+            d.signal(signal.SIGTERM)
+        assert [d.wait_exit() for d in nodes] == [0, 0, 0]
+        # Each evaluated its model as it stopped: averaging spread all ten classes, though
+        # each node saw mostly three or four.
+        for d in nodes:
+            assert d.last("eval")["accuracy"] > 0.5, d.name
+
+
+def test_kill9_then_restart_resumes_from_its_checkpoint_and_rejoins(tmp_path: Path) -> None:
+    # A larger model so that an exchange takes a while, and rounds often: the kill is likely
+    # to land in the middle of one (it lands wherever it lands, which is the point).
+    settings = ["task.options.hidden=2048", "averaging.interval=0.3", "checkpoint.interval=1"]
+    with Swarm(tmp_path) as swarm:
+        a = swarm.add("a", settings=settings).start()
+        wait_for(lambda: a.last("start"), START, [a], "a to start")
+        b = swarm.add("b", bootstrap=[a], settings=settings).start()
+        c = swarm.add("c", bootstrap=[a], settings=settings).start()
+        nodes = [a, b, c]
+        wait_for(lambda: all(d.committed() >= 3 for d in nodes), 90, nodes, "exchanges")
+        wait_for(lambda: b.of("checkpoint"), 30, nodes, "b's first checkpoint")
+        victim_peer = b.last("start")["peer"]
+        b.kill9()
+        seen = [len(d.events) for d in (a, c)]
+        steps = [a.step(), c.step()]
+        wait_for(lambda: alive_in_status(a, victim_peer) in ("suspect", "dead"), 60, [a, c],
+                 "a to notice b's crash")
+
+        saved = checkpoint.load_latest(b.directory / "checkpoints")
+        assert saved is not None
+        path, state = saved
+        b.start()
+        start = wait_for(lambda: b.last("start") if len(b.of("start")) == 2 else None, START,
+                         [b], "b to restart")
+        assert start["resumed"] == str(path) and start["step"] >= state["counters"]["step"]
+        assert start["peer"] == victim_peer  # the same identity
+        wait_for(lambda: alive_in_status(a, victim_peer) == "alive", 60, nodes,
+                 "a to see b alive again")
+        after = len(b.events)
+        wait_for(lambda: b.committed(since=after) >= 2, 60, nodes, "b to average again")
+        # The others kept stepping all along.
+        assert a.step() > steps[0] and c.step() > steps[1]
+        assert all(e["event"] != "stop" for d, n in zip((a, c), seen) for e in d.events[n:])
+
+
+def test_sigterm_checkpoints_and_leaves(tmp_path: Path) -> None:
+    with Swarm(tmp_path) as swarm:
+        a = swarm.add("a").start()
+        wait_for(lambda: a.last("start"), START, [a], "a to start")
+        b = swarm.add("b", bootstrap=[a]).start()
+        wait_for(lambda: b.committed() >= 1, 60, [a, b], "an exchange")
+        b_peer = b.last("start")["peer"]
+        b.signal(signal.SIGTERM)
+        assert b.wait_exit() == 0
+        stop = b.last("stop")
+        assert stop is not None
+        path, state = checkpoint.load_latest(b.directory / "checkpoints")
+        assert state["counters"]["step"] == stop["step"]
+        assert "stopping signal=SIGTERM" in b.text()
+        # The other side learns it left (a graceful departure, not a crash).
+        wait_for(lambda: alive_in_status(a, b_peer) == "left", 30, [a], "a to see b leave")
+
+
+def test_a_truncated_newest_checkpoint_falls_back_to_the_previous_one(tmp_path: Path) -> None:
+    with Swarm(tmp_path) as swarm:
+        a = swarm.add("a", settings=["checkpoint.interval=0.2", "checkpoint.keep=5"])
+        a.start("task.max_steps=3000")
+        assert a.wait_exit(120) == 0  # max_steps: a clean stop, like a signal
+        files = checkpoint.checkpoints(a.directory / "checkpoints")
+        assert len(files) >= 2
+        newest, previous = files[-1], files[-2]
+        newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
+
+        a.start("task.max_steps=10")
+        start = wait_for(lambda: a.last("start") if len(a.of("start")) == 2 else None, START,
+                         [a], "the restart")
+        assert start["resumed"] == str(previous)
+        assert a.wait_exit(60) == 0
+        log = a.text()
+        assert f"checkpoint unusable path={newest}" in log
+        assert f"resuming checkpoint={previous}" in log
