@@ -305,6 +305,13 @@ class _Service:
     async def final_checkpoint(self) -> None:
         if self.trainer is None or self.node is None:
             return
+        if not self.node.ready:
+            # Stopped while fetching the swarm's state: the model is still our own
+            # initialization, and a checkpoint of it would make the next start skip the
+            # download.
+            log.info("stopped before the node was ready: no checkpoint written")
+            self.event("stop", step=self.node.global_step)
+            return
         evaluation = await trio.to_thread.run_sync(self.trainer.evaluate)
         if evaluation:
             log.info("evaluation %s", " ".join(f"{k}={v:.4f}" for k, v in evaluation.items()))

@@ -199,15 +199,18 @@ async def download(replica: Replica, candidates: list[Member], network: Network,
         AveragingFailed: every candidate failed (each failure is logged).
     """
     order = sorted(candidates, key=lambda m: (-m.step, rng.random()))
+    last: BaseException | None = None
     for member in order:
         try:
             result = await _fetch(replica, member, network, identity, swarm, timeouts, deadline)
         except (GossipError, trio.TooSlowError) as exc:
             log.info("state download failed peer=%s: %s", member.peer.short, exc)
+            last = exc
             continue
         log.info("state downloaded peer=%s step=%d", member.peer.short, result.step)
         return result
-    raise AveragingFailed(f"no state download succeeded ({len(order)} peers tried)")
+    raise AveragingFailed(f"no state download succeeded ({len(order)} peers tried; "
+                          f"the last said: {last})")
 
 
 async def _fetch(replica: Replica, member: Member, network: Network, identity: Identity,

@@ -132,6 +132,7 @@ class SwarmNode:
         if bootstrap and config.start != "own":
             await self.roster.wait_joined()
             give_up = trio.current_time() + config.download_wait
+            attempts = 0
             while True:
                 candidates = averaging.allowed(self.roster.alive(ready=True))
                 if candidates:
@@ -139,7 +140,11 @@ class SwarmNode:
                         self.downloaded = await averaging.download(candidates)
                         break
                     except AveragingFailed as exc:
-                        log.info("%s; retrying", exc)
+                        # Said once out loud: a refusal may mean this node's model is not the
+                        # swarm's (another task or options), which retrying will not fix.
+                        attempts += 1
+                        log.log(logging.WARNING if attempts == 1 else logging.INFO,
+                                "%s; retrying every %g s", exc, RETRY)
                 elif config.start == "auto" and trio.current_time() >= give_up:
                     log.info("no ready peer %.1f s after joining; starting from our own "
                              "initialization", config.download_wait)
