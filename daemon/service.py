@@ -205,7 +205,11 @@ class _Service:
         finally:
             if server is not None:
                 server.shutdown()
-        await self.final_checkpoint()
+        try:
+            await self.final_checkpoint()
+        finally:
+            if self.log_file is not None:
+                self.log_file.close()
 
     def _serve_metrics(self, address: str) -> Any:
         try:
@@ -319,8 +323,6 @@ class _Service:
         await self.write_checkpoint(await self.capture())
         log.info("stopped step=%d", self.node.global_step)
         self.event("stop", step=self.node.global_step)
-        if self.log_file is not None:
-            self.log_file.close()
 
     # ---- observability ----------------------------------------------------------------
 
