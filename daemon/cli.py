@@ -135,7 +135,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return EXIT_FAILED
     finally:
         if live is not None:
-            live.clear()
+            live.close()
     return EXIT_OK
 
 
@@ -204,9 +204,10 @@ def cmd_keygen(args: argparse.Namespace) -> int:
             print(f"wrote swarm key {args.swarm_key}")
         else:
             identity = Identity.generate()
+            Path(args.identity).parent.mkdir(parents=True, exist_ok=True)
             identity.save(args.identity)
             print(f"wrote identity {args.identity}  peer id {identity.peer_id}")
-    except (KeyFileError, IdentityError) as exc:
+    except (KeyFileError, IdentityError, OSError) as exc:
         raise UsageError(str(exc)) from None
     return EXIT_OK
 
@@ -275,11 +276,17 @@ def cmd_init(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         raise UsageError(str(exc)) from None
     import gossip
+    key_path, identity_path = config.path(config.swarm.key_file), config.path(config.node.identity)
+    if key_path.exists():  # checked before anything is written: a failed init leaves nothing
+        raise UsageError(f"{key_path} exists; not overwriting it")
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        write_swarm_key(config.path(config.swarm.key_file), key)
-        identity = gossip.Identity.generate()
-        identity.save(config.path(config.node.identity))
+        if identity_path.exists():  # made by `gossipd keygen --identity`: keep it
+            identity = gossip.Identity.load(identity_path)
+        else:
+            identity = gossip.Identity.generate()
+            identity.save(identity_path)
+        write_swarm_key(key_path, key)
         write_new(config_path, render(config).encode())
     except (KeyFileError, OSError, gossip.IdentityError) as exc:
         raise UsageError(str(exc)) from None

@@ -88,22 +88,34 @@ async def serve_control(path: Path, handlers: dict[str, Callable[[], Any]], *,
 
 
 async def _serve_one(stream: trio.abc.Stream, handlers: dict[str, Callable[[], Any]]) -> None:
+    """Answer one request. Whatever the client does (garbage, hanging up, silence), only this
+    connection ends; the server and the daemon go on."""
     async with stream:
-        reply: Any
         with trio.move_on_after(TIMEOUT):
             try:
-                request = json.loads(await _read_line(stream, MAX_REQUEST))
-                command = request.get("command") if isinstance(request, dict) else None
-                handler = handlers.get(command) if isinstance(command, str) else None
-                if handler is None:
-                    reply = {"error": f"unknown command {command!r}; try one of {sorted(handlers)}"}
-                else:
-                    reply = handler()
-            except (ValueError, UnicodeDecodeError) as exc:
-                reply = {"error": f"bad request: {exc}"}
-            except trio.BrokenResourceError:
-                return
-            await stream.send_all(json.dumps(reply, default=str).encode() + b"\n")
+                try:
+                    reply = _answer(await _read_line(stream, MAX_REQUEST), handlers)
+                except ValueError as exc:  # too long
+                    reply = {"error": f"bad request: {exc}"}
+                await stream.send_all(json.dumps(reply, default=str).encode() + b"\n")
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return  # the client hung up
+
+
+def _answer(line: bytes, handlers: dict[str, Callable[[], Any]]) -> Any:
+    try:
+        request = json.loads(line)
+    except (ValueError, UnicodeDecodeError) as exc:
+        return {"error": f"bad request: {exc}"}
+    command = request.get("command") if isinstance(request, dict) else None
+    handler = handlers.get(command) if isinstance(command, str) else None
+    if handler is None:
+        return {"error": f"unknown command {command!r}; try one of {sorted(handlers)}"}
+    try:
+        return handler()
+    except Exception as exc:  # a bug in a handler: reported to the client, the daemon goes on
+        log.exception("control command failed command=%s", command)
+        return {"error": f"{command} failed: {exc!r}"}
 
 
 async def _read_line(stream: trio.abc.ReceiveStream, limit: int) -> bytes:

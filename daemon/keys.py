@@ -45,9 +45,12 @@ def read_swarm_key(path: Path) -> bytes:
     if len(data) > MAX_KEY_FILE or len(text) != 64:
         raise KeyFileError(f"swarm key file {path} must hold 64 hex characters")
     try:
-        return bytes.fromhex(text)
+        key = bytes.fromhex(text)
     except ValueError:
-        raise KeyFileError(f"swarm key file {path} must hold 64 hex characters") from None
+        key = b""
+    if len(key) != 32:  # fromhex skips inner spaces: "00 00 ..." is 64 characters, fewer bytes
+        raise KeyFileError(f"swarm key file {path} must hold 64 hex characters")
+    return key
 
 
 def write_new(path: Path, data: bytes) -> None:
@@ -56,8 +59,8 @@ def write_new(path: Path, data: bytes) -> None:
     Raises:
         KeyFileError: the file exists, or cannot be written.
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
         raise KeyFileError(f"{path} exists; not overwriting it") from None
@@ -117,8 +120,11 @@ class JoinLine:
             key = bytes.fromhex(fields["key"][0])
             if len(key) != 32:
                 raise ValueError("the key must be 64 hex characters")
-            task = unquote(fields["task"][0])
-            seed = int(fields.get("seed", ["0"])[0])
+            task = fields["task"][0]  # parse_qs has decoded it
+            seed_text = fields.get("seed", ["0"])[0]
+            if not (seed_text.isascii() and seed_text.isdigit()):
+                raise ValueError(f"the seed must be a non-negative integer, not {seed_text!r}")
+            seed = int(seed_text)
             name = unquote(name)
             if not name:
                 raise ValueError("no swarm name")

@@ -44,6 +44,12 @@ class LiveLine:
                 self._stream.write("\r\x1b[K")
                 self._stream.flush()
 
+    def close(self) -> None:
+        """Clear the line for good: later records are plain lines."""
+        self.clear()
+        with self._lock:
+            self._text = ""
+
     def redraw(self) -> None:
         with self._lock:
             if self._text:

@@ -35,6 +35,7 @@ import torch
 import trio
 
 import gossip
+from gossip.address import format_address
 from gossip.groups import one_error
 
 from . import checkpoint
@@ -204,7 +205,9 @@ class _Service:
             raise
         finally:
             if server is not None:
-                server.shutdown()
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(server.shutdown)  # waits out a poll (0.5 s)
+                server.server_close()
         try:
             await self.final_checkpoint()
         finally:
@@ -216,7 +219,8 @@ class _Service:
             server = self.metrics.serve(address)
         except OSError as exc:
             raise StartupError(f"metrics.prometheus {address}: {exc.strerror}") from None
-        log.info("metrics endpoint address=http://%s/metrics", address)
+        host, port = server.server_address[:2]
+        log.info("metrics endpoint address=http://%s/metrics", format_address(host, port))
         return server
 
     # ---- training ---------------------------------------------------------------------

@@ -34,7 +34,7 @@ import gossip
 from gossip.replica import Counters
 
 from . import checkpoint
-from .task import Shard, Task, to_device
+from .task import Shard, Task, TaskError, to_device
 
 __all__ = ["Chunk", "Trainer"]
 
@@ -72,6 +72,7 @@ class Trainer:
         self.node = node
         self.device = device
         self.stop = threading.Event()  # set from any thread: the chunk ends after this step
+        self._shard = shard
         self._batches = iter(task.batches(shard))
         self._warned_nan = False
 
@@ -83,7 +84,7 @@ class Trainer:
         total: torch.Tensor | float = 0.0
         steps = 0
         while steps < limit and not self.stop.is_set():
-            batch = to_device(next(self._batches), self.device)
+            batch = to_device(self._next_batch(), self.device)
             loss = task.step(batch)
             total = total + (loss.detach() if isinstance(loss, torch.Tensor) else float(loss))
             steps += 1
@@ -99,6 +100,18 @@ class Trainer:
                         "until it is fixed (lower the learning rate?)",
                         self.node.global_step)
         return Chunk(steps, samples, mean, applied, time.monotonic() - started)
+
+    def _next_batch(self) -> Any:
+        try:
+            return next(self._batches)
+        except StopIteration:  # batches(shard) should be endless; take it as an epoch
+            log.info("batch iterator ended; starting another pass over shard=%d/%d",
+                     self._shard.index, self._shard.count)
+            self._batches = iter(self.task.batches(self._shard))
+            try:
+                return next(self._batches)
+            except StopIteration:
+                raise TaskError(f"the task's batches({self._shard}) yields nothing") from None
 
     def evaluate(self) -> dict[str, float]:
         """The task's evaluation, if it has one (in a worker thread, between chunks)."""

@@ -125,7 +125,7 @@ class Identity:
         finally:
             try:
                 os.unlink(tmp)
-            except FileNotFoundError:
+            except OSError:  # never created (or its directory is missing): nothing to clean
                 pass
 
     @classmethod
