@@ -181,9 +181,9 @@ class _Service:
                 if self.stop.is_set():
                     self.trainer.stop.set()
                 log.info("start version=%s peer=%s address=%s swarm=%s task=%s device=%s "
-                         "source=%s step=%d", VERSION, node.peer_id.short, node.address,
-                         p.swarm.name, c.task.entry, p.device,
-                         p.resumed or ("new" if p.counters is None else ""), node.global_step)
+                         "checkpoint=%s step=%d", VERSION, node.peer_id, node.address,
+                         p.swarm.name, c.task.entry, p.device, p.resumed or "none",
+                         node.global_step)
                 self.event("start", peer=node.peer_id, address=node.address,
                            resumed=str(p.resumed) if p.resumed else None, step=node.global_step)
                 if c.metrics.prometheus:
