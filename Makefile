@@ -34,6 +34,7 @@ bench: $(STAMP)
 	$(PY) bench/channel.py
 	$(PY) bench/membership.py --quick
 	$(PY) bench/averaging.py --quick
+	$(PY) bench/overhead.py --quick
 
 clean:
 	rm -rf $(VENV) build *.egg-info
