@@ -299,7 +299,21 @@ def load_latest(directory: Path) -> tuple[Path, dict[str, Any]] | None:
         except CheckpointError as exc:
             log.warning("checkpoint unusable path=%s reason=%s; trying the previous one",
                         path, exc.reason)
+            _set_aside(path)
     return None
+
+
+def _set_aside(path: Path) -> None:
+    """Rename an unusable checkpoint to ``<name>.corrupt``: kept for a post-mortem, out of
+    :func:`checkpoints`, so that it is not tried again and, being newer than the checkpoints
+    written after resuming, does not make pruning delete those."""
+    target = path.with_name(path.name + ".corrupt")
+    try:
+        os.replace(path, target)
+    except OSError as exc:
+        log.warning("cannot set aside checkpoint path=%s error=%s", path, exc.strerror)
+    else:
+        log.info("checkpoint set aside path=%s", target)
 
 
 def checkpoints(directory: Path) -> list[Path]:

@@ -57,7 +57,9 @@ def _parser() -> argparse.ArgumentParser:
                         "a swarm key; print the join line")
     group = sp.add_mutually_exclusive_group(required=True)
     group.add_argument("--swarm", metavar="NAME", help="start a new swarm with this name")
-    group.add_argument("--join", metavar="LINE", help="join the swarm a join line describes")
+    group.add_argument("--join", metavar="LINE", help="join the swarm a join line describes "
+                       "('-' reads it from standard input, keeping the key out of the shell "
+                       "history)")
     sp.add_argument("--dir", default=".", help="directory for the config and keys (default .)")
     sp.add_argument("--listen", default="0.0.0.0:7070", help="host:port to listen on")
     sp.add_argument("--advertise", help="host:port peers dial (default: this machine's "
@@ -259,8 +261,9 @@ def cmd_init(args: argparse.Namespace) -> int:
     advertise = args.advertise or format_address(
         guess_address() if host in ("0.0.0.0", "::") else host, port)
     if args.join:
+        text = sys.stdin.readline() if args.join == "-" else args.join
         try:
-            line = JoinLine.parse(args.join)
+            line = JoinLine.parse(text)
         except KeyFileError as exc:
             raise UsageError(str(exc)) from None
         name, key, bootstrap = line.name, line.key, list(line.bootstrap)
@@ -296,6 +299,8 @@ def cmd_init(args: argparse.Namespace) -> int:
         print(f"node.advertise = {advertise} (guessed: edit it if peers reach this machine by "
               "another address)")
     join = JoinLine(name, key, (advertise,) if not args.join else tuple(bootstrap), entry, seed)
+    if entry.partition(":")[0].endswith(".py"):
+        print(f"note: task.entry {entry} runs the code in that file: read it before you start")
     print("start it:   gossipd run -c", config_path)
     print("a volunteer joins with (this line holds the swarm key: share it privately):")
     print(f"  gossipd init --join '{join}'")

@@ -15,18 +15,21 @@ import json
 import logging
 import os
 import socket
+import stat
 from pathlib import Path
 from typing import Any, Callable
 
 import trio
 
-__all__ = ["ControlError", "serve_control", "query", "claim"]
+__all__ = ["ControlError", "bind_control", "serve_control", "query", "claim"]
 
 log = logging.getLogger(__name__)
 
 MAX_REQUEST = 4096  # bytes
 MAX_REPLY = 1 << 22  # bytes a client reads at most
 TIMEOUT = 5.0  # s for one request and its reply
+MAX_CLIENTS = 8  # connections served at once; more wait in the listen backlog
+ACCEPT_BACKOFF = 0.1  # s to wait after accept() fails (out of file descriptors)
 
 
 class ControlError(Exception):
@@ -47,59 +50,93 @@ def claim(path: Path) -> None:
     """Make ``path`` free for a new control socket: remove a stale one.
 
     Raises:
-        ControlError: a daemon is answering on it.
+        ControlError: a daemon is answering on it, or something other than a socket is there
+            (never deleted: the path may be mistyped, say ``node.control = "swarm.key"``).
     """
     if len(os.fsencode(path)) > 100:  # sun_path is 108 bytes on Linux, 104 on macOS
         raise ControlError(f"control socket path {path} is too long for a Unix socket; "
                            "set node.control to a shorter path")
-    if path.exists() or path.is_symlink():
-        if _answers(path):
-            raise ControlError(f"a daemon is already running with control socket {path}")
-        path.unlink()
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise ControlError(f"node.control {path} exists and is not a socket; not removing it")
+    if _answers(path):
+        raise ControlError(f"a daemon is already running with control socket {path}")
+    path.unlink()
+
+
+def bind_control(path: Path) -> socket.socket:
+    """Claim ``path`` and listen on it, mode 0600 (call before any other thread starts: the
+    umask that makes the file 0600 from its creation is process-wide).
+
+    Raises:
+        ControlError: as :func:`claim`, or the path cannot be bound (a missing directory, no
+            permission, or another daemon that bound it first).
+    """
+    claim(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        sock.bind(str(path))
+    except OSError as exc:
+        sock.close()
+        raise ControlError(f"cannot bind control socket {path}: {exc.strerror}") from None
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o600)
+    sock.listen(16)
+    return sock
 
 
 async def serve_control(path: Path, handlers: dict[str, Callable[[], Any]], *,
+                        sock: socket.socket | None = None,
                         task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
     """Answer requests on ``path`` until cancelled; removes the socket file on the way out.
 
     Args:
         handlers: command name -> function returning a JSON-able reply.
+        sock: the socket :func:`bind_control` made; bound here if not given.
     """
-    claim(path)
-    sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old = os.umask(0o177)  # the socket file is created 0600, with no window of wider access
-    try:
-        await sock.bind(str(path))
-    finally:
-        os.umask(old)
-    os.chmod(path, 0o600)
-    sock.listen(16)
-    listener = trio.SocketListener(sock)
+    listener = trio.SocketListener(trio.socket.from_stdlib_socket(sock or bind_control(path)))
+    limiter = trio.Semaphore(MAX_CLIENTS)
     try:
         async with listener:
             task_status.started(path)
             async with trio.open_nursery() as nursery:
                 while True:
-                    stream = await listener.accept()
-                    nursery.start_soon(_serve_one, stream, handlers)
+                    await limiter.acquire()
+                    try:
+                        stream = await listener.accept()
+                    except OSError as exc:  # out of file descriptors: wait, don't die
+                        limiter.release()
+                        log.warning("control socket accept failed error=%s", exc)
+                        await trio.sleep(ACCEPT_BACKOFF)
+                        continue
+                    nursery.start_soon(_serve_one, stream, handlers, limiter)
     finally:
         with trio.CancelScope(shield=True):
             path.unlink(missing_ok=True)
 
 
-async def _serve_one(stream: trio.abc.Stream, handlers: dict[str, Callable[[], Any]]) -> None:
+async def _serve_one(stream: trio.abc.Stream, handlers: dict[str, Callable[[], Any]],
+                     limiter: trio.Semaphore) -> None:
     """Answer one request. Whatever the client does (garbage, hanging up, silence), only this
     connection ends; the server and the daemon go on."""
-    async with stream:
-        with trio.move_on_after(TIMEOUT):
-            try:
+    try:
+        async with stream:
+            with trio.move_on_after(TIMEOUT):
                 try:
-                    reply = _answer(await _read_line(stream, MAX_REQUEST), handlers)
-                except ValueError as exc:  # too long
-                    reply = {"error": f"bad request: {exc}"}
-                await stream.send_all(json.dumps(reply, default=str).encode() + b"\n")
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                return  # the client hung up
+                    try:
+                        reply = _answer(await _read_line(stream, MAX_REQUEST), handlers)
+                    except ValueError as exc:  # too long
+                        reply = {"error": f"bad request: {exc}"}
+                    await stream.send_all(json.dumps(reply, default=str).encode() + b"\n")
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    return  # the client hung up
+    finally:
+        limiter.release()
 
 
 def _answer(line: bytes, handlers: dict[str, Callable[[], Any]]) -> Any:

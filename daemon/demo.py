@@ -62,7 +62,8 @@ class _Node:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "daemon", "run", "-c", str(self.directory / "gossipd.toml"),
              *sets],
-            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True)  # Ctrl-C reaches the demo only; it stops them cleanly
 
     def poll(self) -> list[dict[str, Any]]:
         """New events from the node's metrics log."""

@@ -14,6 +14,7 @@ disagree. Names follow ``gossip_<noun>_<unit>``.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
@@ -27,6 +28,8 @@ import gossip
 from gossip.address import parse_address
 
 __all__ = ["Metrics", "MetricsLog"]
+
+log = logging.getLogger(__name__)
 
 RESULTS = tuple(r.value for r in gossip.Result if r is not gossip.Result.NO_PEER)
 STATES = ("alive", "suspect", "dead", "left")
@@ -159,14 +162,26 @@ class MetricsLog:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self._file: IO[str] = open(path, "a", encoding="utf-8")
+        self._failed = False
 
     def write(self, event: str, **fields: Any) -> None:
+        """Append one record. A write that fails (a full disk) is reported once and the log
+        turned off: losing the log must not stop training."""
+        if self._failed:
+            return
         record = {"time": round(time.time(), 3), "event": event, **fields}
-        self._file.write(json.dumps(record, separators=(",", ":"), default=str) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps(record, separators=(",", ":"), default=str) + "\n")
+            self._file.flush()
+        except OSError as exc:
+            self._failed = True
+            log.error("metrics log write failed path=%s error=%s; the log is off until restart",
+                      self.path, exc)
 
     def close(self) -> None:
         try:
             os.fsync(self._file.fileno())
+        except OSError:
+            pass  # already reported by write(), or nothing left to save
         finally:
             self._file.close()

@@ -22,14 +22,17 @@ is gossiped), the deltas already committed are applied, a final checkpoint is wr
 from __future__ import annotations
 
 import errno
+import functools
+import itertools
 import logging
 import math
 import os
 import signal
+import socket
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import trio
@@ -40,7 +43,7 @@ from gossip.groups import one_error
 
 from . import checkpoint
 from .config import Config
-from .control import ControlError, claim, serve_control
+from .control import ControlError, bind_control, serve_control
 from .keys import KeyFileError, read_swarm_key
 from .logs import LiveLine
 from .metrics import Metrics, MetricsLog
@@ -60,19 +63,25 @@ class StartupError(Exception):
 
 @dataclass
 class Prepared:
-    """What :func:`prepare` found, ready for :func:`run`."""
+    """What :func:`prepare` found and opened, ready for :func:`run` (which closes it)."""
 
     config: Config
     identity: gossip.Identity
     swarm: gossip.Swarm
     device: torch.device
     task: Task
+    batches: Iterator[Any]  # this node's batches, the first one already drawn (it exists)
     counters: gossip.Counters | None  # from the checkpoint resumed, if any
     resumed: Path | None
+    control: socket.socket  # the control socket, bound and listening
+    metrics: Metrics
+    log_file: MetricsLog | None
+    metrics_server: Any = None  # prometheus_client's HTTP server, if configured
 
 
 def prepare(config: Config) -> Prepared:
-    """Check and load everything :func:`run` needs, in the order an operator would fix it.
+    """Check, load and open everything :func:`run` needs that the operator could get wrong,
+    in the order they would fix it, before anything touches the network.
 
     Raises:
         StartupError: with a one-line message.
@@ -80,25 +89,46 @@ def prepare(config: Config) -> Prepared:
     data_dir = config.data_dir()
     try:
         data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        claim(config.path(config.node.control))
+        control = bind_control(config.path(config.node.control))  # first: no thread yet
+    except (OSError, ControlError) as exc:
+        raise StartupError(str(exc)) from None
+    try:
+        return _prepare(config, control)
+    except BaseException:
+        control.close()
+        config.path(config.node.control).unlink(missing_ok=True)
+        raise
+
+
+def _prepare(config: Config, control: socket.socket) -> Prepared:
+    data_dir = config.data_dir()
+    try:
         identity = gossip.Identity.load_or_generate(config.path(config.node.identity))
         swarm = gossip.Swarm(config.swarm.name, read_swarm_key(config.path(config.swarm.key_file)))
         device = pick_device(config.task.device)
         fn = load_entry(config.task.entry)
-    except (OSError, ControlError, KeyFileError, TaskError, gossip.IdentityError) as exc:
+    except (OSError, KeyFileError, TaskError, gossip.IdentityError) as exc:
         raise StartupError(str(exc)) from None
     if config.task.threads:
         torch.set_num_threads(config.task.threads)
-    cache = data_dir / "cache"
+    shard = Shard(config.task.shard, config.task.shards)
+    task = _build_task(config, fn, Context(config.task.seed, device, dict(config.task.options),
+                                           data_dir / "cache"))
     try:
-        task = fn(Context(config.task.seed, device, dict(config.task.options), cache))
-        if not isinstance(task, Task):
-            raise TaskError(f"{config.task.entry} returned {type(task).__name__}, not a Task")
-    except TaskError as exc:
-        raise StartupError(str(exc)) from None
+        first = iter(task.batches(shard))
+        batches = itertools.chain([next(first)], first)
+    except StopIteration:
+        raise StartupError(f"{config.task.entry}: batches({shard}) yields nothing") from None
+    except Exception as exc:  # the task's own code: one line names it, the log has the rest
+        log.debug("the task's batches() failed", exc_info=True)
+        raise StartupError(f"{config.task.entry}: batches({shard}) failed: {exc!r}") from None
     task.model.to(device)
     counters, resumed = None, None
-    found = checkpoint.load_latest(config.path(config.checkpoint.dir))
+    try:
+        found = checkpoint.load_latest(config.path(config.checkpoint.dir))
+    except OSError as exc:
+        raise StartupError(f"checkpoint.dir {config.path(config.checkpoint.dir)}: "
+                           f"{exc.strerror}") from None
     if found is not None:
         resumed, state = found
         try:
@@ -106,7 +136,39 @@ def prepare(config: Config) -> Prepared:
         except (KeyError, ValueError, RuntimeError, TypeError) as exc:
             raise StartupError(f"checkpoint {resumed} does not fit task {config.task.entry}: "
                                f"{str(exc).splitlines()[0]}") from None
-    return Prepared(config, identity, swarm, device, task, counters, resumed)
+    metrics = Metrics()
+    try:
+        log_file = MetricsLog(config.path(config.metrics.log)) if config.metrics.log else None
+    except OSError as exc:
+        raise StartupError(f"metrics.log {config.path(config.metrics.log)}: {exc.strerror}") from None
+    prepared = Prepared(config, identity, swarm, device, task, batches, counters, resumed,
+                        control, metrics, log_file)
+    if config.metrics.prometheus:  # last: it starts a thread
+        prepared.metrics_server = _serve_metrics(metrics, config.metrics.prometheus)
+    return prepared
+
+
+def _build_task(config: Config, fn: Any, context: Context) -> Task:
+    try:
+        task = fn(context)
+    except TaskError as exc:
+        raise StartupError(str(exc)) from None
+    except Exception as exc:  # the task's own code: one line names it, the log has the rest
+        log.debug("the task function failed", exc_info=True)
+        raise StartupError(f"{config.task.entry} failed: {exc!r}") from None
+    if not isinstance(task, Task):
+        raise StartupError(f"{config.task.entry} returned {type(task).__name__}, not a Task")
+    return task
+
+
+def _serve_metrics(metrics: Metrics, address: str) -> Any:
+    try:
+        server = metrics.serve(address)
+    except OSError as exc:
+        raise StartupError(f"metrics.prometheus {address}: {exc.strerror}") from None
+    host, port = server.server_address[:2]
+    log.info("metrics endpoint address=http://%s/metrics", format_address(host, port))
+    return server
 
 
 async def run(prepared: Prepared, *, live: LiveLine | None = None,
@@ -132,14 +194,15 @@ class _Service:
         self.config = prepared.config
         self.stop = stop
         self.live = live
-        self.metrics = Metrics()
+        self.metrics = prepared.metrics
+        self.log_file = prepared.log_file
         self.trainer: Trainer | None = None
         self.node: gossip.SwarmNode | None = None
-        self.log_file: MetricsLog | None = None
         self.started = time.monotonic()
         self.last_checkpoint: dict[str, Any] | None = None
         self.writing = trio.Lock()  # one checkpoint write at a time
         self.first_exchange = True
+        self.signals = 0
 
     # ---- the pieces -------------------------------------------------------------------
 
@@ -147,7 +210,8 @@ class _Service:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for signum in signals:
                 name = signal.Signals(signum).name
-                if not self.stop.is_set():
+                self.signals += 1
+                if self.signals == 1:
                     log.info("stopping signal=%s: finishing the step, leaving the swarm, "
                              "writing a checkpoint (send it again to exit at once)", name)
                     self.request_stop()
@@ -157,17 +221,32 @@ class _Service:
                     os._exit(128 + signum)
 
     def request_stop(self) -> None:
+        """Stop training after the current step, and start or accept no more exchanges."""
         self.stop.set()
         if self.trainer is not None:
             self.trainer.stop.set()
+        if self.node is not None:
+            self.node.stop_averaging()
 
     async def serve(self, task_status: Any) -> None:
+        p, control = self.p, self.config.path(self.config.node.control)
+        try:
+            await self.serve_node(task_status)
+            await self.final_checkpoint()
+        finally:
+            p.control.close()
+            control.unlink(missing_ok=True)
+            if p.metrics_server is not None:
+                with trio.CancelScope(shield=True):  # shutdown() waits out a 0.5 s poll
+                    await trio.to_thread.run_sync(p.metrics_server.shutdown)
+                p.metrics_server.server_close()
+            if self.log_file is not None:
+                self.log_file.close()
+
+    async def serve_node(self, task_status: Any) -> None:
         c, p = self.config, self.p
-        if c.metrics.log:
-            self.log_file = MetricsLog(c.path(c.metrics.log))
         task_meta = {"entry": c.task.entry, "seed": c.task.seed}
         start = "own" if p.resumed is not None else c.averaging.start
-        server = None
         try:
             async with gossip.open_swarm(
                 p.task.model, p.swarm, listen=c.node.listen, advertise=c.node.advertise or None,
@@ -177,20 +256,20 @@ class _Service:
                 counters=p.counters, allow=c.swarm.allow or None, on_exchange=self.on_exchange,
             ) as node:
                 self.node = node
-                self.trainer = Trainer(p.task, node, p.device, Shard(c.task.shard, c.task.shards))
-                if self.stop.is_set():
-                    self.trainer.stop.set()
+                self.trainer = Trainer(p.task, node, p.device, Shard(c.task.shard, c.task.shards),
+                                       p.batches)
+                if self.stop.is_set():  # a signal while the node was opening
+                    self.request_stop()
                 log.info("start version=%s peer=%s address=%s swarm=%s task=%s device=%s "
                          "checkpoint=%s step=%d", VERSION, node.peer_id, node.address,
                          p.swarm.name, c.task.entry, p.device, p.resumed or "none",
                          node.global_step)
                 self.event("start", peer=node.peer_id, address=node.address,
                            resumed=str(p.resumed) if p.resumed else None, step=node.global_step)
-                if c.metrics.prometheus:
-                    server = self._serve_metrics(c.metrics.prometheus)
                 async with trio.open_nursery() as nursery:
-                    await nursery.start(serve_control, c.path(c.node.control),
-                                        {"status": self.status})
+                    await nursery.start(functools.partial(
+                        serve_control, c.path(c.node.control), {"status": self.status},
+                        sock=p.control))
                     nursery.start_soon(self.metrics_loop)
                     task_status.started(node.address)
                     await self.train()
@@ -203,25 +282,6 @@ class _Service:
                 raise StartupError(f"node.listen {c.node.listen}: not an address of this "
                                    "machine") from None
             raise
-        finally:
-            if server is not None:
-                with trio.CancelScope(shield=True):
-                    await trio.to_thread.run_sync(server.shutdown)  # waits out a poll (0.5 s)
-                server.server_close()
-        try:
-            await self.final_checkpoint()
-        finally:
-            if self.log_file is not None:
-                self.log_file.close()
-
-    def _serve_metrics(self, address: str) -> Any:
-        try:
-            server = self.metrics.serve(address)
-        except OSError as exc:
-            raise StartupError(f"metrics.prometheus {address}: {exc.strerror}") from None
-        host, port = server.server_address[:2]
-        log.info("metrics endpoint address=http://%s/metrics", format_address(host, port))
-        return server
 
     # ---- training ---------------------------------------------------------------------
 
@@ -311,6 +371,8 @@ class _Service:
             self.event("checkpoint", path=str(path), step=step, seconds=round(seconds, 3))
 
     async def final_checkpoint(self) -> None:
+        """The checkpoint first (a supervisor's grace period may run out), then the task's
+        evaluation, both once the node has left."""
         if self.trainer is None or self.node is None:
             return
         if not self.node.ready:
@@ -320,11 +382,11 @@ class _Service:
             log.info("stopped before the node was ready: no checkpoint written")
             self.event("stop", step=self.node.global_step)
             return
+        await self.write_checkpoint(await self.capture())
         evaluation = await trio.to_thread.run_sync(self.trainer.evaluate)
         if evaluation:
             log.info("evaluation %s", " ".join(f"{k}={v:.4f}" for k, v in evaluation.items()))
         self.event("eval", step=self.node.global_step, **evaluation)
-        await self.write_checkpoint(await self.capture())
         log.info("stopped step=%d", self.node.global_step)
         self.event("stop", step=self.node.global_step)
 

@@ -142,7 +142,7 @@ def load_entry(entry: str) -> Callable[[Context], Task]:
         TaskError: the module cannot be imported or has no such function.
     """
     module_name, sep, attr = entry.rpartition(":")
-    if not sep or not module_name or not attr.isidentifier():
+    if not sep or not module_name or module_name.startswith(".") or not attr.isidentifier():
         raise TaskError(f"task entry {entry!r} is not module:function")
     if module_name.endswith(".py"):
         path = Path(module_name)
@@ -163,6 +163,8 @@ def load_entry(entry: str) -> Callable[[Context], Task]:
             module = importlib.import_module(module_name)
         except ImportError as exc:
             raise TaskError(f"cannot import task module {module_name!r}: {exc}") from exc
+        except Exception as exc:  # the module's own code failed (a SyntaxError, say)
+            raise TaskError(f"task module {module_name!r} failed to import: {exc!r}") from exc
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise TaskError(f"task module {module_name!r} has no function {attr!r}")

@@ -25,9 +25,9 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping
-
 import threading
+from typing import Any, Iterator, Mapping
+
 import torch
 
 import gossip
@@ -67,19 +67,21 @@ class Trainer:
     """Trains ``task`` on this node's shard, counting on ``node``'s replica."""
 
     def __init__(self, task: Task, node: gossip.SwarmNode, device: torch.device,
-                 shard: Shard) -> None:
+                 shard: Shard, batches: Iterator[Any] | None = None) -> None:
         self.task = task
         self.node = node
         self.device = device
         self.stop = threading.Event()  # set from any thread: the chunk ends after this step
         self._shard = shard
-        self._batches = iter(task.batches(shard))
+        self._batches = batches if batches is not None else iter(task.batches(shard))
         self._warned_nan = False
 
     def chunk(self, seconds: float, limit: int) -> Chunk:
         """Run up to ``limit`` steps for about ``seconds`` (in a worker thread)."""
         task, started = self.task, time.monotonic()
         deadline = started + seconds
+        if self.device.type == "cuda":  # worker threads start on device 0
+            torch.cuda.set_device(self.device)
         task.model.train()
         total: torch.Tensor | float = 0.0
         steps = 0

@@ -229,6 +229,7 @@ class Averaging:
         self._rng = rng
         self._on_exchange = on_exchange
         self._busy = False
+        self.stopping = False  # set by stop(): no new exchanges either way
         self._history = DeltaHistory(config.clip_window, config.clip_min_history)
         self._quarantine = Quarantine(config.strikes, config.quarantine)
         self._tally = _Tally()
@@ -266,6 +267,11 @@ class Averaging:
             await self.round()
             await trio.sleep(self.config.interval * self._rng.uniform(0.75, 1.25))
 
+    def stop(self) -> None:
+        """Start no more exchanges and answer offers busy (the node is about to leave); an
+        exchange in flight goes on to its end."""
+        self.stopping = True
+
     async def round(self) -> Result:
         """Average with one peer: try up to ``attempts`` random peers until one commits.
 
@@ -282,6 +288,8 @@ class Averaging:
         busy: set[str] = set()
         result = Result.NO_PEER
         for attempt in range(self.config.attempts):
+            if self.stopping:
+                return result
             if attempt:
                 await trio.sleep(self.config.backoff * self._rng.uniform(0.5, 1.5))
             if self._busy:  # answering someone else's offer: no peer is at fault
@@ -302,10 +310,11 @@ class Averaging:
         """Answer an offer on ``channel`` (the roster's handler calls this)."""
         peer = channel.peer
         refusal = self._refusal(offer, peer)
-        if self._busy or not self.ready.is_set() or refusal is not None:
+        if self._busy or self.stopping or not self.ready.is_set() or refusal is not None:
             # Busy means "try again later" (not ready is a later too); Rejected means never.
             if refusal is None:
-                reason = "busy" if self.ready.is_set() else "not ready (fetching its initial state)"
+                reason = ("leaving" if self.stopping else "busy" if self.ready.is_set()
+                          else "not ready (fetching its initial state)")
                 close = Close(Close.BUSY, reason)
             else:
                 log.info("averaging offer refused peer=%s reason=%s", peer.short, refusal)

@@ -104,6 +104,11 @@ class SwarmNode:
         """Add the queued deltas without counting a step; returns how many there were."""
         return self.replica.apply_pending()
 
+    def stop_averaging(self) -> None:
+        """Start no more exchanges and answer offers busy, ahead of leaving; an exchange in
+        flight goes on to its end (leaving abandons it)."""
+        self._averaging.stop()
+
     async def average_now(self) -> Result:
         """Run one averaging round now (waits until the node is ready)."""
         return await self._averaging.round()

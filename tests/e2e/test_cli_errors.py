@@ -73,6 +73,13 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
                                      "task.entry=./missing.py:task"], "missing.py"),
     "cuda asked, absent": (lambda d: ["-c", str(with_key(d)), "--set", "task.device=cuda:7"],
                            "cuda"),
+    "task file does not compile": (lambda d: (d / "t.py").write_text("def task(:\n")
+                                   and ["-c", str(with_key(d)), "--set",
+                                        f"task.entry={d / 't.py'}:task"], "t.py"),
+    "task yields no batch": (lambda d: ["-c", str(with_key(d)), "--set", "task.shards=2000",
+                                        "--set", "task.shard=1999"], "shard 1999/2000"),
+    "control path is a file": (lambda d: ["-c", str(with_key(d)), "--set",
+                                          "node.control=swarm.key"], "not a socket"),
     "bad identity file": (lambda d: (d / "identity.key").write_text("garbage")
                           and ["-c", str(with_key(d))], "identity.key"),
 }

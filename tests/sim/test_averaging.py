@@ -583,3 +583,14 @@ async def test_a_node_resumes_the_counters_of_its_checkpoint(autojump_clock: Moc
         stats = peer.swarm_node.statistics()
         assert (stats.step, stats.samples) == (42, 1344)
         assert peer.swarm_node.roster.me.step == 42  # announced to the swarm
+
+
+async def test_a_stopping_node_starts_and_accepts_no_exchange(autojump_clock: MockClock) -> None:
+    torch.manual_seed(0)
+    async with open_averaging_swarm(latency=0.005) as swarm:
+        a, b = await start_all(swarm, [torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)])
+        a.swarm_node.stop_averaging()
+        with trio.fail_after(30):
+            assert await a.swarm_node.average_now() is Result.NO_PEER  # tries nobody
+            assert await b.swarm_node.average_now() is Result.BUSY  # a answers "leaving"
+        assert a.swarm_node.statistics().committed == 0 == b.swarm_node.statistics().committed

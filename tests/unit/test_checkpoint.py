@@ -265,6 +265,22 @@ def test_load_latest_falls_back(tmp_path: Path, caplog: pytest.LogCaptureFixture
     assert checkpoint.load_latest(tmp_path) is None
 
 
+def test_unusable_checkpoints_are_set_aside_and_never_crowd_out_good_ones(tmp_path: Path) -> None:
+    for step in (10, 20, 30):
+        checkpoint.save(tmp_path, {"step": step}, step=step, keep=3)
+    for step in (20, 30):  # the two newest are torn
+        path = tmp_path / f"checkpoint-{step:012d}.ckpt"
+        path.write_bytes(path.read_bytes()[:40])
+    resumed, state = checkpoint.load_latest(tmp_path)
+    assert state == {"step": 10}
+    assert sorted(p.name for p in tmp_path.glob("*.corrupt")) == [
+        "checkpoint-000000000020.ckpt.corrupt", "checkpoint-000000000030.ckpt.corrupt"]
+    # Training resumes from step 10: its new checkpoints are the ones kept, not the torn ones.
+    for step in (11, 12, 13):
+        checkpoint.save(tmp_path, {"step": step}, step=step, keep=2)
+    assert [checkpoint.load(p)["step"] for p in checkpoint.checkpoints(tmp_path)] == [12, 13]
+
+
 def test_keep_prunes_oldest(tmp_path: Path) -> None:
     for step in range(1, 6):
         checkpoint.save(tmp_path, {"step": step}, step=step, keep=2)

@@ -179,10 +179,11 @@ def test_claim_with_nothing_there(sock_path: Path) -> None:
     assert not sock_path.exists()
 
 
-def test_claim_removes_a_stale_regular_file(sock_path: Path) -> None:
-    sock_path.write_text("left over")
-    claim(sock_path)
-    assert not sock_path.exists()
+def test_claim_never_removes_a_file_that_is_not_a_socket(sock_path: Path) -> None:
+    sock_path.write_text("perhaps the swarm key, named by mistake")
+    with pytest.raises(ControlError, match="not a socket"):
+        claim(sock_path)
+    assert sock_path.read_text().startswith("perhaps")
 
 
 def test_claim_removes_a_dead_socket(sock_path: Path) -> None:
@@ -194,10 +195,11 @@ def test_claim_removes_a_dead_socket(sock_path: Path) -> None:
     assert not sock_path.exists()
 
 
-def test_claim_removes_a_dangling_symlink(sock_path: Path) -> None:
+def test_claim_never_removes_a_symlink(sock_path: Path) -> None:
     sock_path.symlink_to(sock_path.parent / "gone")
-    claim(sock_path)
-    assert not sock_path.is_symlink()
+    with pytest.raises(ControlError, match="not a socket"):
+        claim(sock_path)
+    assert sock_path.is_symlink()
 
 
 def test_claim_refuses_a_live_socket(sock_path: Path) -> None:
