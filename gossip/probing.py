@@ -127,13 +127,20 @@ class Probing:
     def _send_verification(self, now: float, peer: PeerId) -> None:
         """Ping a suspect with the suspicion attached, outside the probe cycle. If the last
         such ping went unanswered for a whole period, that silence is our own confirmation
-        of the suspicion: counted once, and gossiped if it counts (Lifeguard's independent
-        confirmations). So every holder's timer soon runs at the minimum, and a member that
-        misses the verdict still reaches it on its own, a few periods later at most. A
+        of the suspicion: counted once (even by the member whose probe started it), and
+        gossiped if it counts (Lifeguard's independent confirmations). So a holder's timer
+        soon runs at ``max - (max - min) * ln 2 / ln(K + 1)`` on its own evidence, at the
+        minimum once others' confirmations arrive, and a member that misses the verdict
+        still reaches it on its own. A
         wrong confirmation costs little: any Ack from the suspect restarts the timer."""
         record = self._members[peer]
         if peer in self._unanswered:
-            self._on_suspect(now, Suspect(peer, record.incarnation, self.me))
+            suspicion = self._suspicions.get(peer)
+            own = Suspect(peer, record.incarnation, self.me)
+            if suspicion is None:
+                self._on_suspect(now, own)
+            elif suspicion.confirm_silence(self.me):
+                self._broadcasts.enqueue(peer, encode(own))
         self._unanswered.add(peer)
         self._verify[peer] = now + self.config.probe_interval
         if len(self._verifying) >= MAX_VERIFYING:

@@ -47,7 +47,7 @@ class Suspicion:
         minimum, maximum: the timeout bounds, seconds (see :func:`suspicion_bounds`).
     """
 
-    __slots__ = ("start", "expected", "minimum", "maximum", "_seen", "deadline")
+    __slots__ = ("start", "expected", "minimum", "maximum", "_first", "_seen", "_own", "deadline")
 
     def __init__(self, now: float, first: str, expected: int, minimum: float, maximum: float):
         if not 0 < minimum <= maximum:
@@ -56,12 +56,14 @@ class Suspicion:
         self.expected = max(0, expected)
         self.minimum = minimum
         self.maximum = maximum
+        self._first = first
         self._seen = {first}
+        self._own = False  # our own silent verification, when our probe started it
         self.deadline = now + self._timeout()
 
     @property
     def confirmations(self) -> int:
-        return len(self._seen) - 1
+        return len(self._seen) - 1 + self._own
 
     def confirm(self, by: str) -> bool:
         """Count ``by``'s report if it is new and more are still useful; returns True if it
@@ -69,6 +71,20 @@ class Suspicion:
         if self.confirmations >= self.expected or by in self._seen:
             return False
         self._seen.add(by)
+        self.deadline = self.start + self._timeout()
+        return True
+
+    def confirm_silence(self, me: str) -> bool:
+        """Count our own verification ping that went a period unanswered, once. It counts
+        even when our own failed probe started the suspicion (``first``): a silence a period
+        later is evidence the failed probe was not, and without it a suspector that misses
+        everyone else's confirmations would wait out the maximum. Returns True if it counted.
+        """
+        if me != self._first:
+            return self.confirm(me)
+        if self._own or self.confirmations >= self.expected:
+            return False
+        self._own = True
         self.deadline = self.start + self._timeout()
         return True
 

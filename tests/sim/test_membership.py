@@ -111,10 +111,18 @@ async def test_partitioned_halves_find_each_other_after_heal(autojump_clock: Moc
             await swarm.wait_until(lambda: everyone_alive(swarm))
         left, right = swarm.nodes[:8], swarm.nodes[8:]
         swarm.net.partition([n.name for n in left], [n.name for n in right])
-        await trio.sleep(30 * PERIOD)
-        # Each half has given up on the other, and on nobody in its own half.
-        assert swarm.all_see(right, State.DEAD, left)
-        assert swarm.all_see(left, State.DEAD, right)
+        # Each half gives up on the other within: a full probe cycle (every node probes each
+        # of its 15 members once per cycle, so someone probes each member of the other half
+        # within 15 periods), one period for that probe to fail, up to two for the first
+        # verification to go unanswered, and the suspicion timeout with that one confirmation
+        # of the suspector's own (others' confirmations only shorten it).
+        low, high = suspicion_bounds(16, PERIOD, CONFIG.suspicion_mult, CONFIG.suspicion_max_mult)
+        expected = int(CONFIG.suspicion_mult) - 2
+        one = high - (high - low) * math.log(2) / math.log(expected + 1)
+        with trio.fail_after(15 * PERIOD + PERIOD + 2 * PERIOD + one):
+            await swarm.wait_until(lambda: swarm.all_see(right, State.DEAD, left)
+                                   and swarm.all_see(left, State.DEAD, right))
+        # ... and on nobody in its own half.
         assert swarm.all_see(left, State.ALIVE, left) and swarm.all_see(right, State.ALIVE, right)
         swarm.net.heal()
         start = trio.current_time()

@@ -452,6 +452,30 @@ def test_a_newcomer_is_probed_in_the_round_it_joins():
         assert sorted(targets) == sorted(PEERS[1:8]), f"seed {seed}: {targets}"
 
 
+def test_a_lone_suspector_reaches_dead_on_its_own_evidence_well_before_the_maximum():
+    # Our own probe of X fails and nobody else ever reports on X (we miss their gossip).
+    # Our unanswered verification pings are our own confirmation: X is dead within two
+    # periods plus the one-confirmation timeout, not at the Lifeguard maximum.
+    m = machine(8)
+    x = PEERS[1]
+    m._on_suspect(1.0, Suspect(x, 0, ME))
+    m._drain()
+    suspicion = m._suspicions[x]
+    low, high, k = suspicion.minimum, suspicion.maximum, suspicion.expected
+    assert suspicion.deadline == pytest.approx(1.0 + high)
+    now = 1.0
+    while m.get(x).state == State.SUSPECT:
+        now = m.next_deadline()
+        assert now < 1.0 + high, "waited out the maximum"
+        for address, messages in datagrams(m.tick(now)):
+            for message in messages:  # everyone answers but x
+                if isinstance(message, Ping) and message.target != x:
+                    m.receive(now, address, packet(message.target, Ack(message.seq)))
+    one = high - (high - low) * math.log(2) / math.log(k + 1)
+    assert m.get(x).state == State.DEAD
+    assert now <= 1.0 + 2 * CFG.probe_interval + one + EPS
+
+
 def test_buddy_system_a_ping_to_a_suspect_carries_the_suspicion():
     m = machine(1)
     feed(m, 0.0, B, Suspect(A, 0, B))

@@ -84,6 +84,21 @@ def test_repeats_and_the_first_reporter_do_not_count(reports, counted):
     assert s.deadline == pytest.approx(lifeguard(2.0, 12.0, counted, 4))
 
 
+def test_our_own_silent_verification_counts_once_even_when_we_started_it():
+    # Our probe started the suspicion (first = us); a verification ping that then goes a
+    # period unanswered is new evidence, counted once.
+    s = Suspicion(0.0, A, 2, 4.0, 24.0)
+    assert s.confirm_silence(A)
+    assert s.confirmations == 1
+    assert s.deadline == pytest.approx(lifeguard(4.0, 24.0, 1, 2))
+    assert not s.confirm_silence(A)  # once
+    assert s.confirm(B)  # another member's confirmation still counts on top
+    assert s.deadline == pytest.approx(4.0)
+    # Started by someone else, our silence is an ordinary confirmation by us.
+    t = Suspicion(0.0, B, 2, 4.0, 24.0)
+    assert t.confirm_silence(A) and not t.confirm(A) and t.confirmations == 1
+
+
 def test_no_expected_confirmations_means_the_minimum_at_once():
     # A swarm too small to supply confirmations must not wait the maximum.
     s = Suspicion(5.0, A, 0, 4.0, 24.0)
