@@ -67,6 +67,7 @@ from typing import Any
 
 from daemon.config import from_dict, render
 from daemon.keys import write_swarm_key
+from daemon.metrics import MetricsLogReader
 
 ENTRY = f"{Path(__file__).resolve().with_name('tasks.py')}:mlp10m"
 WIDTH, DEPTH, BATCH = 1024, 10, 64  # the model: DEPTH width x width layers, a 10-way head
@@ -105,7 +106,7 @@ class Daemon:
         config.write_text(render(from_dict(data, directory, str(config))))
         self.directory = directory
         self.events: list[dict[str, Any]] = []
-        self._offset = 0
+        self._reader = MetricsLogReader(directory / "metrics.jsonl")
         self.launched = time.time()
         with open(directory / "daemon.log", "ab") as log:
             # A session of its own: a Ctrl-C reaches only the bench, which then stops this.
@@ -114,15 +115,7 @@ class Daemon:
                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
 
     def poll(self) -> None:
-        path = self.directory / "metrics.jsonl"
-        if not path.exists():
-            return
-        with open(path, "rb") as f:
-            f.seek(self._offset)
-            data = f.read()
-        end = data.rfind(b"\n") + 1  # a line being written is read next time
-        self._offset += end
-        self.events += [json.loads(line) for line in data[:end].splitlines() if line.strip()]
+        self.events += self._reader.read()
 
     def find(self, event: str, after: float = 0.0, **match: Any) -> dict[str, Any] | None:
         return next((e for e in self.events if e["event"] == event and e["time"] >= after

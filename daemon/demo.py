@@ -12,7 +12,6 @@ and writes a plot of loss over time per node.
 
 from __future__ import annotations
 
-import json
 import secrets
 import signal
 import subprocess
@@ -25,6 +24,7 @@ from typing import IO, Any, Sequence
 
 from .config import from_dict, render
 from .keys import write_swarm_key
+from .metrics import MetricsLogReader
 
 __all__ = ["DemoError", "run_demo"]
 
@@ -49,8 +49,10 @@ class _Node:
     directory: Path
     process: subprocess.Popen[bytes] | None = None
     events: list[dict[str, Any]] = field(default_factory=list)
-    _offset: int = 0
     _log: IO[bytes] | None = None
+
+    def __post_init__(self) -> None:
+        self._reader = MetricsLogReader(self.directory / "metrics.jsonl")
 
     @property
     def name(self) -> str:
@@ -67,15 +69,7 @@ class _Node:
 
     def poll(self) -> list[dict[str, Any]]:
         """New events from the node's metrics log."""
-        path = self.directory / "metrics.jsonl"
-        if not path.exists():
-            return []
-        with open(path, "rb") as f:
-            f.seek(self._offset)
-            data = f.read()
-        end = data.rfind(b"\n") + 1  # a line being written is read next time
-        self._offset += end
-        new = [json.loads(line) for line in data[:end].splitlines() if line.strip()]
+        new = self._reader.read()
         self.events.extend(new)
         return new
 

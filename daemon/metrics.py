@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 import gossip
 from gossip.address import parse_address
 
-__all__ = ["Metrics", "MetricsLog"]
+__all__ = ["Metrics", "MetricsLog", "MetricsLogReader"]
 
 log = logging.getLogger(__name__)
 
@@ -185,3 +185,23 @@ class MetricsLog:
             pass  # already reported by write(), or nothing left to save
         finally:
             self._file.close()
+
+
+class MetricsLogReader:
+    """Follows a daemon's :class:`MetricsLog` as it grows (``gossipd demo``, tests, benches):
+    each :meth:`read` returns the records of the whole lines written since the last one."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._offset = 0
+
+    def read(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except FileNotFoundError:  # the daemon has not started yet
+            return []
+        end = data.rfind(b"\n") + 1  # a line being written is read next time
+        self._offset += end
+        return [json.loads(line) for line in data[:end].splitlines() if line.strip()]

@@ -19,6 +19,7 @@ from typing import Any, Callable, Sequence
 
 from daemon.config import from_dict, render
 from daemon.keys import write_swarm_key
+from daemon.metrics import MetricsLogReader
 
 __all__ = ["Daemon", "Swarm", "POLL"]
 
@@ -46,9 +47,9 @@ class Daemon:
         self.name = name
         self.settings = [*FAST, *settings]
         self.process: subprocess.Popen[bytes] | None = None
-        self._offset = 0
         self.events: list[dict[str, Any]] = []
         directory.mkdir(parents=True)
+        self._reader = MetricsLogReader(directory / "metrics.jsonl")
         write_swarm_key(directory / "swarm.key", key)
         data = {"node": {"listen": "127.0.0.1:0"},
                 "swarm": {"name": swarm, "bootstrap": list(bootstrap)},
@@ -98,15 +99,7 @@ class Daemon:
     # ---- observing --------------------------------------------------------------------
 
     def poll(self) -> list[dict[str, Any]]:
-        path = self.directory / "metrics.jsonl"
-        if not path.exists():
-            return []
-        with open(path, "rb") as f:
-            f.seek(self._offset)
-            data = f.read()
-        end = data.rfind(b"\n") + 1
-        self._offset += end
-        new = [json.loads(line) for line in data[:end].splitlines()]
+        new = self._reader.read()
         self.events.extend(new)
         return new
 

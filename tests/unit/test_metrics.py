@@ -272,3 +272,21 @@ def test_metrics_log_appends(tmp_path: Path) -> None:
     log.write("two")
     log.close()
     assert [json.loads(line)["event"] for line in path.read_text().splitlines()] == ["one", "two"]
+
+
+def test_a_reader_follows_the_log_and_never_returns_a_partial_line(tmp_path) -> None:
+    from daemon.metrics import MetricsLog, MetricsLogReader
+
+    path = tmp_path / "m.jsonl"
+    reader = MetricsLogReader(path)
+    assert reader.read() == []  # no log yet
+    log = MetricsLog(path)
+    log.write("start", step=0)
+    assert [e["event"] for e in reader.read()] == ["start"]
+    with open(path, "a") as f:
+        f.write('{"time": 1, "event": "half')  # a line still being written
+    assert reader.read() == []
+    with open(path, "a") as f:
+        f.write('way"}\n')
+    assert [e["event"] for e in reader.read()] == ["halfway"]
+    log.close()
