@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import datetime
 import difflib
+import ipaddress
 import math
 import os
 import re
@@ -123,6 +124,15 @@ def _entry(value: str) -> str | None:
     target, _, function = value.rpartition(":")
     if value and not (target and function.isidentifier()):
         return f"expected 'module:function' or 'path/to/file.py:function', got {value!r}"
+    return None
+
+
+def _ip_or_empty(value: str) -> str | None:
+    try:
+        if value:
+            ipaddress.ip_address(value)
+    except ValueError:
+        return f"expected an IP address or \"\", got {value!r}"
     return None
 
 
@@ -228,6 +238,8 @@ class NodeConfig(_Section):
                            "first run", NOT_EMPTY)
     control: str = _field("control.sock", "Unix control socket for `gossipd status`, relative "
                           "to data_dir", NOT_EMPTY)
+    dial_from: str = _field("", "local IP our outgoing connections come from; \"\" lets the "
+                            "system choose (set it on multi-homed hosts)", _ip_or_empty)
 
 
 @dataclass(frozen=True)
@@ -246,6 +258,16 @@ class SwarmConfig(_Section):
                                         _PEER_ID.fullmatch, "a peer id (26 of a-z, 2-7)"))
     profile: str = _field("lan", "membership timing: lan (fast failure detection) or wan "
                           "(patient, for nodes across the internet)", _one_of("lan", "wan"))
+    max_connections: int = _field(256, "inbound connections open at once, handshakes included "
+                                  "(>= 1); more are closed unread", AT_LEAST_1)
+    peer_rate: float = _field(10.0, "inbound channels per second one peer may open on average "
+                              "(> 0); more are closed unread", POSITIVE)
+    peer_burst: int = _field(20, "inbound channels one peer may open at once (>= 1)",
+                             AT_LEAST_1)
+
+    def limits(self) -> gossip.Limits:
+        return gossip.Limits(max_connections=self.max_connections, peer_rate=self.peer_rate,
+                             peer_burst=self.peer_burst)
 
 
 @dataclass(frozen=True)

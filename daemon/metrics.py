@@ -61,6 +61,8 @@ class Metrics:
                            ["state"], registry=r)
         self.pending = Gauge("gossip_pending_deltas", "Committed deltas not yet applied",
                              registry=r)
+        self.refused = Counter("gossip_inbound_refused", "Inbound connections closed unread, "
+                               "by limit (max_connections, peer_rate)", ["limit"], registry=r)
         self.checkpoints = Counter("gossip_checkpoints", "Checkpoints written", registry=r)
         self.checkpoint_failures = Counter("gossip_checkpoint_failures",
                                            "Checkpoints that could not be written", registry=r)
@@ -70,6 +72,9 @@ class Metrics:
             self.exchanges.labels(result)
         for direction in ("sent", "received"):
             self.bytes.labels(direction)
+        for limit in ("max_connections", "peer_rate"):
+            self.refused.labels(limit)
+        self._refused_seen = (0, 0)
         self._chunks: deque[tuple[float, int]] = deque()  # (monotonic end, samples)
         self._last_loss = math.nan
         self._bytes_seen = (0, 0)
@@ -115,6 +120,10 @@ class Metrics:
         self._bytes_seen = (stats.bytes_sent, stats.bytes_received)
         self.rounds_without_peer.inc(stats.no_peer - self._no_peer_seen)
         self._no_peer_seen = stats.no_peer
+        over_max, over_rate = roster.connections_refused, roster.channels_limited
+        self.refused.labels("max_connections").inc(over_max - self._refused_seen[0])
+        self.refused.labels("peer_rate").inc(over_rate - self._refused_seen[1])
+        self._refused_seen = (over_max, over_rate)
         for state in STATES:
             self.peers.labels(state).set(getattr(roster, state))
         self.step.set(stats.step)
@@ -136,6 +145,7 @@ class Metrics:
             "last_distance": stats.last_distance,
             "pending": stats.pending,
             "quarantined": stats.quarantined,
+            "refused": {"max_connections": over_max, "peer_rate": over_rate},
             "downloads_served": stats.downloads_served,
         }
 

@@ -254,6 +254,7 @@ class _Service:
                 config=replace(c.averaging.to_averaging(), start=start),
                 membership=c.membership(), timeouts=c.averaging.to_timeouts(), task=task_meta,
                 counters=p.counters, allow=c.swarm.allow or None, on_exchange=self.on_exchange,
+                limits=c.swarm.limits(), network=gossip.TcpNetwork(c.node.dial_from or None),
             ) as node:
                 self.node = node
                 self.trainer = Trainer(p.task, node, p.device, Shard(c.task.shard, c.task.shards),

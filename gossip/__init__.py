@@ -29,6 +29,7 @@ from .handshake import PROTOCOL_VERSION as PROTOCOL_VERSION
 from .handshake import Swarm as Swarm
 from .identity import Identity as Identity
 from .identity import PeerId as PeerId
+from .limits import Limits as Limits
 from .member import Member as Member
 from .member import MembershipConfig as MembershipConfig
 from .member import State as State

@@ -460,24 +460,41 @@ async def serve(
     swarm: Swarm,
     allow: frozenset[str] | None = None,
     timeouts: Timeouts = Timeouts(),
+    max_connections: int | None = None,
+    on_refused: Callable[[], None] | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Accept connections on ``address``; run the handshake as responder under its deadline,
     then ``handler(channel)`` in a task of its own. A connection that fails the handshake, or
     whose handler raises a :class:`GossipError`, is closed and logged; the server goes on.
     Calls ``task_status.started(bound_address)`` once listening.
+
+    Args:
+        max_connections: connections open at once, handshakes included; one more is closed
+            as soon as it is accepted, before a byte is read (None: no limit).
+        on_refused: called for each connection closed for being over ``max_connections``.
     """
+    open_now = 0
 
     async def on_stream(stream: trio.abc.Stream) -> None:
+        nonlocal open_now
+        if max_connections is not None and open_now >= max_connections:
+            if on_refused is not None:
+                on_refused()
+            return  # the network closes the stream
+        open_now += 1
         try:
-            with trio.fail_after(timeouts.handshake):
-                channel = await handshake(
-                    stream, identity=identity, swarm=swarm, initiator=False, allow=allow,
-                    record_timeout=timeouts.record,
-                )
-        except trio.TooSlowError:
-            raise PeerTimeout("incoming", "handshake") from None
-        async with channel:
-            await handler(channel)
+            try:
+                with trio.fail_after(timeouts.handshake):
+                    channel = await handshake(
+                        stream, identity=identity, swarm=swarm, initiator=False, allow=allow,
+                        record_timeout=timeouts.record,
+                    )
+            except trio.TooSlowError:
+                raise PeerTimeout("incoming", "handshake") from None
+            async with channel:
+                await handler(channel)
+        finally:
+            open_now -= 1
 
     await network.serve(address, on_stream, task_status=task_status)

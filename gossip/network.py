@@ -111,12 +111,21 @@ async def run_handler(handler: Handler, stream: trio.abc.Stream, peer: str) -> N
 
 
 class TcpNetwork:
-    """Real TCP and UDP through trio. Stateless: one instance serves any number of nodes."""
+    """Real TCP and UDP through trio. Stateless: one instance serves any number of nodes.
+
+    Args:
+        source: the local IP address dials come from (None: the system's choice). Set it to
+            the listen address's IP on a multi-homed host, or to tell nodes that share a
+            machine apart by source address (each on its own 127.0.0.x, behind a fault proxy).
+    """
+
+    def __init__(self, source: str | None = None) -> None:
+        self.source = source
 
     async def dial(self, address: str) -> trio.abc.Stream:
         try:
             host, port = parse_address(address)
-            stream = await trio.open_tcp_stream(host, port)
+            stream = await trio.open_tcp_stream(host, port, local_address=self.source)
         except OSError as exc:
             raise PeerGone(f"cannot connect to {address}: {exc.strerror or exc}") from None
         except ValueError as exc:  # includes UnicodeError: a host name no resolver accepts

@@ -37,6 +37,7 @@ from .errors import AveragingFailed
 from .groups import one_error
 from .handshake import Swarm
 from .identity import Identity, PeerId
+from .limits import Limits
 from .member import Member, MembershipConfig
 from .messages import Close, Message, Offer, StateRequest
 from .network import Network, TcpNetwork
@@ -182,6 +183,7 @@ async def open_swarm(
     allow: Collection[str] | None = None,
     on_change: Callable[[Member], None] | None = None,
     on_exchange: Callable[[Exchange], None] | None = None,
+    limits: Limits = Limits(),
 ) -> AsyncIterator[SwarmNode]:
     """Join (or start) a swarm and average ``model`` with it in the background.
 
@@ -203,6 +205,8 @@ async def open_swarm(
         on_change: called with every membership change (see :func:`~gossip.roster.open_roster`).
         on_exchange: called with every exchange as it ends, in the node's event loop
             (synchronously, so keep it quick): for logs, metrics, or a test waiting on one.
+        limits: inbound connections open at once, and how often one peer may open one
+            (:class:`~gossip.limits.Limits`).
 
     Raises:
         SchemaMismatch, ValueError: the model cannot be averaged (unsupported dtype).
@@ -235,7 +239,7 @@ async def open_swarm(
     async with open_roster(network, identity, swarm, listen, bootstrap=bootstrap,
                            advertise=advertise, config=membership, timeouts=timeouts,
                            rng=random.Random(rng.getrandbits(64)), handler=handle,
-                           on_change=on_change) as roster:
+                           on_change=on_change, limits=limits) as roster:
         averaging = Averaging(replica, roster, network, identity, swarm, config, timeouts, rng,
                               on_exchange, allow=None if allow is None else frozenset(allow))
         node = SwarmNode(roster, replica, averaging, task_fn)

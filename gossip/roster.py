@@ -42,6 +42,7 @@ from .errors import GossipError, PeerGone, RemoteProtocolError
 from .groups import one_error
 from .handshake import PROTOCOL_VERSION, Swarm
 from .identity import Identity, PeerId
+from .limits import Limits, RateLimit
 from .membership import (
     MAX_MEMBERS,
     Changed,
@@ -98,13 +99,16 @@ class RosterStatistics:
     datagrams_rejected: int  # failed to open or decode, or could not be sent
     push_pulls: int  # completed, either side
     push_pulls_failed: int
+    connections_refused: int  # inbound, over Limits.max_connections
+    channels_limited: int  # inbound channels closed for a peer over its Limits.peer_rate
 
 
 class Roster:
     """Who is in the swarm, as this node sees it. Get one from :func:`open_roster`."""
 
     def __init__(self, machine: Membership, identity: Identity, swarm: Swarm, network: Network,
-                 endpoint, config: MembershipConfig, timeouts: Timeouts) -> None:
+                 endpoint, config: MembershipConfig, timeouts: Timeouts,
+                 limits: Limits = Limits()) -> None:
         self._m = machine
         self._identity = identity
         self._swarm = swarm
@@ -126,6 +130,9 @@ class Roster:
         self._rejected = 0
         self._push_pulls_done = 0
         self._push_pulls_failed = 0
+        self._rate = RateLimit(limits.peer_rate, limits.peer_burst)
+        self.connections_refused = 0  # counted by the server, over max_connections
+        self._channels_limited = 0
 
     # ---- the averager's API -----------------------------------------------------------
 
@@ -183,7 +190,7 @@ class Roster:
             self._m.incarnation, self._m.awareness, c.probes, c.probes_failed, c.suspicions,
             c.refutations, c.deaths, c.datagrams_sent, c.bytes_sent, c.datagrams_received,
             c.bytes_received, c.malformed + self._rejected, self._push_pulls_done,
-            self._push_pulls_failed,
+            self._push_pulls_failed, self.connections_refused, self._channels_limited,
         )
 
     async def leave(self) -> None:
@@ -295,6 +302,11 @@ class Roster:
         return channel.peer
 
     async def _on_channel(self, channel: SecureChannel, handler: ChannelHandler | None) -> None:
+        if not self._rate.allow(str(channel.peer), trio.current_time()):
+            # Closed unread: whatever the peer asked for, it asks too often.
+            self._channels_limited += 1
+            log.debug("channel over the peer's rate limit peer=%s", channel.peer.short)
+            return
         with trio.fail_after(self._config.push_pull_timeout):
             first = await channel.receive_message()
         if not isinstance(first, PushPull):
@@ -374,6 +386,7 @@ async def open_roster(
     ready: bool = False,
     handler: ChannelHandler | None = None,
     on_change: Callable[[Member], None] | None = None,
+    limits: Limits = Limits(),
 ) -> AsyncIterator[Roster]:
     """Join (or start) a swarm and keep a live view of its members.
 
@@ -392,6 +405,7 @@ async def open_roster(
         rng: the roster's only source of randomness (seed it in tests).
         on_change: called (synchronously, so keep it quick) with every member whose state,
             address or metadata changed, in the order the changes happened.
+        limits: how many inbound connections at once, and how often one peer may open one.
     """
     any_port = parse_address(address)[1] == 0
     endpoint = await network.open_datagram(address)
@@ -406,11 +420,16 @@ async def open_roster(
                     assert roster is not None
                     await roster._on_channel(channel, handler)
 
+                def refused() -> None:
+                    if roster is not None:
+                        roster.connections_refused += 1
+
                 for attempt in range(1, PORT_ATTEMPTS + 1):
                     try:
                         await nursery.start(functools.partial(
                             serve, network, endpoint.local_address, on_channel,
                             identity=identity, swarm=swarm, timeouts=timeouts,
+                            max_connections=limits.max_connections, on_refused=refused,
                         ))
                         break
                     except OSError as exc:
@@ -425,7 +444,8 @@ async def open_roster(
                 machine = Membership(identity.peer_id, advertise or bound, trio.current_time(),
                                      config, rng or random.Random(), version=PROTOCOL_VERSION,
                                      step=step, ready=ready)
-                roster = Roster(machine, identity, swarm, network, endpoint, config, timeouts)
+                roster = Roster(machine, identity, swarm, network, endpoint, config, timeouts,
+                                limits)
                 roster._on_change = on_change
                 roster._nursery = nursery
                 nursery.start_soon(roster._receiver)

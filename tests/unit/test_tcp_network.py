@@ -46,3 +46,23 @@ async def test_a_host_name_no_resolver_accepts_is_an_unreachable_peer() -> None:
     # that member unreachable, not crash the dialer.
     with pytest.raises(PeerGone):
         await TcpNetwork().dial("a" * 64 + ".example:7070")
+
+
+async def test_dials_come_from_the_source_address() -> None:
+    # Nodes that share a machine, each on its own loopback address, tell each other apart
+    # by source address (what the fault proxy's per-source rules rely on).
+    seen: list[str] = []
+
+    async def record(stream: trio.abc.Stream) -> None:
+        seen.append(stream.socket.getpeername()[0])
+        await stream.send_all(b"ok")
+
+    async with trio.open_nursery() as nursery:
+        address = await nursery.start(TcpNetwork().serve, "127.0.0.1:0", record)
+        with trio.fail_after(10):
+            for source in ("127.0.0.2", None):
+                stream = await TcpNetwork(source).dial(address)
+                assert await receive_exactly(stream, 2) == b"ok"
+                await stream.aclose()
+        nursery.cancel_scope.cancel()
+    assert seen == ["127.0.0.2", "127.0.0.1"]
