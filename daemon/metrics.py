@@ -62,7 +62,7 @@ class Metrics:
         self.pending = Gauge("gossip_pending_deltas", "Committed deltas not yet applied",
                              registry=r)
         self.refused = Counter("gossip_inbound_refused", "Inbound connections closed unread, "
-                               "by limit (max_connections, peer_rate)", ["limit"], registry=r)
+                               "by limit (max_connections or max_handshakes_per_host, peer_rate)", ["limit"], registry=r)
         self.checkpoints = Counter("gossip_checkpoints", "Checkpoints written", registry=r)
         self.checkpoint_failures = Counter("gossip_checkpoint_failures",
                                            "Checkpoints that could not be written", registry=r)

@@ -60,7 +60,7 @@ from .handshake import (
 )
 from .identity import Identity, PeerId
 from .messages import Message
-from .network import Network
+from .network import Network, peer_host
 from .wire import FRAME_HEADER, decode, encode, encode_frame, frame_length
 
 __all__ = [
@@ -461,6 +461,7 @@ async def serve(
     allow: frozenset[str] | None = None,
     timeouts: Timeouts = Timeouts(),
     max_connections: int | None = None,
+    max_handshakes_per_host: int | None = None,
     on_refused: Callable[[], None] | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -472,17 +473,26 @@ async def serve(
     Args:
         max_connections: connections open at once, handshakes included; one more is closed
             as soon as it is accepted, before a byte is read (None: no limit).
-        on_refused: called for each connection closed for being over ``max_connections``.
+        max_handshakes_per_host: handshakes in progress at once from one remote host (IP
+            address); one more is closed likewise. Connections that have not proved the
+            swarm key yet are what an outsider can open, and honest peers hold them for
+            milliseconds: this keeps one host from taking every place (None: no limit).
+        on_refused: called for each connection closed for being over a limit.
     """
     open_now = 0
+    handshaking: dict[str, int] = {}  # host -> handshakes in progress from it
 
     async def on_stream(stream: trio.abc.Stream) -> None:
         nonlocal open_now
-        if max_connections is not None and open_now >= max_connections:
+        host = peer_host(stream)
+        if (max_connections is not None and open_now >= max_connections
+                or max_handshakes_per_host is not None
+                and handshaking.get(host, 0) >= max_handshakes_per_host):
             if on_refused is not None:
                 on_refused()
             return  # the network closes the stream
         open_now += 1
+        handshaking[host] = handshaking.get(host, 0) + 1
         try:
             try:
                 with trio.fail_after(timeouts.handshake):
@@ -492,6 +502,10 @@ async def serve(
                     )
             except trio.TooSlowError:
                 raise PeerTimeout("incoming", "handshake") from None
+            finally:
+                handshaking[host] -= 1
+                if not handshaking[host]:
+                    del handshaking[host]
             async with channel:
                 await handler(channel)
         finally:

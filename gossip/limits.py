@@ -11,6 +11,11 @@ likes. Two limits close that gap:
   limit is closed as soon as it is accepted, before a byte is read, so a flood of half-open
   connections costs at most ``max_connections`` handshake buffers (64 KiB each) and as many
   descriptors, and honest peers retry on their next round. Our own dials do not count.
+* ``max_handshakes_per_host``: handshakes in progress at once from one remote host. Until
+  the handshake's first message proves the swarm key, a connection could be anyone's; an
+  honest peer holds one for a round trip or two, an outsider for as long as the handshake
+  deadline lets it. Without this cap one host could fill all ``max_connections`` places
+  and keep honest peers out; with it, it takes that many hosts.
 * ``peer_rate`` / ``peer_burst``: inbound channels one authenticated peer may open, as a
   token bucket (``peer_burst`` at once, refilled at ``peer_rate`` per second). A channel
   over the budget is closed after the handshake, before its first message is read. An
@@ -39,17 +44,22 @@ class Limits:
 
     Attributes:
         max_connections: inbound connections open at once, handshakes included (>= 1).
+        max_handshakes_per_host: handshakes in progress at once from one host (>= 1).
         peer_rate: inbound channels per second one peer may open on average (> 0).
         peer_burst: inbound channels one peer may open at once (>= 1).
     """
 
     max_connections: int = 256
+    max_handshakes_per_host: int = 8
     peer_rate: float = 10.0
     peer_burst: int = 20
 
     def __post_init__(self) -> None:
         if self.max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, not {self.max_connections!r}")
+        if self.max_handshakes_per_host < 1:
+            raise ValueError("max_handshakes_per_host must be >= 1, not "
+                             f"{self.max_handshakes_per_host!r}")
         if not (math.isfinite(self.peer_rate) and self.peer_rate > 0):
             raise ValueError(f"peer_rate must be > 0, not {self.peer_rate!r}")
         if self.peer_burst < 1:

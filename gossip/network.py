@@ -41,6 +41,7 @@ __all__ = [
     "TcpNetwork",
     "parse_address",
     "format_address",
+    "peer_host",
 ]
 
 log = logging.getLogger(__name__)
@@ -93,6 +94,19 @@ class Network(Protocol):
 
     async def open_datagram(self, address: str) -> DatagramEndpoint:
         """Bind a datagram endpoint on ``address`` (port 0 picks a free port)."""
+
+
+def peer_host(stream: trio.abc.Stream) -> str:
+    """The host (IP address, or simulated host name) at the other end of ``stream``; "" if
+    the stream cannot tell (a reset socket, a stream of another kind)."""
+    if isinstance(stream, trio.SocketStream):
+        try:
+            name = stream.socket.getpeername()
+        except OSError:
+            return ""
+        return name[0] if isinstance(name, tuple) else ""
+    address = getattr(stream, "peer_address", None)
+    return parse_address(address)[0] if isinstance(address, str) else ""
 
 
 async def run_handler(handler: Handler, stream: trio.abc.Stream, peer: str) -> None:

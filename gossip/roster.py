@@ -99,7 +99,7 @@ class RosterStatistics:
     datagrams_rejected: int  # failed to open or decode, or could not be sent
     push_pulls: int  # completed, either side
     push_pulls_failed: int
-    connections_refused: int  # inbound, over Limits.max_connections
+    connections_refused: int  # inbound, over max_connections or max_handshakes_per_host
     channels_limited: int  # inbound channels closed for a peer over its Limits.peer_rate
 
 
@@ -429,7 +429,9 @@ async def open_roster(
                         await nursery.start(functools.partial(
                             serve, network, endpoint.local_address, on_channel,
                             identity=identity, swarm=swarm, timeouts=timeouts,
-                            max_connections=limits.max_connections, on_refused=refused,
+                            max_connections=limits.max_connections,
+                            max_handshakes_per_host=limits.max_handshakes_per_host,
+                            on_refused=refused,
                         ))
                         break
                     except OSError as exc:

@@ -131,6 +131,8 @@ BAD = [
     ({"swarm": {"profile": "lan2"}}, "swarm.profile", "expected lan or wan, got 'lan2'"),
     ({"swarm": {"max_connections": 0}}, "swarm.max_connections", "expected an integer >= 1"),
     ({"swarm": {"peer_rate": 0}}, "swarm.peer_rate", "expected a number > 0"),
+    ({"swarm": {"max_handshakes_per_host": 0}}, "swarm.max_handshakes_per_host",
+     "expected an integer >= 1"),
     ({"swarm": {"peer_burst": 0.5}}, "swarm.peer_burst", "expected an integer, got float"),
     ({"node": {"dial_from": "eth0"}}, "node.dial_from", "expected an IP address"),
     ({"task": {"entry": ""}}, "task.entry", "required"),

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
+
 import pytest
 import trio
 import trio.testing
@@ -38,47 +41,73 @@ def test_the_bucket_table_is_bounded_and_forgets_the_oldest_peer() -> None:
     assert not rate.allow("c", 0.0)
 
 
-@pytest.mark.parametrize("bad", [{"max_connections": 0}, {"peer_rate": 0.0},
+@pytest.mark.parametrize("bad", [{"max_connections": 0}, {"max_handshakes_per_host": 0},
+                                 {"peer_rate": 0.0},
                                  {"peer_rate": float("inf")}, {"peer_burst": 0}])
 def test_limits_refuse_nonsense(bad: dict) -> None:
     with pytest.raises(ValueError, match=next(iter(bad))):
         Limits(**bad)
 
 
-async def test_connections_over_the_limit_are_closed_unread(autojump_clock: MockClock) -> None:
-    net = SimNetwork(seed=1, latency=0.0)  # a close reaches the server before anything else runs
-    server_id, client_id = Identity.generate(), Identity.generate()
-    refused = 0
+REQUEST = StateRequest(bytes(16), "fp32")
 
-    def on_refused() -> None:
-        nonlocal refused
-        refused += 1
+
+@asynccontextmanager
+async def echo_server(net: SimNetwork, **limits: int) -> AsyncIterator[list[int]]:
+    """An echo server on host s with ``limits``; yields a list whose length counts the
+    connections it refused."""
+    refused: list[int] = []
 
     async def echo(channel) -> None:
         await channel.send_message(await channel.receive_message())
 
     async with trio.open_nursery() as nursery:
         await nursery.start(lambda task_status: serve(
-            net.host("s"), "s:7000", echo, identity=server_id, swarm=SWARM,
-            max_connections=2, on_refused=on_refused, task_status=task_status))
-        client = net.host("c")
+            net.host("s"), "s:7000", echo, identity=Identity.generate(), swarm=SWARM,
+            on_refused=lambda: refused.append(1), task_status=task_status, **limits))
+        yield refused
+        nursery.cancel_scope.cancel()
+
+
+async def echoes(client, identity: Identity) -> bool:
+    async with await connect(client, "s:7000", identity=identity, swarm=SWARM) as channel:
+        await channel.send_message(REQUEST)
+        return await channel.receive_message() == REQUEST
+
+
+async def test_connections_over_the_limit_are_closed_unread(autojump_clock: MockClock) -> None:
+    net = SimNetwork(seed=1, latency=0.0)  # a close reaches the server before anything else runs
+    client, client_id = net.host("c"), Identity.generate()
+    async with echo_server(net, max_connections=2) as refused:
         # Two half-open connections take both places: they never send a handshake byte.
         held = [await client.dial("s:7000") for _ in range(2)]
         extra = await client.dial("s:7000")
         with trio.fail_after(1):
             assert await extra.receive_some(1024) == b""  # closed at once, nothing read
-        assert refused == 1
+        assert len(refused) == 1
         with pytest.raises(GossipError):
             await connect(client, "s:7000", identity=client_id, swarm=SWARM)
-        assert refused == 2
+        assert len(refused) == 2
         # One place frees up when a half-open connection goes away: an honest peer gets in.
         await held[0].aclose()
         await trio.testing.wait_all_tasks_blocked()
-        async with await connect(client, "s:7000", identity=client_id, swarm=SWARM) as channel:
-            await channel.send_message(StateRequest(bytes(16), "fp32"))
-            assert await channel.receive_message() == StateRequest(bytes(16), "fp32")
-        assert refused == 2
-        nursery.cancel_scope.cancel()
+        assert await echoes(client, client_id)
+        assert len(refused) == 2
+
+
+async def test_one_host_cannot_hold_more_than_its_share_of_handshakes(
+        autojump_clock: MockClock) -> None:
+    net = SimNetwork(seed=3, latency=0.0)
+    async with echo_server(net, max_connections=100, max_handshakes_per_host=2) as refused:
+        flooder = net.host("x")
+        held = [await flooder.dial("s:7000") for _ in range(2)]
+        extra = await flooder.dial("s:7000")
+        with trio.fail_after(1):
+            assert await extra.receive_some(1024) == b""
+        assert len(refused) == 1
+        # Another host is not held back by x's stalled handshakes.
+        assert await echoes(net.host("c"), Identity.generate())
+        assert len(refused) == 1 and len(held) == 2
 
 
 async def test_a_peer_over_its_rate_gets_its_channels_closed(autojump_clock: MockClock) -> None:
@@ -92,7 +121,7 @@ async def test_a_peer_over_its_rate_gets_its_channels_closed(autojump_clock: Moc
             """Whether the roster answered (it refuses averaging: it has no handler)."""
             async with await connect(net.host("c"), "s:7000", identity=identity,
                                      swarm=SWARM) as channel:
-                await channel.send_message(StateRequest(bytes(16), "fp32"))
+                await channel.send_message(REQUEST)
                 try:
                     reply = await channel.receive_message()
                 except GossipError:
