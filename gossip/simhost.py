@@ -45,7 +45,7 @@ _NEVER = math.inf
 
 @dataclass(eq=False)
 class _Segment:
-    arrival: float  # virtual time; _NEVER while a partition holds it back
+    arrival: float  # virtual time; _NEVER while a partition or a pause holds it back
     data: bytes | None  # None marks the end of the stream
 
 
@@ -121,7 +121,7 @@ class SimHost:
 
         Raises:
             PeerGone: nobody listens there, the target or this host crashed, or the host
-                name is unknown. Across a partition the dial waits for the heal.
+                name is unknown. Across a cut (a partition or a pause) the dial waits.
         """
         host, port = parse_address(address)
         net = self._net
@@ -357,7 +357,7 @@ class SimDatagramEndpoint:
             self._lot.unpark_all()  # a new head: the reader's deadline moved earlier
 
     def _drop_in_flight(self, now: float) -> int:
-        """Drop datagrams still on a link that a new partition cuts; returns how many."""
+        """Drop datagrams on a link that a new partition or pause cuts; returns how many."""
         blocked = self._net._blocked
         kept = [d for d in self._inbox if d[0] <= now or not blocked(d[4], self._host)]
         dropped = len(self._inbox) - len(kept)

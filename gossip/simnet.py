@@ -29,6 +29,12 @@ Faults are state changes that wake every parked task, which then re-checks the s
   restamped, serialized again, when the link heals; dials across the cut wait for the heal
   (the caller's deadline ends them, as SYN retries would). Datagrams across it are lost.
   Hosts named in no group form one more group together, so ``partition(["a"])`` isolates a.
+* ``pause(host)``: the host is frozen (a stopped VM, a long stall): every link between it and
+  any other host is cut exactly as a partition cuts one, until ``resume(host)``. Its own
+  tasks keep running; only what it sends and what is sent to it stops moving. Pauses and the
+  partition are independent: a link carries data when no pause and no partition cuts it, so
+  resuming inside a partition leaves the partition's cuts in place, and healing leaves a
+  paused host cut off.
 * ``crash(host)``: its streams are reset (``trio.BrokenResourceError`` at both ends), its
   datagram endpoints die (:class:`~gossip.errors.PeerGone`), its ``serve`` calls cancel their
   handlers and raise ``PeerGone``, and dials to or from it raise ``PeerGone``. ``restart``
@@ -157,10 +163,11 @@ class SimNetwork:
         self._directions: dict[tuple[str, str], _Direction] = {}
         self._hosts: dict[str, _HostState] = {}
         self._views: dict[str, SimHost] = {}
-        self._groups: dict[str, int] = {}
-        self._lag: dict[str, float] = {}  # host -> mean extra handling delay, seconds  # host -> partition group; absent = group 0
+        self._groups: dict[str, int] = {}  # host -> partition group; absent = group 0
+        self._paused: set[str] = set()  # hosts cut off from every other host
+        self._lag: dict[str, float] = {}  # host -> mean extra handling delay, seconds
         self._connections: dict[_Connection, None] = {}  # insertion-ordered set
-        self._topology = trio.lowlevel.ParkingLot()  # woken on partition/heal/crash/restart
+        self._topology = trio.lowlevel.ParkingLot()  # woken on any change of who reaches whom
         self._stats = dict.fromkeys(SimStatistics.__dataclass_fields__, 0)
 
     # ---- configuration and faults -------------------------------------------------------
@@ -202,11 +209,29 @@ class SimNetwork:
                 if name in new:
                     raise ValueError(f"host {name!r} is in more than one group")
                 new[name] = index
-        self._set_groups(new)
+        self._change_reachability(lambda: setattr(self, "_groups", new))
 
     def heal(self) -> None:
-        """Remove the partition; stalled stream data resumes, dials waiting on it go on."""
-        self._set_groups({})
+        """Remove the partition; stalled stream data resumes, dials waiting on it go on
+        (except to and from paused hosts)."""
+        self._change_reachability(lambda: setattr(self, "_groups", {}))
+
+    def pause(self, host: HostLike) -> None:
+        """Freeze ``host``: cut it off from every other host as a partition would (stream
+        data held, datagrams lost, dials waiting) until :meth:`resume`. Pausing a paused host
+        changes nothing."""
+        name = self.host(_name(host)).name
+        self._change_reachability(lambda: self._paused.add(name))
+
+    def resume(self, host: HostLike) -> None:
+        """Undo :meth:`pause`: held stream data resumes on every link that no partition
+        cuts. Resuming a host that is not paused changes nothing."""
+        name = self.host(_name(host)).name
+        self._change_reachability(lambda: self._paused.discard(name))
+
+    def paused(self, host: HostLike) -> bool:
+        """Whether ``host`` is paused."""
+        return _name(host) in self._paused
 
     def crash(self, host: HostLike) -> None:
         """Crash ``host``: reset its streams, stop its servers and datagram endpoints, and
@@ -261,6 +286,11 @@ class SimNetwork:
         return self._directions[key]
 
     def _blocked(self, src: str, dst: str) -> bool:
+        """Whether a pause or the partition cuts the link from src to dst."""
+        if src == dst:
+            return False
+        if src in self._paused or dst in self._paused:
+            return True
         return self._groups.get(src, 0) != self._groups.get(dst, 0)
 
     def _check_up(self, name: str) -> None:
@@ -358,20 +388,22 @@ class SimNetwork:
                 return
         self._stats["datagrams_dropped"] += 1
 
-    def _set_groups(self, groups: dict[str, int]) -> None:
-        old, self._groups = self._groups, groups
+    def _change_reachability(self, change: Callable[[], None]) -> None:
+        """Apply ``change`` (to the partition or the pauses), then bring every stream and
+        datagram in flight in line: links it cuts hold back what has not arrived yet, links
+        it heals send what they held back, and waiting dials look again."""
+        pipes = [end._out for conn in self._connections for end in conn.ends]
+        before = [self._blocked(pipe.src, pipe.dst) for pipe in pipes]
+        change()
         now = trio.current_time()
-        for conn in self._connections:
-            for end in conn.ends:
-                pipe = end._out
-                was = old.get(pipe.src, 0) != old.get(pipe.dst, 0)
-                now_blocked = self._blocked(pipe.src, pipe.dst)
-                if now_blocked and not was:
-                    for segment in pipe.segments:
-                        if segment.arrival > now:
-                            segment.arrival = pipe.last_arrival = _NEVER
-                elif was and not now_blocked:
-                    self._restamp(pipe)
+        for pipe, was_blocked in zip(pipes, before):
+            blocked = self._blocked(pipe.src, pipe.dst)
+            if blocked and not was_blocked:
+                for segment in pipe.segments:
+                    if segment.arrival > now:
+                        segment.arrival = pipe.last_arrival = _NEVER
+            elif was_blocked and not blocked:
+                self._restamp(pipe)
         for state in self._hosts.values():
             for endpoint in state.endpoints.values():
                 self._stats["datagrams_dropped"] += endpoint._drop_in_flight(now)

@@ -209,6 +209,73 @@ async def test_a_new_partition_replaces_the_old_one(autojump_clock: MockClock) -
         nursery.cancel_scope.cancel()
 
 
+async def test_pause_cuts_a_host_off_both_ways_until_resume(autojump_clock: MockClock) -> None:
+    net = SimNetwork(latency=0.01)
+    a, b, c = net.host("a"), net.host("b"), net.host("c")
+    async with trio.open_nursery() as nursery:
+        at_b = await nursery.start(b.serve, "b:80", echo)
+        at_c = await nursery.start(c.serve, "c:80", echo)
+        ab = await a.dial(at_b)
+        ea, eb = await a.open_datagram("a:0"), await b.open_datagram("b:0")
+        await ab.send_all(b"in flight")  # on the link when the pause begins: held too
+
+        net.pause("b")
+        assert net.paused("b") and not net.paused("a")
+        await ea.send(b"to b", eb.local_address)
+        await eb.send(b"from b", ea.local_address)
+        with trio.move_on_after(LONG):
+            await ab.receive_some()
+            pytest.fail("bytes reached or left a paused host")
+        with trio.move_on_after(LONG):
+            await ea.receive()
+            pytest.fail("a datagram left a paused host")
+        with pytest.raises(trio.TooSlowError):
+            with trio.fail_after(LONG):
+                await a.dial(at_b)  # waits, as across a partition
+        with pytest.raises(trio.TooSlowError):
+            with trio.fail_after(LONG):
+                await b.dial(at_c)
+        ac = await a.dial(at_c)  # hosts other than b: unaffected
+        await ac.send_all(b"ok")
+        assert await receive_exactly(ac, 2) == b"ok"
+
+        net.resume("b")
+        assert await receive_exactly(ab, 9) == b"in flight"  # held bytes resume, intact
+        await ea.send(b"again", eb.local_address)
+        assert await eb.receive() == (b"again", ea.local_address)
+        assert net.statistics().datagrams_dropped == 2
+        nursery.cancel_scope.cancel()
+
+
+async def test_pause_and_partition_compose(autojump_clock: MockClock) -> None:
+    net = SimNetwork(latency=0.01)
+    a, b = net.host("a"), net.host("b")
+    async with trio.open_nursery() as nursery:
+        at_b = await nursery.start(b.serve, "b:80", echo)
+        ab = await a.dial(at_b)
+        net.pause("a")
+        net.partition(["a"], ["b"])
+        net.resume("a")  # the partition still cuts a from b
+        await ab.send_all(b"1")
+        with trio.move_on_after(LONG):
+            await ab.receive_some()
+            pytest.fail("bytes crossed the partition once the pause ended")
+        net.pause("b")
+        net.heal()  # b is still paused
+        with trio.move_on_after(LONG):
+            await ab.receive_some()
+            pytest.fail("bytes reached a paused host once the partition healed")
+        net.resume("b")
+        assert await receive_exactly(ab, 1) == b"1"
+        net.pause("a")
+        net.pause("a")  # idempotent, as resume is
+        net.resume("a")
+        net.resume("a")
+        await ab.send_all(b"2")
+        assert await receive_exactly(ab, 1) == b"2"
+        nursery.cancel_scope.cancel()
+
+
 async def test_crash_resets_refuses_and_restart_serves_again(autojump_clock: MockClock) -> None:
     net = SimNetwork()
     a, b = net.host("a"), net.host("b")
