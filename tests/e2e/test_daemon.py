@@ -1,6 +1,6 @@
 """End to end: real ``gossipd`` processes on 127.0.0.1 train, average, crash and resume.
 
-Every wait has a deadline and follows the daemons' JSON-lines logs (see ``daemons.py``).
+Every wait has a deadline and follows the daemons' JSON-lines logs (see :mod:`daemon.testing`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from daemon import checkpoint
-from tests.e2e.daemons import START, Daemon, Swarm, wait_for
+from daemon.testing import START, Daemon, DaemonSwarm, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -29,7 +29,7 @@ def alive_in_status(observer: Daemon, peer: str) -> str | None:
 
 
 def test_three_daemons_train_average_and_report(tmp_path: Path) -> None:
-    with Swarm(tmp_path) as swarm:
+    with DaemonSwarm(tmp_path) as swarm:
         a = swarm.add("a", shard=0, shards=3).start()
         wait_for(lambda: a.last("start"), START, [a], "a to start")
         b = swarm.add("b", bootstrap=[a], shard=1, shards=3).start()
@@ -67,7 +67,7 @@ def test_kill9_then_restart_resumes_from_its_checkpoint_and_rejoins(tmp_path: Pa
     # A larger model so that an exchange takes a while, and rounds often: the kill is likely
     # to land in the middle of one (it lands wherever it lands, which is the point).
     settings = ["task.options.hidden=2048", "averaging.interval=0.3", "checkpoint.interval=1"]
-    with Swarm(tmp_path) as swarm:
+    with DaemonSwarm(tmp_path) as swarm:
         a = swarm.add("a", settings=settings).start()
         wait_for(lambda: a.last("start"), START, [a], "a to start")
         b = swarm.add("b", bootstrap=[a], settings=settings).start()
@@ -100,7 +100,7 @@ def test_kill9_then_restart_resumes_from_its_checkpoint_and_rejoins(tmp_path: Pa
 
 
 def test_sigterm_checkpoints_and_leaves(tmp_path: Path) -> None:
-    with Swarm(tmp_path) as swarm:
+    with DaemonSwarm(tmp_path) as swarm:
         a = swarm.add("a").start()
         wait_for(lambda: a.last("start"), START, [a], "a to start")
         b = swarm.add("b", bootstrap=[a]).start()
@@ -118,7 +118,7 @@ def test_sigterm_checkpoints_and_leaves(tmp_path: Path) -> None:
 
 
 def test_a_truncated_newest_checkpoint_falls_back_to_the_previous_one(tmp_path: Path) -> None:
-    with Swarm(tmp_path) as swarm:
+    with DaemonSwarm(tmp_path) as swarm:
         a = swarm.add("a", settings=["checkpoint.interval=0.2", "checkpoint.keep=5"])
         a.start("task.max_steps=3000")
         assert a.wait_exit(120) == 0  # max_steps: a clean stop, like a signal

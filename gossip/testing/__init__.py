@@ -1,0 +1,25 @@
+"""gossip.testing: fault injection for swarms, in-process and between real processes.
+
+Not imported by ``import gossip``: a test suite imports it explicitly. docs/FAULTS.md is the
+guide; real daemon processes are started and killed with :mod:`daemon.testing`, and the
+pytest fixtures come with the package (``sim_swarm``, ``daemon_swarm``, ``fault_proxies``).
+"""
+
+from .hostile import Flood as Flood
+from .hostile import HostilePeer as HostilePeer
+from .hostile import Outcome as Outcome
+from .hostile import Outsider as Outsider
+from .hostile import Reaction as Reaction
+from .proxy import FaultProxy as FaultProxy
+from .proxy import open_fault_proxy as open_fault_proxy
+from .proxyclient import ProxyClient as ProxyClient
+from .proxyclient import ProxyError as ProxyError
+from .proxyctl import ProxyServer as ProxyServer
+from .proxyctl import open_proxy_server as open_proxy_server
+from .proxyfaults import Faults as Faults
+from .proxyfaults import ProxyStatistics as ProxyStatistics
+from .sim import SIM_CONFIG as SIM_CONFIG
+from .sim import SimExchange as SimExchange
+from .sim import SimNode as SimNode
+from .sim import SimSwarm as SimSwarm
+from .sim import open_sim_swarm as open_sim_swarm

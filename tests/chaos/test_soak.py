@@ -1,0 +1,55 @@
+"""Soak: two daemons exchanging as fast as they can, for well over a thousand exchanges.
+
+A leak of anything per exchange (a buffer, a task, a socket, a log record kept in memory)
+shows as resident memory or descriptors that grow with the count. The first exchanges are a
+warm-up (allocator pools, torch's caches, the first checkpoint), so growth is measured from
+exchange WARMUP on.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from daemon.testing import DaemonSwarm, wait_for
+
+WARMUP = 100  # exchanges before the baseline is taken
+EXCHANGES = 1000  # exchanges measured after it
+GROWTH = 0.05  # most relative growth of resident memory allowed over them
+FAST_AS_IT_CAN = [
+    "averaging.interval=0.01",  # both sides offer all the time; collisions answer BUSY
+    "swarm.peer_rate=1000",  # the default per-peer limit (10/s) is for honest swarms
+    "swarm.peer_burst=1000",
+    "metrics.every=5",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_memory_and_descriptors_stay_flat_over_a_thousand_exchanges(tmp_path) -> None:
+    with DaemonSwarm(tmp_path) as swarm:
+        a = swarm.add("a", settings=FAST_AS_IT_CAN).start()
+        wait_for(lambda: a.last("start"), 120, [a], "a to start")
+        b = swarm.add("b", bootstrap=[a], settings=FAST_AS_IT_CAN).start()
+        both = [a, b]
+        # a takes part in every exchange of a two-node swarm, at one end or the other.
+        wait_for(lambda: a.committed() >= WARMUP, 300, both, f"{WARMUP} exchanges")
+        before = {d.name: (d.memory()["rss"], d.open_files()) for d in both}
+        start = a.committed()
+        wait_for(lambda: a.committed() >= start + EXCHANGES, 480, both,
+                 f"{EXCHANGES} more exchanges")
+        after = {d.name: (d.memory()["rss"], d.open_files()) for d in both}
+        total = a.committed()
+        failed = sum(e["result"] != "committed" for e in a.of("exchange"))
+
+    print(f"\nsoak: {total} exchanges committed at a ({failed} not committed: busy or failed)")
+    print(f"{'daemon':<8}{'rss@100 MiB':>13}{'rss@end MiB':>13}{'growth':>9}{'fds@100':>9}"
+          f"{'fds@end':>9}")
+    for name in before:
+        (rss0, fd0), (rss1, fd1) = before[name], after[name]
+        print(f"{name:<8}{rss0 / 2**20:>13.1f}{rss1 / 2**20:>13.1f}{rss1 / rss0 - 1:>9.2%}"
+              f"{fd0:>9}{fd1:>9}")
+    for name in before:
+        (rss0, fd0), (rss1, fd1) = before[name], after[name]
+        assert rss1 < rss0 * (1 + GROWTH), f"{name}: resident memory grew {rss1 / rss0 - 1:.1%}"
+        # An exchange in flight holds one channel: the count may differ by that, no more.
+        assert abs(fd1 - fd0) <= 1, f"{name}: descriptors went from {fd0} to {fd1}"
