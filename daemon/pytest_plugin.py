@@ -1,9 +1,10 @@
 """pytest fixtures for fault-injection tests of a swarm, registered through the ``pytest11``
 entry point: installing gossipd makes them available to any test suite in the environment.
 
-* ``sim_swarm``: an async factory of in-process swarms on the simulated network, under
-  pytest-trio's autojump clock (``sim = await sim_swarm(n=8, seed=1)``), torn down with the
-  test. See :func:`gossip.testing.open_sim_swarm`.
+* ``sim_swarm``: an async factory of in-process swarms on the simulated network
+  (``sim = await sim_swarm(n=8, seed=1)``), torn down with the test. The test also takes
+  pytest-trio's ``autojump_clock`` (pytest-trio runs a test on a clock only when the test
+  itself asks for it). See :func:`gossip.testing.open_sim_swarm`.
 * ``daemon_swarm``: a :class:`daemon.testing.DaemonSwarm` in the test's temporary directory
   (real ``gossipd`` processes); every daemon still running is stopped after the test.
 * ``fault_proxies``: a :class:`gossip.testing.ProxyClient` of a proxy server shared by the
@@ -21,9 +22,12 @@ import pytest
 
 
 @pytest.fixture
-async def sim_swarm(autojump_clock: Any, nursery: Any) -> AsyncIterator[Callable[..., Awaitable[Any]]]:
+async def sim_swarm(nursery: Any) -> AsyncIterator[Callable[..., Awaitable[Any]]]:
     """``await sim_swarm(n, **options)`` opens a :func:`gossip.testing.open_sim_swarm` that
-    lives until the test ends. Needs pytest-trio (the test runs under its autojump clock)."""
+    lives until the test ends. Needs pytest-trio, and the test must take ``autojump_clock``
+    too: on the real clock a simulated minute would take a minute."""
+    import trio.testing
+
     from gossip.testing import open_sim_swarm
 
     async def run(n: int, options: dict[str, Any], *, task_status: Any) -> None:
@@ -32,6 +36,9 @@ async def sim_swarm(autojump_clock: Any, nursery: Any) -> AsyncIterator[Callable
             await _forever()
 
     async def factory(n: int = 8, **options: Any) -> Any:
+        if not isinstance(trio.lowlevel.current_clock(), trio.testing.MockClock):
+            raise RuntimeError("sim_swarm runs on virtual time: add the autojump_clock fixture "
+                               "to the test's arguments")
         return await nursery.start(run, n, options)
 
     yield factory
