@@ -131,7 +131,7 @@ class Roster:
         self._push_pulls_done = 0
         self._push_pulls_failed = 0
         self._rate = RateLimit(limits.peer_rate, limits.peer_burst)
-        self.connections_refused = 0  # counted by the server, over max_connections
+        self.connections_refused = 0  # counted by the server: over either connection limit
         self._channels_limited = 0
 
     # ---- the averager's API -----------------------------------------------------------
