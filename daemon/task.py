@@ -34,14 +34,15 @@ import importlib.util
 import math
 import sys
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["Context", "Shard", "Task", "TaskError", "load_entry", "pick_device", "read_options",
-           "to_device"]
+__all__ = ["Context", "Shard", "Task", "TaskError", "evaluating", "load_entry", "pick_device",
+           "read_options", "to_device"]
 
 
 class TaskError(Exception):
@@ -205,3 +206,17 @@ def to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, dict):
         return {k: to_device(v, device) for k, v in batch.items()}
     return batch
+
+
+@contextmanager
+def evaluating(model: torch.nn.Module) -> Iterator[torch.device]:
+    """For a task's ``evaluate``: the model in eval mode with gradients off, back in the
+    mode it was in afterwards. Yields the model's device (the daemon moves the model after
+    the task is built, so an evaluation moves its data there)."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield next(model.parameters()).device
+    finally:
+        model.train(was_training)

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from daemon.task import Context, Shard, Task, TaskError, read_options
+from daemon.task import Context, Shard, Task, TaskError, evaluating, read_options
 
 __all__ = ["CharLM", "shard_files", "split_files", "stdlib_files", "task"]
 
@@ -120,15 +120,9 @@ def task(ctx: Context) -> Task:
         return loss.detach()
 
     def evaluate() -> dict[str, float]:
-        device = next(model.parameters()).device  # the daemon moves the model after task()
-        was_training = model.training
-        model.eval()
-        try:
-            with torch.no_grad():
-                logits = model(eval_x.to(device))
-                loss = F.cross_entropy(logits.flatten(0, 1), eval_y.to(device).flatten()).item()
-        finally:
-            model.train(was_training)
+        with evaluating(model) as device:
+            logits = model(eval_x.to(device))
+            loss = F.cross_entropy(logits.flatten(0, 1), eval_y.to(device).flatten()).item()
         return {"loss": loss, "bits_per_char": loss / math.log(2)}
 
     return Task(model, opt, batches, step, batch_size=batch_size, evaluate=evaluate)

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from daemon.task import Context, Shard, Task, TaskError, read_options
+from daemon.task import Context, Shard, Task, TaskError, evaluating, read_options
 
 __all__ = ["load", "shard_indices", "task"]
 
@@ -65,17 +65,11 @@ def task(ctx: Context) -> Task:
         return loss.detach()
 
     def evaluate() -> dict[str, float]:
-        device = next(model.parameters()).device  # the daemon moves the model after task()
-        was_training = model.training
-        model.eval()
-        try:
-            with torch.no_grad():
-                logits = model(x_test.to(device))
-                y = y_test.to(device)
-                return {"accuracy": (logits.argmax(1) == y).float().mean().item(),
-                        "loss": F.cross_entropy(logits, y).item()}
-        finally:
-            model.train(was_training)
+        with evaluating(model) as device:
+            logits = model(x_test.to(device))
+            y = y_test.to(device)
+            return {"accuracy": (logits.argmax(1) == y).float().mean().item(),
+                    "loss": F.cross_entropy(logits, y).item()}
 
     return Task(model, opt, batches, step, batch_size=batch_size, evaluate=evaluate)
 

@@ -247,3 +247,15 @@ def test_own_script_help():
     out = subprocess.run([sys.executable, str(ROOT / "examples" / "own_script.py"), "--help"],
                          capture_output=True, text=True, timeout=60, check=True).stdout
     assert "--bootstrap" in out and "--key-hex" in out and "--steps" in out
+
+
+def test_evaluating_turns_gradients_off_and_restores_the_mode() -> None:
+    from daemon.task import evaluating
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.5))
+    for training in (True, False):
+        model.train(training)
+        with evaluating(model) as device:
+            assert device == torch.device("cpu")
+            assert not model.training and not torch.is_grad_enabled()
+        assert model.training is training and torch.is_grad_enabled()
