@@ -290,6 +290,8 @@ class TaskConfig(_Section):
     chunk: float = _field(0.25, "s; the trainer thread returns to the event loop at least this "
                           "often (> 0)", POSITIVE)
     progress_every: int = _field(100, "steps between progress log lines (>= 1)", AT_LEAST_1)
+    eval_every: float = _field(0.0, "s between evaluations while training (the task's evaluate, "
+                               "between chunks); 0: only when stopping", NON_NEGATIVE)
     max_steps: int = _field(0, "stop after this process has taken this many steps; 0: run "
                             "until stopped", COUNT)
     threads: int = _field(0, "CPU threads torch may use; 0: torch's default (one per core). "

@@ -63,6 +63,8 @@ class Metrics:
                              registry=r)
         self.refused = Counter("gossip_inbound_refused", "Inbound connections closed unread, "
                                "by limit (max_connections or max_handshakes_per_host, peer_rate)", ["limit"], registry=r)
+        self.evaluation = Gauge("gossip_eval", "The task's latest evaluation, by metric "
+                                "(task.eval_every, and at exit)", ["metric"], registry=r)
         self.checkpoints = Counter("gossip_checkpoints", "Checkpoints written", registry=r)
         self.checkpoint_failures = Counter("gossip_checkpoint_failures",
                                            "Checkpoints that could not be written", registry=r)

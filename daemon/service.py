@@ -302,6 +302,11 @@ class _Service:
         steps_here = 0
         next_progress = every
         next_checkpoint = trio.current_time() + c.checkpoint.interval
+        next_eval = math.inf
+        if c.task.eval_every and trainer.task.evaluate is None:
+            log.warning("task.eval_every is set but the task has no evaluate(): nothing to run")
+        elif c.task.eval_every:
+            next_eval = trio.current_time() + c.task.eval_every
         async with trio.open_nursery() as writers:
             while not self.stop.is_set():
                 limit = max_steps - steps_here if max_steps else 1 << 62
@@ -319,6 +324,9 @@ class _Service:
                     next_checkpoint = trio.current_time() + c.checkpoint.interval
                     state = await self.capture()
                     writers.start_soon(self.periodic_checkpoint, state)
+                if trio.current_time() >= next_eval and not self.stop.is_set():
+                    next_eval = trio.current_time() + c.task.eval_every
+                    await self.evaluate()
 
     def progress(self, chunk: Chunk) -> None:
         node = self.node
@@ -384,12 +392,20 @@ class _Service:
             self.event("stop", step=self.node.global_step)
             return
         await self.write_checkpoint(await self.capture())
+        await self.evaluate()
+        log.info("stopped step=%d", self.node.global_step)
+        self.event("stop", step=self.node.global_step)
+
+    async def evaluate(self) -> None:
+        """The task's evaluation (in the trainer's thread, between chunks): logged, an
+        ``eval`` event, and the ``gossip_eval`` gauges."""
+        assert self.trainer is not None and self.node is not None
         evaluation = await trio.to_thread.run_sync(self.trainer.evaluate)
         if evaluation:
             log.info("evaluation %s", " ".join(f"{k}={v:.4f}" for k, v in evaluation.items()))
+        for metric, value in evaluation.items():
+            self.metrics.evaluation.labels(metric).set(value)
         self.event("eval", step=self.node.global_step, **evaluation)
-        log.info("stopped step=%d", self.node.global_step)
-        self.event("stop", step=self.node.global_step)
 
     # ---- observability ----------------------------------------------------------------
 

@@ -117,6 +117,22 @@ def test_sigterm_checkpoints_and_leaves(tmp_path: Path) -> None:
         wait_for(lambda: alive_in_status(a, b_peer) == "left", 30, [a], "a to see b leave")
 
 
+def test_eval_every_evaluates_while_training(tmp_path: Path) -> None:
+    with DaemonSwarm(tmp_path) as swarm:
+        a = swarm.add("a", settings=["task.eval_every=0.5"]).start()
+        wait_for(lambda: len(a.of("eval")) >= 3, START, [a], "3 evaluations while training")
+        running = a.of("eval")
+        assert a.last("stop") is None
+        assert all(0 <= e["accuracy"] <= 1 and e["loss"] > 0 for e in running)
+        assert [e["step"] for e in running] == sorted(e["step"] for e in running)
+        # Spaced by eval_every (at chunk boundaries), not once per chunk.
+        gaps = [b["time"] - a_["time"] for a_, b in zip(running, running[1:])]
+        assert min(gaps) >= 0.45, gaps
+        a.signal(signal.SIGTERM)
+        assert a.wait_exit() == 0
+        assert a.of("eval")[-1]["step"] == a.last("stop")["step"]  # and one as it stopped
+
+
 def test_a_truncated_newest_checkpoint_falls_back_to_the_previous_one(tmp_path: Path) -> None:
     with DaemonSwarm(tmp_path) as swarm:
         a = swarm.add("a", settings=["checkpoint.interval=0.2", "checkpoint.keep=5"])
