@@ -369,7 +369,8 @@ class Membership(Probing):
             me.ready = ready
         if step is not None:
             me.step = step
-        if urgent or (step is not None and now - self._announced >= self.config.meta_interval):
+        stale = me.step != self._announcement.step  # what the swarm last heard is behind
+        if urgent or (stale and now - self._announced >= self.config.meta_interval):
             me.incarnation += 1
             self._announced = now
             self._broadcast_self()

@@ -716,6 +716,19 @@ def test_a_step_alone_is_announced_only_after_meta_interval():
     assert m.incarnation == 1
 
 
+def test_an_unchanged_step_is_not_announced_again():
+    # Every averaging round reports the step; a node that does not train (or has not moved
+    # since its last announcement) must not make the whole swarm gossip the same record.
+    m = machine(2, now=10.0)
+    m.set_meta(10.0 + CFG.meta_interval, step=6)
+    assert m.incarnation == 1
+    for k in range(2, 5):
+        m.set_meta(10.0 + k * CFG.meta_interval, step=6)
+    assert m.incarnation == 1
+    m.set_meta(10.0 + 5 * CFG.meta_interval, step=8)
+    assert m.incarnation == 2 and announced(m, 2).step == 8
+
+
 # ---- housekeeping timers -------------------------------------------------------------------
 
 
