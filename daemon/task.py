@@ -40,9 +40,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
-__all__ = ["Context", "Shard", "Task", "TaskError", "evaluating", "load_entry", "pick_device",
-           "read_options", "to_device"]
+__all__ = ["Context", "Shard", "Task", "TaskError", "classifier_step", "evaluating",
+           "load_entry", "pick_device", "read_options", "to_device"]
 
 
 class TaskError(Exception):
@@ -220,3 +221,20 @@ def evaluating(model: torch.nn.Module) -> Iterator[torch.device]:
             yield next(model.parameters()).device
     finally:
         model.train(was_training)
+
+
+def classifier_step(model: Callable[[torch.Tensor], torch.Tensor],
+                    optimizer: torch.optim.Optimizer) -> Callable[[Any], torch.Tensor]:
+    """The usual ``Task.step`` of a classifier: the cross-entropy of ``model(x)`` against the
+    labels ``y`` of a batch ``(x, y)``, backward, one optimizer step; returns the loss
+    (detached, so that the daemon reads it once a chunk rather than syncing every step)."""
+
+    def step(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(model(x), y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    return step

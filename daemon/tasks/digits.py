@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from daemon.task import Context, Shard, Task, TaskError, evaluating, read_options
+from daemon.task import Context, Shard, Task, TaskError, classifier_step, evaluating, read_options
 
 __all__ = ["load", "shard_indices", "task"]
 
@@ -56,14 +56,6 @@ def task(ctx: Context) -> Task:
                 idx = order[i:i + batch_size]
                 yield x_train[idx], y_train[idx]
 
-    def step(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        x, y = batch
-        loss = F.cross_entropy(model(x), y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        return loss.detach()
-
     def evaluate() -> dict[str, float]:
         with evaluating(model) as device:
             logits = model(x_test.to(device))
@@ -71,7 +63,8 @@ def task(ctx: Context) -> Task:
             return {"accuracy": (logits.argmax(1) == y).float().mean().item(),
                     "loss": F.cross_entropy(logits, y).item()}
 
-    return Task(model, opt, batches, step, batch_size=batch_size, evaluate=evaluate)
+    return Task(model, opt, batches, classifier_step(model, opt), batch_size=batch_size,
+                evaluate=evaluate)
 
 
 def load() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

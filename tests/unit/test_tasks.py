@@ -259,3 +259,20 @@ def test_evaluating_turns_gradients_off_and_restores_the_mode() -> None:
             assert device == torch.device("cpu")
             assert not model.training and not torch.is_grad_enabled()
         assert model.training is training and torch.is_grad_enabled()
+
+
+def test_classifier_step_takes_one_optimizer_step_and_returns_a_detached_loss() -> None:
+    from daemon.task import classifier_step
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+    step = classifier_step(model, opt)
+    before = [p.detach().clone() for p in model.parameters()]
+    first = step((x, y))
+    assert first.requires_grad is False and first.dim() == 0
+    torch.testing.assert_close(first, torch.nn.functional.cross_entropy(
+        torch.nn.functional.linear(x, *before), y))
+    assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    assert step((x, y)) < first  # a descent step on the same batch
