@@ -1,4 +1,6 @@
-"""Tasks for the benchmarks: ``bench/tasks.py:mlp10m``, a 10.5M-parameter MLP on synthetic data.
+"""Tasks for the benchmarks, named in a daemon's config as ``bench/tasks.py:<function>``.
+
+``mlp10m``: a 10.5M-parameter MLP on synthetic data, for measuring speed.
 
 The model is ten 1024x1024 linear layers with ReLUs and a 1024 -> 10 head (10,506,250 float32
 parameters, 42 MB), trained with plain SGD. Its batches are drawn from a seeded generator:
@@ -22,20 +24,29 @@ Options (``[task.options]``):
     batch_size: samples per step (default 64).
     lr: SGD learning rate (default 0.01).
     idle: true for the idle stand-in peer described above (default false).
+
+``teacher``: the same kind of labelling on a small MLP that learns it within seconds, for
+time-to-loss comparisons (``bench/straggler.py``). :class:`Teacher` holds the problem (the
+model, each worker's batches, the held-out set), so that the benchmark's torch.distributed
+workers train exactly what the daemons train. ``delay`` (busy seconds after each step) makes
+a straggler, and ``start_file`` holds the first step until that file exists, so that every
+method starts its clock with all of its workers up.
 """
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from daemon.task import Context, Shard, Task, TaskError, read_options
+from daemon.task import (Context, Shard, Task, TaskError, classifier_step, evaluating,
+                         read_options)
 
-__all__ = ["mlp10m"]
+__all__ = ["Teacher", "burn", "delayed", "mlp10m", "teacher"]
 
 DEFAULTS: dict[str, Any] = {"width": 1024, "depth": 10, "batch_size": 64, "lr": 0.01}
 CLASSES = 10
@@ -73,15 +84,114 @@ def mlp10m(ctx: Context) -> Task:
             x = torch.randn(batch_size, width, generator=generator)
             yield x, (x @ teacher).argmax(1)
 
+    train = classifier_step(model, opt)
+
     def step(batch: Any) -> Any:
         if idle:
             time.sleep(IDLE_STEP)
             return 0.0
-        x, y = batch
-        loss = F.cross_entropy(model(x), y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        return loss.detach()
+        return train(batch)
 
     return Task(model, opt, batches, step, batch_size=batch_size)
+
+
+TEACHER_DEFAULTS: dict[str, Any] = {"width": 256, "hidden": 512, "batch_size": 64, "lr": 0.02}
+TEST_SAMPLES = 1024  # the held-out set: an evaluation costs about 1% of a worker's time
+START_POLL = 0.01  # s between looks for start_file
+
+
+class Teacher:
+    """Inputs in ``width`` dimensions labelled by a fixed random linear teacher (the argmax
+    of ten projections), and an MLP ``width -> hidden -> hidden -> 10`` to learn them, with
+    SGD (momentum 0.9).
+
+    Worker ``i`` draws its own endless stream (seeded by the swarm's seed and ``i``): the
+    workers' data are independent samples of one distribution. The held-out set is fixed.
+    """
+
+    def __init__(self, seed: int, width: int, hidden: int, batch_size: int, lr: float) -> None:
+        torch.manual_seed(seed)  # every worker starts from the same weights
+        self.model = torch.nn.Sequential(
+            torch.nn.Linear(width, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, hidden),
+            torch.nn.ReLU(), torch.nn.Linear(hidden, CLASSES))
+        self.seed, self.width, self.batch_size, self.lr = seed, width, batch_size, lr
+        generator = torch.Generator().manual_seed(TEACHER_SEED)
+        self.teacher = torch.randn(width, CLASSES, generator=generator)
+        self.x_test = torch.randn(TEST_SAMPLES, width, generator=generator)
+        self.y_test = (self.x_test @ self.teacher).argmax(1)
+
+    def optimizer(self, parameters: Any) -> torch.optim.Optimizer:
+        return torch.optim.SGD(parameters, lr=self.lr, momentum=0.9)
+
+    def batches(self, worker: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + worker)
+        while True:
+            x = torch.randn(self.batch_size, self.width, generator=generator)
+            yield x, (x @ self.teacher).argmax(1)
+
+    def evaluate(self) -> dict[str, float]:
+        """The model's loss and accuracy on the held-out set."""
+        with evaluating(self.model) as device:
+            logits = self.model(self.x_test.to(device))
+            y = self.y_test.to(device)
+            return {"loss": F.cross_entropy(logits, y).item(),
+                    "accuracy": (logits.argmax(1) == y).float().mean().item()}
+
+
+def burn(seconds: float) -> None:
+    """Keep a core busy for ``seconds``, as a slower machine is busy for longer with the same
+    step: small matrix products, which release the GIL, so the daemon's other threads run
+    beside it as they would beside a slow GPU. (A sleep would instead hand the core to the
+    other workers of a benchmark sharing one machine, and speed them up.)"""
+    end = time.perf_counter() + seconds
+    a = torch.ones(96, 96)
+    while time.perf_counter() < end:
+        torch.mm(a, a)
+
+
+def delayed(step: Callable[[Any], Any], delay: float) -> Callable[[Any], Any]:
+    """``step`` followed by :func:`burn` for ``delay`` seconds (0: ``step`` itself)."""
+    if not delay:
+        return step
+
+    def slow_step(batch: Any) -> Any:
+        loss = step(batch)
+        burn(delay)
+        return loss
+
+    return slow_step
+
+
+def teacher(ctx: Context) -> Task:
+    """:class:`Teacher` as a daemon's task; the shard index picks the worker's stream.
+
+    Options (``[task.options]``): width (256), hidden (512), batch_size (64), lr (0.02),
+    delay (0.0: seconds of busy CPU after each step, to make a straggler), start_file ("":
+    no wait).
+
+    Raises:
+        TaskError: an unknown option or a bad value.
+    """
+    given = dict(ctx.options)
+    start_file, delay = given.pop("start_file", ""), given.pop("delay", 0.0)
+    if type(start_file) is not str:
+        raise TaskError(f"task option start_file must be a path, not {start_file!r}")
+    if type(delay) not in (int, float) or not 0 <= delay < 60:
+        raise TaskError(f"task option delay must be seconds in [0, 60), not {delay!r}")
+    opts = read_options(given, TEACHER_DEFAULTS)
+    problem = Teacher(ctx.seed, opts["width"], opts["hidden"], opts["batch_size"], opts["lr"])
+    model, opt = problem.model, problem.optimizer(problem.model.parameters())
+
+    slow_step = delayed(classifier_step(model, opt), delay)
+    waiting = [bool(start_file)]
+
+    def gated_step(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        while waiting[0]:
+            if os.path.exists(start_file):
+                waiting[0] = False
+            else:
+                time.sleep(START_POLL)
+        return slow_step(batch)
+
+    return Task(model, opt, lambda shard: problem.batches(shard.index), gated_step,
+                batch_size=opts["batch_size"], evaluate=problem.evaluate)
