@@ -90,12 +90,13 @@ LABELS = {
 
 
 def relay(source: subprocess.Popen, target: subprocess.Popen, results: dict) -> None:
-    """Forward ``source``'s lines to ``target``, except its result, which is kept; at the end
-    of ``source``'s output close ``target``'s input, so a worker that dies stops the other."""
+    """Forward ``source``'s lines to ``target``, except its results, which are kept (a list
+    per role); at the end of ``source``'s output close ``target``'s input, so a worker that
+    dies stops the other."""
     for line in source.stdout:
         message = json.loads(line)
         if "result" in message:
-            results[message["result"]["role"]] = message["result"]
+            results.setdefault(message["result"]["role"], []).append(message["result"])
             continue
         try:
             target.stdin.write(line)
@@ -108,11 +109,12 @@ def relay(source: subprocess.Popen, target: subprocess.Popen, results: dict) -> 
         pass
 
 
-def run_workers(trials: int) -> dict:
+def run_workers(script: str, *options: str) -> dict:
+    """Run ``script --worker a|b --key KEY *options`` twice, relaying between the two; returns
+    each role's results, in the order its worker reported them."""
     key = os.urandom(32).hex()
     workers = [
-        subprocess.Popen([sys.executable, __file__, "--worker", role, "--key", key,
-                          "--trials", str(trials)],
+        subprocess.Popen([sys.executable, script, "--worker", role, "--key", key, *options],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
         for role in ("a", "b")
     ]
@@ -151,9 +153,9 @@ def main() -> None:
         return
 
     started, load_before = time.perf_counter(), os.getloadavg()[0]
-    results = run_workers(trials)
+    results = run_workers(__file__, "--trials", str(trials))
     elapsed, load_after = time.perf_counter() - started, os.getloadavg()[0]
-    a, b = results["a"], results["b"]
+    (a,), (b,) = results["a"], results["b"]
     model_bytes = a["model_bytes"]
     mb = model_bytes / 1e6
     median = {m: statistics.median(a["times"][m]) for m in METHODS}
@@ -256,6 +258,12 @@ class Link:
 
 
 def worker(role: str, key: bytes, trials: int) -> None:
+    prepare(role)
+    Bench(Link(), build_model(NUMEL), key).run(role, trials)
+
+
+def prepare(role: str) -> None:
+    """Import and set up torch in a worker, before any model is built."""
     # Imported here so that the parent stays small; everything is imported before the model
     # is built, so that the resident set measured after it holds the libraries too.
     import torch
@@ -268,14 +276,16 @@ def worker(role: str, key: bytes, trials: int) -> None:
     # all cores, and their threads would wait on each other (every method here pays alike).
     torch.set_num_threads(1)
     torch.manual_seed(1 if role == "a" else 2)
+
+
+def build_model(numel: int):
+    """A module of ``numel`` float32 parameters in :data:`PARTS` equal tensors, random."""
+    import torch
+
     model = torch.nn.Module()
     for i in range(PARTS):
-        model.register_parameter(f"w{i}", torch.nn.Parameter(torch.randn(NUMEL // PARTS)))
-    bench = Bench(Link(), model, key)
-    if role == "a":
-        trio.run(bench.initiator, trials)
-    else:
-        trio.run(bench.responder)
+        model.register_parameter(f"w{i}", torch.nn.Parameter(torch.randn(numel // PARTS)))
+    return model
 
 
 def _cpu() -> float:
@@ -297,6 +307,9 @@ class Bench:
     """One worker's side of every method. *a* (:meth:`initiator`) drives and times; *b*
     (:meth:`responder`) follows the messages *a* sends it."""
 
+    methods = METHODS  # what the rounds time, in their first round's order; gloo if listed
+    who = "a"  # how a's progress lines begin
+
     def __init__(self, link: Link, model, key: bytes) -> None:
         self.link = link
         self.model = model
@@ -308,6 +321,11 @@ class Bench:
         self.flat = None  # gloo's tensor
         self.inbox: memoryview | None = None  # plain TCP's receive buffer
         self.port = 0  # b's plain TCP server
+        # The plain TCP methods: whether b sends too, and the bytes each way. Their order
+        # numbers them on the wire and is that of their warm-ups; the last one's peak RSS
+        # is measured, and it covers all of them (they share the receive buffer).
+        self.tcp: dict[str, tuple[bool, int]] = {"oneway": (False, self.model_bytes),
+                                                 "duplex": (True, self.model_bytes)}
         self.extra_rss: dict[str, int] = {}
         self._rss = 0
 
@@ -371,10 +389,13 @@ class Bench:
         self.flat.div_(2)  # the average, so values stay where they were (not timed)
         return timing
 
-    async def send_payload(self, stream: trio.SocketStream) -> None:
+    async def send_payload(self, stream: trio.SocketStream, nbytes: int) -> None:
+        """Send the first ``nbytes`` of the model's memory."""
         for view in self.payload:
+            view = view[:nbytes]
             for offset in range(0, len(view), CHUNK):
                 await stream.send_all(view[offset : offset + CHUNK])
+            nbytes -= len(view)
 
     async def receive(self, stream: trio.SocketStream, nbytes: int) -> None:
         got = 0
@@ -386,46 +407,61 @@ class Bench:
 
     # ---- a --------------------------------------------------------------------------------
 
+    def run(self, role: str, trials: int) -> None:
+        """Run this worker's side to the end: ``trials`` rounds, driven by *a*."""
+        if role == "a":
+            trio.run(self.initiator, trials)
+        else:
+            trio.run(self.responder)
+
     async def initiator(self, trials: int) -> None:
-        link = self.link
-        times: dict[str, list[float]] = {m: [] for m in METHODS}
-        cpu: dict[str, list[float]] = {m: [] for m in METHODS}
+        times: dict[str, list[float]] = {m: [] for m in self.methods}
+        cpu: dict[str, list[float]] = {m: [] for m in self.methods}
         async with AsyncExitStack() as stack:
             for codec in CODECS:
+                await self.set_up_node(stack, codec)
+            if "gloo" in self.methods:
                 self.mark()
-                node = await self.open_node(stack, codec, None)
-                link.send("join", codec=codec, address=node.address)
-                await self.wait_for_peer(node)
-                await link.receive("ready")
-                await self.warm_up(codec)  # which allocates the node's buffers
-                self.warm[codec] = node.statistics()
-            self.mark()
-            await self.open_gloo(stack, None)
-            await self.warm_up("gloo")
-            self.mark()
-            self.inbox = memoryview(bytearray(self.model_bytes + 1))
-            link.send("tcp")
-            self.port = (await link.receive("tcp"))["port"]
-            await self.warm_up("oneway")
-            await self.warm_up("duplex")
+                await self.open_gloo(stack, None)
+                await self.warm_up("gloo")
+            await self.set_up_tcp()
 
             for round_ in range(trials):
-                turn = round_ % len(METHODS)
-                for method in METHODS[turn:] + METHODS[:turn]:
+                turn = round_ % len(self.methods)
+                for method in self.methods[turn:] + self.methods[:turn]:
                     seconds, cpu_seconds = await self.trial(method)
                     times[method].append(seconds)
                     cpu[method].append(cpu_seconds)
-                    print(f"a: round {round_ + 1}/{trials} {method:6s} {seconds:.3f} s",
+                    print(f"{self.who}: round {round_ + 1}/{trials} {method:6s} {seconds:.3f} s",
                           file=sys.stderr, flush=True)
-            link.send("done")
+            self.link.send("done")
             self.report("a", times=times, cpu=cpu)
 
-    async def warm_up(self, method: str) -> None:
+    async def set_up_node(self, stack: AsyncExitStack, codec: str) -> None:
+        """Open a's node for ``codec``, have b join it, and warm it up."""
+        self.mark()
+        node = await self.open_node(stack, codec, None)
+        self.link.send("join", codec=codec, address=node.address)
+        await self.wait_for_peer(node)
+        await self.link.receive("ready")
+        await self.warm_up(codec)  # which allocates the node's buffers
+        self.warm[codec] = node.statistics()
+
+    async def set_up_tcp(self) -> None:
+        """Start b's plain TCP server and warm up every plain TCP method."""
+        self.mark()
+        self.inbox = memoryview(bytearray(self.model_bytes + 1))
+        self.link.send("tcp")
+        self.port = (await self.link.receive("tcp"))["port"]
+        for method in self.tcp:
+            await self.warm_up(method, peak=method == list(self.tcp)[-1])
+
+    async def warm_up(self, method: str, peak: bool = True) -> None:
         seconds, _ = await self.trial(method)
-        if method != "oneway":  # which shares duplex's buffers
+        if peak:
             self.link.send("peak", method=method)
             self.peak(method)
-        print(f"a: {method:6s} warm-up {seconds:.3f} s", file=sys.stderr, flush=True)
+        print(f"{self.who}: {method:6s} warm-up {seconds:.3f} s", file=sys.stderr, flush=True)
 
     async def trial(self, method: str) -> tuple[float, float]:
         """One timed trial of ``method``; returns wall and CPU seconds."""
@@ -448,14 +484,14 @@ class Bench:
             timing = await self.gloo_step()
             await link.receive("gloo done")
             return timing
-        duplex = method == "duplex"
+        duplex, nbytes = self.tcp[method]
         start, cpu = time.perf_counter(), _cpu()
         stream = await trio.open_tcp_stream("127.0.0.1", self.port)
         async with stream:
-            await stream.send_all(b"\x01" if duplex else b"\x00")
+            await stream.send_all(bytes([list(self.tcp).index(method)]))
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self.send_payload, stream)
-                await self.receive(stream, self.model_bytes + 1 if duplex else 1)
+                nursery.start_soon(self.send_payload, stream, nbytes)
+                await self.receive(stream, nbytes + 1 if duplex else 1)
             timing = time.perf_counter() - start, _cpu() - cpu
         await link.receive("closed")
         return timing
@@ -522,13 +558,14 @@ class Bench:
 
     async def serve_tcp(self, stream: trio.SocketStream) -> None:
         async with stream:
-            mode = bytearray(1)  # a's first byte: 1 for full duplex, 0 for one way
+            mode = bytearray(1)  # a's first byte: which of self.tcp (0 one way, 1 full duplex)
             if await stream.socket.recv_into(mode) != 1:
                 raise SystemExit("plain TCP: connection closed early")
+            duplex, nbytes = list(self.tcp.values())[mode[0]]
             async with trio.open_nursery() as nursery:
-                if mode[0]:
-                    nursery.start_soon(self.send_payload, stream)
-                await self.receive(stream, self.model_bytes)
+                if duplex:
+                    nursery.start_soon(self.send_payload, stream, nbytes)
+                await self.receive(stream, nbytes)
             await stream.send_all(b"\x01")
             await stream.receive_some(1)  # a's close
         self.link.send("closed")  # so that a's next trial cannot overlap this one
