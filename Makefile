@@ -30,11 +30,17 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# Every benchmark, quick settings: under 15 minutes on 2 cores. Each prints a table and, last,
+# one JSON line; the comparison benchmarks also write bench/results/<name>.json and .png.
 bench: $(STAMP)
 	$(PY) bench/channel.py
 	$(PY) bench/membership.py --quick
 	$(PY) bench/averaging.py --quick
+	$(PY) bench/exchange.py --quick
 	$(PY) bench/overhead.py --quick
+	$(PY) bench/scale.py --quick
+	$(PY) bench/efficiency.py --quick
+	$(PY) bench/straggler.py --quick
 
 clean:
 	rm -rf $(VENV) build *.egg-info
