@@ -95,7 +95,7 @@ def mlp10m(ctx: Context) -> Task:
     return Task(model, opt, batches, step, batch_size=batch_size)
 
 
-TEACHER_DEFAULTS: dict[str, Any] = {"width": 256, "hidden": 512, "batch_size": 64, "lr": 0.02}
+TEACHER_DEFAULTS: dict[str, Any] = {"width": 256, "hidden": 512, "batch_size": 256, "lr": 0.05}
 TEST_SAMPLES = 1024  # the held-out set: an evaluation costs about 1% of a worker's time
 START_POLL = 0.01  # s between looks for start_file
 
