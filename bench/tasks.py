@@ -165,7 +165,7 @@ def delayed(step: Callable[[Any], Any], delay: float) -> Callable[[Any], Any]:
 def teacher(ctx: Context) -> Task:
     """:class:`Teacher` as a daemon's task; the shard index picks the worker's stream.
 
-    Options (``[task.options]``): width (256), hidden (512), batch_size (64), lr (0.02),
+    Options (``[task.options]``): width (256), hidden (512), batch_size (256), lr (0.05),
     delay (0.0: seconds of busy CPU after each step, to make a straggler), start_file ("":
     no wait).
 
