@@ -5,6 +5,8 @@ Exit codes:
     1   the daemon failed while running (a bug or an environment failure; see the log)
     2   bad usage, config, file or key; an address in use; a task that cannot be loaded
     3   ``status``: no daemon is running with this config
+    4   ``status --ready``: the daemon answers but is not ready (joining, or fetching the
+        swarm's state)
     128+N  ``run``: stopped at once by a second signal N (no checkpoint written)
 """
 
@@ -20,7 +22,7 @@ from typing import Any, Sequence
 
 __all__ = ["main"]
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_RUNNING = 0, 1, 2, 3
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_RUNNING, EXIT_NOT_READY = 0, 1, 2, 3, 4
 NEW_SWARM_TASK = "daemon.tasks.digits:task"
 
 log = logging.getLogger("daemon")
@@ -42,7 +44,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="gossipd", description="Peer-to-peer training daemon: train locally, average "
         "weights with random peers.", epilog="Exit codes: 0 ok, 1 failed while running, 2 bad "
-        "usage/config/file/key or address in use, 3 no daemon running (status).")
+        "usage/config/file/key or address in use, 3 no daemon running (status), 4 not ready "
+        "(status --ready).")
     p.add_argument("--version", action="version", version=f"gossipd {_version()}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
@@ -74,6 +77,8 @@ def _parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("status", help="ask the running daemon what it is doing")
     with_config(sp)
     sp.add_argument("--json", action="store_true", help="print the raw JSON reply")
+    sp.add_argument("--ready", action="store_true", help="print one line and exit 0 if the "
+                    "node has joined the swarm and trains, else exit 4 (a readiness probe)")
 
     sp = sub.add_parser("check-config", help="validate a config (and its key files and task)")
     with_config(sp)
@@ -110,10 +115,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     return code
 
 
-def _load(args: argparse.Namespace) -> Any:
+def _load(args: argparse.Namespace, complete: bool = True) -> Any:
     from .config import ConfigError, load
     try:
-        return load(args.config, getattr(args, "set", ()))
+        return load(args.config, getattr(args, "set", ()), complete=complete)
     except ConfigError as exc:
         raise UsageError(str(exc)) from None
 
@@ -142,18 +147,36 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    config = _load(args)
+    config = _load(args, complete=False)  # only the control socket's path is needed
     from .control import ControlError, query
     try:
         reply = query(config.path(config.node.control))
     except ControlError as exc:
         print(f"gossipd status: {exc}", file=sys.stderr)
         return EXIT_NOT_RUNNING
+    if args.ready:
+        waiting = not_ready(reply)
+        if waiting:
+            print(f"gossipd status: not ready: {waiting}", file=sys.stderr)
+            return EXIT_NOT_READY
+        print(f"ready: step {reply['step']}, {len(reply['members'])} peers")
+        return EXIT_OK
     if args.json:
         print(json.dumps(reply, indent=2))
     else:
         print(format_status(reply))
     return EXIT_OK
+
+
+def not_ready(s: dict[str, Any]) -> str:
+    """What the node in status reply ``s`` is waiting for, or "" once it has joined the swarm
+    (a bootstrap address answered, or it has none) and has its weights (resumed, downloaded
+    or its own)."""
+    if not s.get("joined", True):
+        return "joining the swarm: no bootstrap address has answered yet"
+    if not s["ready"]:
+        return "fetching the swarm's state"
+    return ""
 
 
 def format_status(s: dict[str, Any]) -> str:
@@ -164,7 +187,7 @@ def format_status(s: dict[str, Any]) -> str:
     lines = [
         f"peer      {s['peer']}  {s['address']}  swarm {s['swarm']}",
         f"task      {s['task']} on {s['device']}, up {s['uptime_s']:.0f} s"
-        + ("" if s["ready"] else "  (fetching the swarm's state)"),
+        + (f"  ({not_ready(s)})" if not_ready(s) else ""),
         f"training  step {s['step']}  loss {loss}  {s['samples_per_s']:.0f} samples/s",
         f"averaging {ex['committed']} committed, {ex['busy']} busy, {ex['failed']} failed, "
         f"{ex['invalid']} invalid, {ex['rejected']} rejected; {s['pending']} pending",

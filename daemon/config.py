@@ -36,7 +36,7 @@ import re
 import reprlib
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, InitVar, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -391,13 +391,18 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     base: Path = Path(".")  # the config file's directory; node.data_dir starts here. Not a key
+    # False skips stage 2 (the required values): for commands that only look for the node's
+    # files, such as `gossipd status`, which must not need node.advertise to find a socket.
+    complete: InitVar[bool] = True
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, complete: bool) -> None:
         for name, cls in _SECTIONS.items():
             if not isinstance(getattr(self, name), cls):
                 raise ConfigError(f"{name}: expected a {cls.__name__}, got "
                                   f"{_describe(getattr(self, name))}", name)
         object.__setattr__(self, "base", Path(self.base))
+        if not complete:
+            return
         if not self.swarm.name:
             raise ConfigError("swarm.name: required: the swarm's name, 1..64 characters, the "
                               "same on every node", "swarm.name")
@@ -427,12 +432,16 @@ class Config:
 
 # --- reading ---------------------------------------------------------------------------------
 
-def load(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> Config:
+def load(path: str | os.PathLike | None = None, overrides: Sequence[str] = (), *,
+         complete: bool = True) -> Config:
     """Read the config file and apply ``--set`` overrides.
 
     Args:
         path: the TOML file; None means ``$GOSSIPD_CONFIG``, or else ``gossipd.toml``.
         overrides: ``section.key=value`` strings, applied in order (see :func:`parse_override`).
+        complete: False accepts a config that lacks a required value (``swarm.name``,
+            ``task.entry``, ``node.advertise`` behind a wildcard): enough to find the node's
+            files, not to run it.
 
     Raises:
         ConfigError: the file is missing or unreadable, is not TOML, or holds a bad value.
@@ -451,7 +460,7 @@ def load(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -
         raise ConfigError(f"{source}: invalid TOML: {exc}") from None
     applied = [(text, _apply_override(data, text)) for text in overrides]
     try:
-        return _build(data, Path(os.path.abspath(path)).parent)
+        return _build(data, Path(os.path.abspath(path)).parent, complete)
     except ConfigError as exc:
         # Blame the last override that set the key at fault (or a table above or below it).
         blamed = [text for text, key in applied if exc.key and _overlap(key, exc.key)]
@@ -470,7 +479,7 @@ def from_dict(data: Mapping, base: Path = Path("."), source: str = "<config>") -
         raise exc.within(source) from None
 
 
-def _build(data: Mapping, base: Path) -> Config:
+def _build(data: Mapping, base: Path, complete: bool = True) -> Config:
     if not isinstance(data, Mapping):
         raise ConfigError(f"expected a table of sections, got {_describe(data)}")
     sections = {}
@@ -485,7 +494,7 @@ def _build(data: Mapping, base: Path) -> Config:
                 raise ConfigError(f"{name}.{key}: unknown key{_suggest(key, known)}",
                                   f"{name}.{key}")
         sections[name] = _SECTIONS[name](**table)
-    return Config(**sections, base=base)
+    return Config(**sections, base=base, complete=complete)
 
 
 def _suggest(word: object, known: Sequence[str] | Mapping[str, Any]) -> str:

@@ -447,6 +447,7 @@ class _Service:
             "uptime_s": round(time.monotonic() - self.started, 1),
             "data_dir": str(c.data_dir()),
             **self.metrics.sample(node),
+            "joined": node.roster.joined,
             "members": peers,
             "downloaded_from": node.downloaded.peer if node.downloaded else None,
             "last_checkpoint": self.last_checkpoint,

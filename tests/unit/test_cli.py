@@ -469,6 +469,58 @@ async def test_status_asks_the_running_daemon(node_dir: Path,
         nursery.cancel_scope.cancel()
 
 
+@pytest.mark.parametrize("changes, code, said", [
+    ({}, 0, "ready: step 1200, 3 peers\n"),
+    ({"joined": False, "ready": False}, 4, "not ready: joining the swarm"),
+    ({"joined": False, "ready": True}, 4, "not ready: joining the swarm"),  # resumed, alone
+    ({"ready": False}, 4, "not ready: fetching the swarm's state"),
+])
+async def test_status_ready(node_dir: Path, capsys: pytest.CaptureFixture[str],
+                            changes: dict[str, Any], code: int, said: str) -> None:
+    """``status --ready`` (a readiness probe): 0 once joined and training, else 4 and one
+    line on standard error saying what the node waits for."""
+    config = config_module.load(node_dir / "gossipd.toml")
+    reply = status_reply(**{"joined": True, **changes})
+    async with trio.open_nursery() as nursery:
+        await nursery.start(serve_control, config.path(config.node.control),
+                            {"status": lambda: reply})
+        argv = ["status", "--ready", "-c", str(node_dir / "gossipd.toml")]
+        assert await trio.to_thread.run_sync(main, argv) == code
+        nursery.cancel_scope.cancel()
+    if code == 0:
+        assert capsys.readouterr().out == said
+    else:
+        assert said in one_line_error(capsys, "status")
+
+
+async def test_status_needs_no_advertise(node_dir: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    # Containers set node.advertise at start (`run --set node.advertise=$POD_IP:7070`); their
+    # probes run `gossipd status` with the file alone, which must still find the socket.
+    path = node_dir / "gossipd.toml"
+    text = path.read_text()
+    path.write_text(re.sub(r'(?m)^listen = .*$', 'listen = "0.0.0.0:7070"',
+                           re.sub(r'(?m)^advertise = .*$', 'advertise = ""', text)))
+    assert main(["check-config", "-c", str(path)]) == 2
+    assert "node.advertise" in one_line_error(capsys, "check-config")
+    config = config_module.load(path, complete=False)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(serve_control, config.path(config.node.control),
+                            {"status": lambda: status_reply(joined=True)})
+        assert await trio.to_thread.run_sync(main, ["status", "--ready", "-c", str(path)]) == 0
+        nursery.cancel_scope.cancel()
+
+
+def test_status_ready_with_no_daemon(node_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["status", "--ready", "-c", str(node_dir / "gossipd.toml")]) == 3
+    one_line_error(capsys, "status")
+
+
+def test_format_status_while_joining() -> None:
+    lines = format_status(status_reply(joined=False, ready=False)).splitlines()
+    assert lines[1].endswith("(joining the swarm: no bootstrap address has answered yet)")
+
+
 # --- logs ---------------------------------------------------------------------------------
 
 
