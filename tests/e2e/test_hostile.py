@@ -163,9 +163,13 @@ def test_poisoned_weights_are_refused_and_the_sender_quarantined(bench: Bench) -
                     "the quarantine log line")
     assert "over 100x our norm" in line.group(0)
     wrong = run(strikes.send_wrong_schema, b.address)
+    # Closed on the payload's header, not before: an offer that never got its Accept would
+    # be closed too, and is not what this checks.
     assert wrong.reaction is Reaction.CLOSED and wrong.seconds < QUICK, wrong
+    assert not wrong.detail.startswith("offer:"), wrong
     wait_for(lambda: f"averaging refused a payload peer={strikes.identity.peer_id.short} "
-             "reason=bad payload" in bench.since(b, mark), 10, [b], "the wrong schema's strike")
+             "reason=bad payload" in bench.since(b, mark), 10, [b],
+             f"the wrong schema's strike (the attack: {wrong})")
     bench.held(mark, "poisoned payloads")
     status = b.status()
     assert status["quarantined"] >= 1 and math.isfinite(status["loss"]), status
