@@ -31,7 +31,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 # Every benchmark (quick settings where a script has them; the straggler comparison needs its
-# three repetitions): about 10 minutes on 2 cores. Each prints a table and, last, one JSON
+# three repetitions): about 11 minutes on 2 cores. Each prints a table and, last, one JSON
 # line; the comparison benchmarks also write bench/results/<name>.json and .png.
 bench: $(STAMP)
 	$(PY) bench/channel.py
