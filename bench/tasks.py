@@ -183,14 +183,13 @@ def teacher(ctx: Context) -> Task:
     model, opt = problem.model, problem.optimizer(problem.model.parameters())
 
     slow_step = delayed(classifier_step(model, opt), delay)
-    waiting = [bool(start_file)]
+    waiting = bool(start_file)
 
     def gated_step(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        while waiting[0]:
-            if os.path.exists(start_file):
-                waiting[0] = False
-            else:
-                time.sleep(START_POLL)
+        nonlocal waiting
+        while waiting and not os.path.exists(start_file):
+            time.sleep(START_POLL)
+        waiting = False
         return slow_step(batch)
 
     return Task(model, opt, lambda shard: problem.batches(shard.index), gated_step,

@@ -126,7 +126,7 @@ def test_eval_every_evaluates_while_training(tmp_path: Path) -> None:
         assert all(0 <= e["accuracy"] <= 1 and e["loss"] > 0 for e in running)
         assert [e["step"] for e in running] == sorted(e["step"] for e in running)
         # Spaced by eval_every (at chunk boundaries), not once per chunk.
-        gaps = [b["time"] - a_["time"] for a_, b in zip(running, running[1:])]
+        gaps = [later["time"] - earlier["time"] for earlier, later in zip(running, running[1:])]
         assert min(gaps) >= 0.45, gaps
         a.signal(signal.SIGTERM)
         assert a.wait_exit() == 0
