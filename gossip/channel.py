@@ -26,12 +26,16 @@ stream is closed, the error is raised, nothing from the bad record is delivered,
 later call raises. A clean end of stream between records raises :class:`PeerGone`.
 
 :func:`connect` and :func:`serve` compose a :class:`~gossip.network.Network` with the
-handshake under the connect and handshake deadlines of :class:`Timeouts`.
+handshake under the connect and handshake deadlines of :class:`Timeouts`. :func:`serve` also
+bounds what a dialer without the swarm key can hold: its first handshake message must come
+within :data:`FIRST_MESSAGE_TIMEOUT`, and :class:`~gossip.limits.Admission` caps the
+connections open at once and those of one host that have not proved the key yet.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
@@ -59,12 +63,14 @@ from .handshake import (
     make_hello,
 )
 from .identity import Identity, PeerId
+from .limits import Admission
 from .messages import Message
 from .network import Network, peer_host
 from .wire import FRAME_HEADER, decode, encode, encode_frame, frame_length
 
 __all__ = [
     "MAX_RECORD",
+    "FIRST_MESSAGE_TIMEOUT",
     "Timeouts",
     "ChannelStatistics",
     "SecureChannel",
@@ -76,6 +82,13 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 MAX_RECORD = 1 << 20  # plaintext bytes in one record
+# s from accepting a connection to a valid handshake message 1 (the proof of the swarm key;
+# capped by Timeouts.handshake). An honest dialer sends its 52 bytes as soon as its connect
+# completes, so they arrive about one round trip after our accept: 0.2 s on a 200 ms path,
+# 1.2 s if the segment is lost once (Linux's first retransmission comes after 1 s). 2 s
+# leaves that margin, and bounds what a silent connection holds to a tenth of what a
+# whole handshake deadline would.
+FIRST_MESSAGE_TIMEOUT = 2.0
 _HEADER = FRAME_HEADER.size
 _INITIAL_BUFFER = 4096
 
@@ -372,6 +385,7 @@ async def handshake(
     initiator: bool,
     allow: frozenset[str] | None = None,
     record_timeout: float = Timeouts.record,
+    on_proved: Callable[[], None] | None = None,
 ) -> SecureChannel:
     """Run the secure handshake over ``stream`` and return the channel. Takes no deadline:
     wrap it in ``trio.fail_after`` (``connect`` and ``serve`` do). On any failure the stream
@@ -381,6 +395,8 @@ async def handshake(
         allow: peer ids accepted on the other side; None accepts any holder of the swarm
             key. An initiator that knows whom it dials passes ``frozenset({peer_id})``: a
             different holder of the swarm key is then refused before we reveal who we are.
+        on_proved: responder only: called once message 1 has authenticated under the swarm
+            key, before we answer (``serve`` lifts its first-message deadline then).
 
     Raises:
         HandshakeError: a wrong swarm key (seen by the responder), bad signature, version or
@@ -404,6 +420,8 @@ async def handshake(
         else:
             if hs.read_message(await _read_handshake_message(reader)) != b"":
                 raise HandshakeError("unexpected payload in the first handshake message")
+            if on_proved is not None:
+                on_proved()
             # Signed only now: a dialer without the swarm key costs us no signature.
             await send(hs.write_message(make_hello(identity, x25519_public_bytes(static), swarm)))
             payload = hs.read_message(await _read_handshake_message(reader))
@@ -462,7 +480,7 @@ async def serve(
     timeouts: Timeouts = Timeouts(),
     max_connections: int | None = None,
     max_handshakes_per_host: int | None = None,
-    on_refused: Callable[[], None] | None = None,
+    on_refused: Callable[[str], None] | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Accept connections on ``address``; run the handshake as responder under its deadline,
@@ -470,45 +488,62 @@ async def serve(
     whose handler raises a :class:`GossipError`, is closed and logged; the server goes on.
     Calls ``task_status.started(bound_address)`` once listening.
 
+    Until its handshake message 1 proves the swarm key, a connection is *unproven*: it must
+    prove it within :data:`FIRST_MESSAGE_TIMEOUT` (or ``timeouts.handshake``, if shorter),
+    and it can be evicted. See :mod:`gossip.limits` for why.
+
     Args:
         max_connections: connections open at once, handshakes included; one more is closed
             as soon as it is accepted, before a byte is read (None: no limit).
-        max_handshakes_per_host: handshakes in progress at once from one remote host (IP
-            address); one more is closed likewise. Connections that have not proved the
-            swarm key yet are what an outsider can open, and honest peers hold them for
-            milliseconds: this keeps one host from taking every place (None: no limit).
-        on_refused: called for each connection closed for being over a limit.
+        max_handshakes_per_host: unproven connections at once from one remote host (IP
+            address); one more from it closes the host's oldest unproven one, so that an
+            outsider cannot hold the places of honest peers that share its address (None:
+            no limit).
+        on_refused: called with the limit's name for each connection closed by a limit:
+            ``"max_connections"`` (the new one, refused) or ``"max_handshakes_per_host"``
+            (the oldest unproven one of its host, evicted).
     """
-    open_now = 0
-    handshaking: dict[str, int] = {}  # host -> handshakes in progress from it
+    admission: Admission[trio.CancelScope] = Admission(max_connections, max_handshakes_per_host)
+    first_message = min(FIRST_MESSAGE_TIMEOUT, timeouts.handshake)
+
+    def refused(limit: str) -> None:
+        if on_refused is not None:
+            on_refused(limit)
 
     async def on_stream(stream: trio.abc.Stream) -> None:
-        nonlocal open_now
         host = peer_host(stream)
-        if (max_connections is not None and open_now >= max_connections
-                or max_handshakes_per_host is not None
-                and handshaking.get(host, 0) >= max_handshakes_per_host):
-            if on_refused is not None:
-                on_refused()
+        if admission.full:
+            refused("max_connections")
             return  # the network closes the stream
-        open_now += 1
-        handshaking[host] = handshaking.get(host, 0) + 1
+        # One scope per connection: its deadline is the first-message deadline, and
+        # cancelling it evicts the connection (only while unproven: see proved()).
+        scope = trio.CancelScope(deadline=trio.current_time() + first_message)
+        evicted = admission.admit(host, scope)
+        if evicted is not None:
+            evicted.cancel()
+            refused("max_handshakes_per_host")
+            log.debug("unproven connection evicted host=%s", host)
+
+        def proved() -> None:
+            admission.proved(host, scope)
+            scope.deadline = math.inf
+
         try:
             try:
-                with trio.fail_after(timeouts.handshake):
+                with trio.fail_after(timeouts.handshake), scope:
                     channel = await handshake(
                         stream, identity=identity, swarm=swarm, initiator=False, allow=allow,
-                        record_timeout=timeouts.record,
+                        record_timeout=timeouts.record, on_proved=proved,
                     )
             except trio.TooSlowError:
                 raise PeerTimeout("incoming", "handshake") from None
-            finally:
-                handshaking[host] -= 1
-                if not handshaking[host]:
-                    del handshaking[host]
+            if scope.cancelled_caught:  # the handshake closed the stream
+                if trio.current_time() >= scope.deadline:
+                    raise PeerTimeout("incoming", "handshake message 1")
+                return  # evicted (counted and logged above)
             async with channel:
                 await handler(channel)
         finally:
-            open_now -= 1
+            admission.release(host, scope)
 
     await network.serve(address, on_stream, task_status=task_status)

@@ -11,11 +11,17 @@ likes. Two limits close that gap:
   limit is closed as soon as it is accepted, before a byte is read, so a flood of half-open
   connections costs at most ``max_connections`` handshake buffers (64 KiB each) and as many
   descriptors, and honest peers retry on their next round. Our own dials do not count.
-* ``max_handshakes_per_host``: handshakes in progress at once from one remote host. Until
-  the handshake's first message proves the swarm key, a connection could be anyone's; an
-  honest peer holds one for a round trip or two, an outsider for as long as the handshake
-  deadline lets it. Without this cap one host could fill all ``max_connections`` places
-  and keep honest peers out; with it, it takes that many hosts.
+* ``max_handshakes_per_host``: connections from one remote host that have not proved the
+  swarm key yet. Until the handshake's first message proves it, a connection could be
+  anyone's; an honest peer's proves it one round trip after the accept, an outsider's
+  never does. Without this cap one host could fill all ``max_connections`` places and keep
+  honest peers out; with it, it takes that many hosts. When a host is at its cap, a new
+  connection from it *evicts* the host's oldest unproven one instead of being refused: an
+  outsider sharing an address with honest peers (one NAT, one machine) would otherwise
+  keep them out by holding the slots, whereas now each honest connection has until the
+  next ``max_handshakes_per_host`` connections from its host arrive to send its first
+  message (:class:`Admission`). Connections that never send it are closed by the server's
+  first-message deadline (:data:`gossip.channel.FIRST_MESSAGE_TIMEOUT`).
 * ``peer_rate`` / ``peer_burst``: inbound channels one authenticated peer may open, as a
   token bucket (``peer_burst`` at once, refilled at ``peer_rate`` per second). A channel
   over the budget is closed after the handshake, before its first message is read. An
@@ -24,7 +30,8 @@ likes. Two limits close that gap:
 
 The bucket table holds at most :data:`MAX_BUCKETS` peers; a full table forgets the peer
 seen longest ago (a forgotten peer starts again with a full bucket, which errs on the side
-of letting honest peers in). Pure: time comes in as ``now``.
+of letting honest peers in). :class:`Admission` holds one entry per open connection, so
+``max_connections`` bounds it too. Pure: time comes in as ``now``, connections as keys.
 """
 
 from __future__ import annotations
@@ -32,8 +39,9 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Generic, Hashable, TypeVar
 
-__all__ = ["Limits", "RateLimit", "MAX_BUCKETS"]
+__all__ = ["Limits", "RateLimit", "Admission", "MAX_BUCKETS"]
 
 MAX_BUCKETS = 4096  # peers whose budget is remembered at once
 
@@ -44,7 +52,8 @@ class Limits:
 
     Attributes:
         max_connections: inbound connections open at once, handshakes included (>= 1).
-        max_handshakes_per_host: handshakes in progress at once from one host (>= 1).
+        max_handshakes_per_host: connections from one host that have not proved the swarm
+            key yet, at once (>= 1); one more evicts the oldest.
         peer_rate: inbound channels per second one peer may open on average (> 0).
         peer_burst: inbound channels one peer may open at once (>= 1).
     """
@@ -86,3 +95,67 @@ class RateLimit:
         if len(self._buckets) > self._max_keys:
             self._buckets.popitem(last=False)
         return allowed
+
+
+K = TypeVar("K", bound=Hashable)
+
+
+class Admission(Generic[K]):
+    """Which inbound connections a server holds: ``max_connections`` in all, and at most
+    ``max_unproven_per_host`` per host that have not proved the swarm key. Keys are the
+    caller's handles for its connections (``serve`` uses each one's ``trio.CancelScope``).
+
+    A connection goes ``admit`` -> (``proved``) -> ``release``. One that is evicted stays
+    counted against ``max_connections`` until its ``release``: its buffers live until its
+    task has unwound, so ``open`` never exceeds the cap, not even for an instant.
+
+    Args:
+        max_connections: None for no cap.
+        max_unproven_per_host: None for no cap (and so no evictions).
+    """
+
+    def __init__(self, max_connections: int | None, max_unproven_per_host: int | None) -> None:
+        self._max_open = max_connections
+        self._max_unproven = max_unproven_per_host
+        self.open = 0  # admitted and not yet released, evicted ones included
+        self._unproven: dict[str, dict[K, None]] = {}  # host -> its unproven keys, oldest first
+
+    @property
+    def full(self) -> bool:
+        """Whether ``max_connections`` are open: refuse the next one, whoever it is from."""
+        return self._max_open is not None and self.open >= self._max_open
+
+    def unproven(self, host: str) -> int:
+        """Connections from ``host`` that have not proved the key, evicted ones excluded."""
+        return len(self._unproven.get(host, ()))
+
+    def admit(self, host: str, key: K) -> K | None:
+        """Count ``key``, a new connection from ``host``, as open and unproven. Call only when
+        not :attr:`full`.
+
+        Returns:
+            The connection it evicts, if ``host`` was at its cap: the host's oldest unproven
+            one, now no longer unproven here (close it; it is still open until released).
+        """
+        assert not self.full, "admit() on a full Admission"
+        waiting = self._unproven.setdefault(host, {})
+        evicted = None
+        if self._max_unproven is not None and len(waiting) >= self._max_unproven:
+            evicted = next(iter(waiting))
+            del waiting[evicted]
+        waiting[key] = None
+        self.open += 1
+        return evicted
+
+    def proved(self, host: str, key: K) -> None:
+        """``key`` proved the swarm key: it can no longer be evicted. No-op if it was."""
+        waiting = self._unproven.get(host)
+        if waiting is not None:
+            waiting.pop(key, None)
+            if not waiting:
+                del self._unproven[host]
+
+    def release(self, host: str, key: K) -> None:
+        """``key`` is closed."""
+        self.proved(host, key)
+        self.open -= 1

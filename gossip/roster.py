@@ -99,7 +99,8 @@ class RosterStatistics:
     datagrams_rejected: int  # failed to open or decode, or could not be sent
     push_pulls: int  # completed, either side
     push_pulls_failed: int
-    connections_refused: int  # inbound, over max_connections or max_handshakes_per_host
+    connections_refused: int  # inbound, closed at accept: over max_connections
+    connections_evicted: int  # inbound, unproven, closed for a newer one: max_handshakes_per_host
     channels_limited: int  # inbound channels closed for a peer over its Limits.peer_rate
 
 
@@ -131,7 +132,7 @@ class Roster:
         self._push_pulls_done = 0
         self._push_pulls_failed = 0
         self._rate = RateLimit(limits.peer_rate, limits.peer_burst)
-        self.connections_refused = 0  # counted by the server: over either connection limit
+        self._over_limit = {"max_connections": 0, "max_handshakes_per_host": 0}  # by serve
         self._channels_limited = 0
 
     # ---- the averager's API -----------------------------------------------------------
@@ -190,7 +191,8 @@ class Roster:
             self._m.incarnation, self._m.awareness, c.probes, c.probes_failed, c.suspicions,
             c.refutations, c.deaths, c.datagrams_sent, c.bytes_sent, c.datagrams_received,
             c.bytes_received, c.malformed + self._rejected, self._push_pulls_done,
-            self._push_pulls_failed, self.connections_refused, self._channels_limited,
+            self._push_pulls_failed, self._over_limit["max_connections"],
+            self._over_limit["max_handshakes_per_host"], self._channels_limited,
         )
 
     async def leave(self) -> None:
@@ -420,9 +422,9 @@ async def open_roster(
                     assert roster is not None
                     await roster._on_channel(channel, handler)
 
-                def refused() -> None:
+                def refused(limit: str) -> None:
                     if roster is not None:
-                        roster.connections_refused += 1
+                        roster._over_limit[limit] += 1
 
                 for attempt in range(1, PORT_ATTEMPTS + 1):
                     try:

@@ -1,5 +1,6 @@
-"""Limits on inbound work: the per-peer token bucket, and the server and roster enforcing
-``max_connections`` and ``peer_rate``."""
+"""Limits on inbound work: the per-peer token bucket, the admission of unproven connections,
+and the server and roster enforcing ``max_connections``, ``max_handshakes_per_host`` (by
+eviction), the first-message deadline and ``peer_rate``."""
 
 from __future__ import annotations
 
@@ -11,13 +12,17 @@ import trio
 import trio.testing
 from trio.testing import MockClock
 
-from gossip.channel import connect, serve
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+from gossip.channel import FIRST_MESSAGE_TIMEOUT, Timeouts, connect, serve
 from gossip.errors import GossipError
+from gossip.handshake import NoiseHandshake
 from gossip.identity import Identity
-from gossip.limits import Limits, RateLimit
+from gossip.limits import Admission, Limits, RateLimit
 from gossip.messages import Close, StateRequest
 from gossip.roster import open_roster
 from gossip.simnet import SimNetwork
+from gossip.wire import encode_frame
 from tests.util import SWARM
 
 
@@ -41,6 +46,30 @@ def test_the_bucket_table_is_bounded_and_forgets_the_oldest_peer() -> None:
     assert not rate.allow("c", 0.0)
 
 
+def test_admission_evicts_the_oldest_unproven_connection_of_the_same_host() -> None:
+    admission: Admission[str] = Admission(max_connections=10, max_unproven_per_host=2)
+    assert admission.admit("x", "x1") is None and admission.admit("x", "x2") is None
+    assert admission.admit("y", "y1") is None  # another host has places of its own
+    assert admission.admit("x", "x3") == "x1"
+    admission.proved("x", "x2")  # x2 proved the key: it frees its place, and is never evicted
+    assert admission.admit("x", "x4") is None
+    assert [admission.admit("x", k) for k in ("x5", "x6")] == ["x3", "x4"]
+    assert admission.unproven("x") == 2 and admission.unproven("y") == 1
+    assert admission.open == 7  # evicted ones stay open until their task releases them
+
+
+def test_admission_counts_an_evicted_connection_until_it_is_released() -> None:
+    admission: Admission[int] = Admission(max_connections=2, max_unproven_per_host=1)
+    assert admission.admit("x", 1) is None
+    assert admission.admit("x", 2) == 1
+    assert admission.full  # 1 still holds its buffers: max_connections is never exceeded
+    admission.release("x", 1)
+    assert not admission.full
+    admission.release("x", 2)
+    assert admission.open == 0
+    assert admission._unproven == {}  # nothing is kept for hosts with nothing open
+
+
 @pytest.mark.parametrize("bad", [{"max_connections": 0}, {"max_handshakes_per_host": 0},
                                  {"peer_rate": 0.0},
                                  {"peer_rate": float("inf")}, {"peer_burst": 0}])
@@ -53,10 +82,10 @@ REQUEST = StateRequest(bytes(16), "fp32")
 
 
 @asynccontextmanager
-async def echo_server(net: SimNetwork, **limits: int) -> AsyncIterator[list[int]]:
-    """An echo server on host s with ``limits``; yields a list whose length counts the
-    connections it refused."""
-    refused: list[int] = []
+async def echo_server(net: SimNetwork, **options: object) -> AsyncIterator[list[str]]:
+    """An echo server on host s with ``options`` for ``serve`` (limits, timeouts); yields the
+    list of limits it closed connections for, one entry per connection."""
+    refused: list[str] = []
 
     async def echo(channel) -> None:
         await channel.send_message(await channel.receive_message())
@@ -64,7 +93,7 @@ async def echo_server(net: SimNetwork, **limits: int) -> AsyncIterator[list[int]
     async with trio.open_nursery() as nursery:
         await nursery.start(lambda task_status: serve(
             net.host("s"), "s:7000", echo, identity=Identity.generate(), swarm=SWARM,
-            on_refused=lambda: refused.append(1), task_status=task_status, **limits))
+            on_refused=refused.append, task_status=task_status, **options))
         yield refused
         nursery.cancel_scope.cancel()
 
@@ -95,19 +124,60 @@ async def test_connections_over_the_limit_are_closed_unread(autojump_clock: Mock
         assert len(refused) == 2
 
 
-async def test_one_host_cannot_hold_more_than_its_share_of_handshakes(
+async def closed_after(stream: trio.abc.Stream) -> float:
+    """Virtual seconds until the server closes ``stream`` (reading and dropping its bytes)."""
+    start = trio.current_time()
+    while await stream.receive_some(65536):
+        pass
+    return trio.current_time() - start
+
+
+async def test_a_new_connection_evicts_the_oldest_unproven_one_of_its_host(
         autojump_clock: MockClock) -> None:
     net = SimNetwork(seed=3, latency=0.0)
     async with echo_server(net, max_connections=100, max_handshakes_per_host=2) as refused:
         flooder = net.host("x")
         held = [await flooder.dial("s:7000") for _ in range(2)]
         extra = await flooder.dial("s:7000")
-        with trio.fail_after(1):
-            assert await extra.receive_some(1024) == b""
-        assert len(refused) == 1
-        # Another host is not held back by x's stalled handshakes.
+        assert await closed_after(held[0]) == 0.0  # the oldest, closed at once, unread
+        assert refused == ["max_handshakes_per_host"]
+        # An honest peer on x's own address gets in (it evicts held[1]), and one elsewhere
+        # is not held back by x's stalled handshakes.
+        assert await echoes(flooder, Identity.generate())
         assert await echoes(net.host("c"), Identity.generate())
-        assert len(refused) == 1 and len(held) == 2
+        assert await closed_after(held[1]) == 0.0
+        assert refused == ["max_handshakes_per_host"] * 2
+        # The newest silent one is closed by the first-message deadline, counted nowhere.
+        assert await closed_after(extra) == pytest.approx(FIRST_MESSAGE_TIMEOUT)
+        assert len(refused) == 2
+
+
+@pytest.mark.parametrize("handshake", [5.0, 1.0])
+async def test_a_silent_connection_is_closed_at_the_first_message_deadline(
+        autojump_clock: MockClock, handshake: float) -> None:
+    net = SimNetwork(seed=4, latency=0.0)
+    async with echo_server(net, timeouts=Timeouts(handshake=handshake)) as refused:
+        silent = await net.host("x").dial("s:7000")
+        # The handshake deadline caps it: a shorter one is not lengthened.
+        assert await closed_after(silent) == pytest.approx(min(FIRST_MESSAGE_TIMEOUT, handshake))
+        assert refused == []
+
+
+async def test_a_connection_that_proved_the_key_is_not_evicted(autojump_clock: MockClock) -> None:
+    net = SimNetwork(seed=5, latency=0.0)
+    timeouts = Timeouts(handshake=5.0)
+    async with echo_server(net, max_handshakes_per_host=1, timeouts=timeouts) as refused:
+        x = net.host("x")
+        # A valid message 1 and no more: the key is proved, the handshake never finishes.
+        proved = await x.dial("s:7000")
+        hs = NoiseHandshake(initiator=True, psk=SWARM.key, static=X25519PrivateKey.generate())
+        await proved.send_all(encode_frame(hs.write_message()))
+        assert await proved.receive_some(65536)  # message 2: the responder took message 1
+        silent = [await x.dial("s:7000") for _ in range(3)]
+        assert [await closed_after(s) for s in silent[:2]] == [0.0, 0.0]
+        assert refused == ["max_handshakes_per_host"] * 2  # each evicted by the next silent one
+        # The proved connection is cut by the handshake deadline, not by the silent ones.
+        assert await closed_after(proved) == pytest.approx(timeouts.handshake)
 
 
 async def test_a_peer_over_its_rate_gets_its_channels_closed(autojump_clock: MockClock) -> None:
@@ -136,3 +206,20 @@ async def test_a_peer_over_its_rate_gets_its_channels_closed(autojump_clock: Moc
         assert [await ask(client_id) for _ in range(2)] == [True, False]
         assert roster.statistics().channels_limited == 2
         assert roster.statistics().connections_refused == 0
+        assert roster.statistics().connections_evicted == 0
+
+
+async def test_the_roster_counts_refusals_and_evictions_by_limit(autojump_clock: MockClock) -> None:
+    net = SimNetwork(seed=6, latency=0.0)
+    limits = Limits(max_connections=2, max_handshakes_per_host=1)
+    async with open_roster(net.host("s"), Identity.generate(), SWARM, "s:7000",
+                           limits=limits) as roster:
+        first = await net.host("x").dial("s:7000")
+        await net.host("x").dial("s:7000")  # evicts first
+        assert await closed_after(first) == 0.0
+        await trio.testing.wait_all_tasks_blocked()  # first's task has released its place
+        await net.host("y").dial("s:7000")  # the second place
+        over = await net.host("z").dial("s:7000")  # refused at accept
+        assert await closed_after(over) == 0.0
+        stats = roster.statistics()
+        assert (stats.connections_refused, stats.connections_evicted) == (1, 1)
