@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 RESULTS = tuple(r.value for r in gossip.Result if r is not gossip.Result.NO_PEER)
 STATES = ("alive", "suspect", "dead", "left")
+LIMITS = ("max_connections", "max_handshakes_per_host", "peer_rate")  # gossip_inbound_refused
 RATE_WINDOW = 30.0  # s of chunks the samples/s figure averages over
 
 
@@ -62,7 +63,9 @@ class Metrics:
         self.pending = Gauge("gossip_pending_deltas", "Committed deltas not yet applied",
                              registry=r)
         self.refused = Counter("gossip_inbound_refused", "Inbound connections closed unread, "
-                               "by limit (max_connections or max_handshakes_per_host, peer_rate)", ["limit"], registry=r)
+                               "by limit: max_connections (refused at accept), "
+                               "max_handshakes_per_host (an unproven one evicted), peer_rate",
+                               ["limit"], registry=r)
         self.evaluation = Gauge("gossip_eval", "The task's latest evaluation, by metric "
                                 "(task.eval_every, and at exit)", ["metric"], registry=r)
         self.checkpoints = Counter("gossip_checkpoints", "Checkpoints written", registry=r)
@@ -74,9 +77,9 @@ class Metrics:
             self.exchanges.labels(result)
         for direction in ("sent", "received"):
             self.bytes.labels(direction)
-        for limit in ("max_connections", "peer_rate"):
+        for limit in LIMITS:
             self.refused.labels(limit)
-        self._refused_seen = (0, 0)
+        self._refused_seen = dict.fromkeys(LIMITS, 0)
         self._chunks: deque[tuple[float, int]] = deque()  # (monotonic end, samples)
         self._last_loss = math.nan
         self._bytes_seen = (0, 0)
@@ -122,10 +125,11 @@ class Metrics:
         self._bytes_seen = (stats.bytes_sent, stats.bytes_received)
         self.rounds_without_peer.inc(stats.no_peer - self._no_peer_seen)
         self._no_peer_seen = stats.no_peer
-        over_max, over_rate = roster.connections_refused, roster.channels_limited
-        self.refused.labels("max_connections").inc(over_max - self._refused_seen[0])
-        self.refused.labels("peer_rate").inc(over_rate - self._refused_seen[1])
-        self._refused_seen = (over_max, over_rate)
+        refused = dict(zip(LIMITS, (roster.connections_refused, roster.connections_evicted,
+                                    roster.channels_limited)))
+        for limit, count in refused.items():
+            self.refused.labels(limit).inc(count - self._refused_seen[limit])
+        self._refused_seen = refused
         for state in STATES:
             self.peers.labels(state).set(getattr(roster, state))
         self.step.set(stats.step)
@@ -147,7 +151,7 @@ class Metrics:
             "last_distance": stats.last_distance,
             "pending": stats.pending,
             "quarantined": stats.quarantined,
-            "refused": {"max_connections": over_max, "peer_rate": over_rate},
+            "refused": refused,
             "downloads_served": stats.downloads_served,
         }
 

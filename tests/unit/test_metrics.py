@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import trio
+import trio.testing
 from trio.testing import MockClock
 
 import gossip
@@ -48,6 +50,8 @@ def test_fresh_metrics_expose_zeroed_series() -> None:
     assert value(m, "gossip_rounds_without_peer_total") == 0
     for direction in ("sent", "received"):
         assert value(m, "gossip_averaging_bytes_total", direction=direction) == 0
+    for limit in ("max_connections", "max_handshakes_per_host", "peer_rate"):
+        assert value(m, "gossip_inbound_refused_total", limit=limit) == 0
 
 
 def test_trained_counts_steps_samples_and_loss() -> None:
@@ -151,6 +155,28 @@ async def test_sample_of_a_lone_node(autojump_clock: MockClock) -> None:
     assert value(m, "gossip_step") == 4
     assert value(m, "gossip_rounds_without_peer_total") == 1
     assert value(m, "gossip_peers", state="alive") == 0
+
+
+async def test_sample_counts_inbound_refusals_by_limit(autojump_clock: MockClock) -> None:
+    net = SimNetwork(seed=1, latency=0.0)
+    m = Metrics()
+    limits = gossip.Limits(max_connections=2, max_handshakes_per_host=1)
+    async with gossip.open_swarm(torch.nn.Linear(2, 2), gossip.Swarm.generate("t"),
+                                 network=net.host("a"), listen="a:7000", config=CONFIG,
+                                 limits=limits) as node:
+        first = await net.host("x").dial("a:7000")
+        await net.host("x").dial("a:7000")  # x's second silent connection evicts its first
+        assert await first.receive_some(1) == b""
+        await trio.testing.wait_all_tasks_blocked()  # first's place is free again
+        await net.host("y").dial("a:7000")  # the second place
+        over = await net.host("z").dial("a:7000")  # over max_connections: refused
+        assert await over.receive_some(1) == b""
+        snap = m.sample(node)
+        again = m.sample(node)  # a second sample adds nothing
+    expected = {"max_connections": 1, "max_handshakes_per_host": 1, "peer_rate": 0}
+    assert snap["refused"] == again["refused"] == expected
+    for limit, count in expected.items():
+        assert value(m, "gossip_inbound_refused_total", limit=limit) == count
 
 
 async def test_sample_loss_is_none_before_any_finite_loss(autojump_clock: MockClock) -> None:
