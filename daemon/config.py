@@ -260,8 +260,9 @@ class SwarmConfig(_Section):
                           "(patient, for nodes across the internet)", _one_of("lan", "wan"))
     max_connections: int = _field(256, "inbound connections open at once, handshakes included "
                                   "(>= 1); more are closed unread", AT_LEAST_1)
-    max_handshakes_per_host: int = _field(8, "handshakes in progress at once from one IP "
-                                          "address (>= 1); more are closed unread", AT_LEAST_1)
+    max_handshakes_per_host: int = _field(8, "connections from one IP address that have not "
+                                          "proved the swarm key yet, at once (>= 1); one more "
+                                          "closes the oldest", AT_LEAST_1)
     peer_rate: float = _field(10.0, "inbound channels per second one peer may open on average "
                               "(> 0); more are closed unread", POSITIVE)
     peer_burst: int = _field(20, "inbound channels one peer may open at once (>= 1)",
