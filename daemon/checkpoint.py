@@ -2,8 +2,9 @@
 
 Theory of operation
 -------------------
-A checkpoint is one file, ``checkpoint-<step, 12 digits>.ckpt``, so that sorting names sorts
-steps. Its bytes are::
+A checkpoint is one file, ``checkpoint-<step>.ckpt``, the step written in decimal with zeros
+in front to 12 digits at least (so that names sort by step up to 10^12 - 1; past that a name is
+longer, and :func:`checkpoints` orders by the number, not the name). Its bytes are::
 
     header   12 bytes   FORMAT: MAGIC b"GOSSIPCK" + VERSION as u32 little-endian
     payload  n bytes    exactly what torch.save(state, ...) writes (a torch zip archive)
@@ -53,6 +54,8 @@ from typing import Any, BinaryIO
 
 import torch
 
+from gossip.messages import MAX_COUNT
+
 __all__ = [
     "CheckpointError", "FORMAT", "MAGIC", "VERSION", "END_MAGIC", "MAX_STEP", "save", "load",
     "load_latest", "checkpoints", "capture_rng", "restore_rng", "atomic_write",
@@ -66,8 +69,8 @@ VERSION = 1
 FORMAT = MAGIC + struct.pack("<I", VERSION)  # the 12 bytes every checkpoint starts with
 END_MAGIC = b"GOSSIPND"
 _TRAILER = struct.Struct("<Q32s8s")  # payload length, SHA-256(header + payload), END_MAGIC
-MAX_STEP = 10**12 - 1  # the most a 12-digit name holds; past it names would stop sorting
-_NAME = re.compile(r"checkpoint-(\d{12})\.ckpt")
+MAX_STEP = MAX_COUNT  # the protocol's counter range: any step a peer can give us
+_NAME = re.compile(r"checkpoint-(\d{12,16})\.ckpt")
 _TEMP_PREFIX, _TEMP_SUFFIX = ".checkpoint-", ".tmp"
 
 
@@ -185,7 +188,7 @@ def save(directory: Path, state: Mapping[str, Any], *, step: int, keep: int) -> 
             with contextlib.suppress(FileNotFoundError):
                 stale.unlink()
 
-    path = directory / f"checkpoint-{step:012d}.ckpt"
+    path = directory / _name(step)
     started = time.monotonic()
     size = 0
 
@@ -317,18 +320,26 @@ def _set_aside(path: Path) -> None:
 
 
 def checkpoints(directory: Path) -> list[Path]:
-    """Checkpoint files in ``directory`` by name, oldest first, without verifying them.
+    """Checkpoint files in ``directory`` by step, oldest first, without verifying them.
 
-    Temp files and anything not named ``checkpoint-<12 digits>.ckpt`` are ignored; a
-    missing directory has none.
+    Temp files and anything not named as :func:`save` names a checkpoint (the step to 12
+    digits at least, no extra zeros in front) are ignored; a missing directory has none.
     """
     directory = Path(directory)
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
         return []
-    return [directory / n for n in sorted(names)
-            if _NAME.fullmatch(n) and (directory / n).is_file()]
+    steps: dict[str, int] = {}
+    for name in names:
+        match = _NAME.fullmatch(name)
+        if match and _name(int(match[1])) == name and (directory / name).is_file():
+            steps[name] = int(match[1])
+    return [directory / n for n in sorted(steps, key=steps.__getitem__)]
+
+
+def _name(step: int) -> str:
+    return f"checkpoint-{step:012d}.ckpt"
 
 
 def capture_rng() -> dict[str, Any]:

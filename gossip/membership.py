@@ -73,7 +73,7 @@ from .member import Member, MembershipConfig, PeerPool, State, _Counters, _Recor
 from .messages import (
     MAX_PARTS,
     MAX_SEQUENCE,
-    MAX_UINT,
+    MAX_COUNT,
     Ack,
     Alive,
     Dead,
@@ -362,7 +362,7 @@ class Membership(Probing):
         """Update our metadata. A change of ``ready`` is announced at once; a new ``step``
         rides on the next announcement, or is announced after ``meta_interval``."""
         me = self._self
-        if self.leaving or me.incarnation >= MAX_UINT:
+        if self.leaving or me.incarnation >= MAX_COUNT:
             return []  # announcing ourselves now would undo the departure, or cannot be done
         urgent = ready is not None and ready != me.ready
         if ready is not None:
@@ -510,7 +510,7 @@ class Membership(Probing):
 
     def _refute(self, incarnation: int, *, counts_against_health: bool) -> None:
         """Someone holds an outdated or false view of us: out-announce it."""
-        if self.leaving or incarnation >= MAX_UINT:
+        if self.leaving or incarnation >= MAX_COUNT:
             return  # a claim at the largest incarnation cannot be out-announced: only a
             # forger gets there, and ignoring it keeps our own incarnation valid
         self.counters.refutations += 1

@@ -41,23 +41,28 @@ __all__ = [
     "StateInfo",
     "TAGS",
     "MAX_TEXT",
-    "MAX_UINT",
+    "MAX_COUNT",
+    "MAX_WEIGHT",
 ]
 
 # Limits shared by every message. Anything larger is a protocol violation.
 MAX_TEXT = 256  # characters in any text field
-MAX_UINT = 2**63 - 1  # counters (steps, samples, byte sizes) fit in a signed 64-bit int
+# Every counter (step, samples, incarnation, byte size) is an integer in [0, MAX_COUNT]. The
+# range is decided here, once, and checked at decode, so that whatever the wire accepts is
+# valid everywhere downstream: exact as a float64 (Prometheus samples, JSON readers), as an
+# int64 (torch), and in a checkpoint's 16-digit file name. Local counters saturate at it.
+MAX_COUNT = 2**53 - 1
 FINGERPRINT_BYTES = 16
 PEER_ID_CHARS = 26  # gossip.identity: base32 of 16 bytes, lowercase, no padding
 MAX_SEQUENCE = 2**32 - 1  # probe sequence numbers wrap here
 MAX_PARTS = 64  # messages in one datagram, or member records in one push-pull page
 MAX_PART = 1400  # bytes of one part: a datagram never holds more
-MAX_WEIGHT = 2.0**63  # a push-sum weight (averaging) is a finite float in [0, MAX_WEIGHT]
+MAX_WEIGHT = float(MAX_COUNT + 1)  # a push-sum weight (1 + samples) is a float in [0, 2^53]
 MAX_META = 32 * 1024  # bytes of the task metadata in a StateInfo
 _BASE32 = frozenset("abcdefghijklmnopqrstuvwxyz234567")
 
 
-def _uint(cls: type, name: str, value: object, maximum: int = MAX_UINT) -> None:
+def _uint(cls: type, name: str, value: object, maximum: int = MAX_COUNT) -> None:
     # bool is an int in Python; on the wire it is a different CBOR type, so refuse it.
     if type(value) is not int:
         raise ValueError(f"{cls.__name__}.{name}: expected an unsigned integer, got {type(value).__name__}")

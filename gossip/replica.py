@@ -17,9 +17,12 @@ when nothing is pending, and applied deltas go back to a spare slot for the next
 a node holds at most three buffers however many exchanges it makes. On a CUDA model the
 buffers are page-locked, so device copies are fast.
 
-Counters: ``step`` is the node's training step, merged as a max with every peer it exchanges
-with (so learning-rate schedules line up across the swarm); ``samples`` counts samples this
-node trained on; ``weight`` is the push-sum weight (see :mod:`gossip.mixing`).
+Counters: ``step`` is the node's training step, raised to a peer's on an exchange or a download
+(so learning-rate schedules line up across the swarm) as far as the caller allows (see
+:func:`gossip.standing.step_ceiling`); ``samples`` counts samples this node trained on;
+``weight`` is the push-sum weight (see :mod:`gossip.mixing`). Counting saturates at the
+protocol's range (:data:`~gossip.messages.MAX_COUNT`), so every counter stays one a peer
+would accept.
 
 Threads: any thread may call any method; each takes :attr:`lock` for as long as it touches the
 model or the buffers. A trainer that wants snapshots that never straddle an optimizer step
@@ -36,6 +39,7 @@ import torch
 import trio
 
 from . import tensors
+from .messages import MAX_COUNT, MAX_WEIGHT
 from .tensors import StateSchema
 
 __all__ = ["Replica", "Counters", "offload", "OFFLOAD_NUMEL"]
@@ -82,15 +86,21 @@ class Replica:
         if steps < 0 or samples < 0:
             raise ValueError("steps and samples must be non-negative")
         with self.lock:
-            self._step += steps
-            self._samples += samples
+            self._step = min(self._step + steps, MAX_COUNT)
+            self._samples = min(self._samples + samples, MAX_COUNT)
             if self.by_samples:
-                self._weight += samples
+                self._weight = min(self._weight + samples, MAX_WEIGHT)
 
     def restore(self, counters: Counters) -> None:
-        """Take the counters saved with a checkpoint (before the node starts averaging)."""
-        if counters.step < 0 or counters.samples < 0 or not counters.weight > 0:
-            raise ValueError(f"bad counters {counters}")
+        """Take the counters saved with a checkpoint (before the node starts averaging).
+
+        Raises:
+            ValueError: a counter out of the protocol's range (a damaged or foreign file).
+        """
+        if not (0 <= counters.step <= MAX_COUNT and 0 <= counters.samples <= MAX_COUNT
+                and 0 < counters.weight <= MAX_WEIGHT):
+            raise ValueError(f"bad counters {counters}: each must be in the protocol's range, "
+                             f"0 to {MAX_COUNT} (a weight above 0)")
         with self.lock:
             self._step, self._samples = counters.step, counters.samples
             self._weight = counters.weight if self.by_samples else 1.0
@@ -148,7 +158,8 @@ class Replica:
 
         Args:
             scale: the fraction of ``delta`` to apply; positive.
-            peer_step: the peer's step; ours becomes the max of the two.
+            peer_step: the step the peer gives us, already bounded by the caller; ours
+                becomes the max of the two.
             weight: the merged push-sum weight, or None in fixed mode.
             sent_weight: the weight we offered (samples trained since then are kept).
         """
@@ -157,7 +168,7 @@ class Replica:
         with self.lock:
             self._step = max(self._step, peer_step)
             if weight is not None:
-                self._weight += weight - sent_weight
+                self._weight = min(self._weight + weight - sent_weight, MAX_WEIGHT)
             if self._pending is None:
                 self._pending, self._pending_scale = delta, scale
             else:  # pending = s1·p + s2·d = s1·(p + (s2/s1)·d): one pass, s1 stays
@@ -168,8 +179,8 @@ class Replica:
 
     def load(self, flat: torch.Tensor, *, step: int, buffers: dict[str, int]) -> None:
         """Replace the live state by a downloaded one (parameters, float buffers, integer
-        scalar buffers such as ``num_batches_tracked``) and take the sender's step if it is
-        ahead. Our sample count and push-sum weight stay ours: a copy of a peer's state is
+        scalar buffers such as ``num_batches_tracked``) and take ``step`` (the sender's, as
+        far as the caller allows) if it is ahead. Our sample count and push-sum weight stay ours: a copy of a peer's state is
         one more replica, and a small weight disturbs the swarm's weighted mean least.
         Anything pending is dropped: it was relative to the state being replaced."""
         with self.lock:

@@ -21,6 +21,7 @@ from torch import nn
 
 from daemon import checkpoint
 from daemon.checkpoint import CheckpointError
+from gossip.messages import MAX_COUNT
 
 TRAILER = 48  # payload length (8) + SHA-256 (32) + END_MAGIC (8)
 
@@ -121,7 +122,7 @@ def test_modes_and_names(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("kwargs", [
-    {"step": -1, "keep": 1}, {"step": 10**12, "keep": 1}, {"step": True, "keep": 1},
+    {"step": -1, "keep": 1}, {"step": MAX_COUNT + 1, "keep": 1}, {"step": True, "keep": 1},
     {"step": 1.0, "keep": 1}, {"step": 1, "keep": 0}, {"step": 1, "keep": -2},
 ])
 def test_bad_arguments(tmp_path: Path, kwargs: dict[str, Any]) -> None:
@@ -289,6 +290,17 @@ def test_keep_prunes_oldest(tmp_path: Path) -> None:
     # An older step is never pruned as it is written, even when newer ones fill `keep`.
     older = checkpoint.save(tmp_path, {"step": 3}, step=3, keep=1)
     assert checkpoint.checkpoints(tmp_path) == [older, tmp_path / "checkpoint-000000000005.ckpt"]
+
+
+def test_any_step_a_peer_can_give_names_a_checkpoint_in_step_order(tmp_path: Path) -> None:
+    # The protocol's counters go up to MAX_COUNT (16 digits): past 10^12 names grow longer
+    # than 12 digits, and the order is the steps', not the names'.
+    for step in (10**12 - 1, 10**12, MAX_COUNT):  # by name, 10^12 would sort first
+        checkpoint.save(tmp_path, {"step": step}, step=step, keep=2)
+    assert [p.name for p in checkpoint.checkpoints(tmp_path)] == [
+        "checkpoint-1000000000000.ckpt", f"checkpoint-{MAX_COUNT}.ckpt"]
+    resumed, state = checkpoint.load_latest(tmp_path)
+    assert state == {"step": MAX_COUNT}
 
 
 def test_same_step_replaces(tmp_path: Path) -> None:

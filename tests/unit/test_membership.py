@@ -28,7 +28,7 @@ from gossip.membership import (
 )
 from gossip.messages import (
     MAX_PARTS,
-    MAX_UINT,
+    MAX_COUNT,
     Ack,
     Alive,
     Dead,
@@ -311,15 +311,15 @@ def test_an_echo_of_our_announcement_after_a_quiet_step_change_is_not_refuted():
     assert m.incarnation == 0 and m.counters.refutations == 0
 
 
-@pytest.mark.parametrize("message", [Suspect(ME, MAX_UINT, A), Dead(ME, MAX_UINT, A),
-                                     Left(ME, MAX_UINT), alive(ME, MAX_UINT)], ids=short)
+@pytest.mark.parametrize("message", [Suspect(ME, MAX_COUNT, A), Dead(ME, MAX_COUNT, A),
+                                     Left(ME, MAX_COUNT), alive(ME, MAX_COUNT)], ids=short)
 def test_a_claim_at_the_largest_incarnation_raises_nothing_but_wire_error(message):
     m = machine(2)
     try:
         feed(m, 1.0, A, message)
     except WireError:
         pass
-    assert m.incarnation <= MAX_UINT
+    assert m.incarnation <= MAX_COUNT
 
 
 # ---- probing -------------------------------------------------------------------------------
@@ -886,7 +886,7 @@ def test_after_a_tick_nothing_is_due_at_that_instant():
 
 def test_at_the_largest_incarnation_metadata_changes_raise_nothing():
     m = machine(2)
-    feed(m, 1.0, A, Suspect(ME, MAX_UINT - 1, A))  # refuted at MAX_UINT, the last one there is
-    assert m.incarnation == MAX_UINT
+    feed(m, 1.0, A, Suspect(ME, MAX_COUNT - 1, A))  # refuted at MAX_COUNT, the last one there is
+    assert m.incarnation == MAX_COUNT
     m.set_meta(2.0, ready=True, step=5)  # cannot be announced: ignored, nothing raised
-    assert m.incarnation == MAX_UINT and m.full_state()[0].incarnation == MAX_UINT
+    assert m.incarnation == MAX_COUNT and m.full_state()[0].incarnation == MAX_COUNT
