@@ -420,13 +420,26 @@ class Averaging:
         peer, config, schema = channel.peer, self.config, self.replica.schema
         theirs = self.replica.buffer()
         handed_over = False
+        # Why our send failed, held until the receive is done: the verdict is on what the
+        # peer sent, read to its end whatever became of our send, so that a peer that sent
+        # a bad header and hung up earns its strike whether or not our payload had left.
+        lost: list[GossipError] = []
+
+        async def send() -> None:
+            try:
+                await send_state(channel, own, schema, config.codec)
+            except GossipError as exc:  # PeerGone, or ChannelClosed: the receive failed
+                lost.append(exc)
+
         try:
             transfer_end = trio.current_time() + config.transfer_deadline(self._nbytes)
             try:
                 with trio.fail_at(transfer_end), first_error():
                     async with trio.open_nursery() as nursery:
-                        nursery.start_soon(send_state, channel, own, schema, config.codec)
+                        nursery.start_soon(send)
                         await receive_state(channel, schema, config.codec, theirs)
+                if lost:
+                    raise lost[0]
             except trio.TooSlowError:
                 raise PeerTimeout(peer.short, "transfer") from None
             except (SchemaMismatch, RemoteProtocolError) as exc:

@@ -21,9 +21,13 @@ once per channel. Every read is bounded in time too: the wait for the *next* rec
 caller's phase deadline (``trio.fail_after`` around the call), and once a record has begun,
 the rest of it must arrive within ``Timeouts.record`` (the slowloris guard).
 
-Any failure (bad length, failed authentication, truncation, a reset) breaks the channel: the
-stream is closed, the error is raised, nothing from the bad record is delivered, and every
-later call raises. A clean end of stream between records raises :class:`PeerGone`.
+Any failure to receive (bad length, failed authentication, truncation, a reset) breaks the
+channel: the stream is closed, the error is raised, nothing from the bad record is delivered,
+and every later call raises. A clean end of stream between records raises :class:`PeerGone`.
+A failure to *send* (the peer reset or closed the connection) ends only the sending direction:
+what the peer sent before it went may still be waiting to be read, and what a peer sent, not
+whether our own send had finished, is what decides a verdict on it (an exchange's strike, say).
+The stream is closed when the channel is, or when a receive fails.
 
 :func:`connect` and :func:`serve` compose a :class:`~gossip.network.Network` with the
 handshake under the connect and handshake deadlines of :class:`Timeouts`. :func:`serve` also
@@ -163,6 +167,8 @@ class SecureChannel(trio.abc.AsyncResource):
 
     Attributes:
         peer: the remote node's peer id, authenticated by the handshake.
+        host: the remote host (IP address, or simulated host name) the connection came
+            from; "" if the stream could not tell. Not authenticated: for rate limits.
     """
 
     def __init__(
@@ -175,6 +181,7 @@ class SecureChannel(trio.abc.AsyncResource):
         record_timeout: float = Timeouts.record,
     ) -> None:
         self.peer = peer
+        self.host = peer_host(stream)
         self._stream = stream
         self._reader = _Reader(stream)
         self._send_cipher = send_cipher
@@ -187,6 +194,7 @@ class SecureChannel(trio.abc.AsyncResource):
         self._sending = self._receiving = self._mid_record = False
         self._closed = False
         self._broken: GossipError | None = None
+        self._send_lost = ""  # why sending failed (the peer went away); receiving may go on
         self._stats = [0, 0, 0, 0]
 
     def statistics(self) -> ChannelStatistics:
@@ -212,11 +220,14 @@ class SecureChannel(trio.abc.AsyncResource):
         """Send one record of at most :data:`MAX_RECORD` bytes.
 
         Raises:
-            PeerGone: the connection was reset or closed by the peer.
+            PeerGone: the connection was reset or closed by the peer. The channel can still
+                receive what the peer sent before that.
             ChannelClosed: we closed the channel.
             LocalProtocolError: record too large, or another task is sending.
         """
         self._check_usable()
+        if self._send_lost:
+            raise PeerGone(self._send_lost)
         data = memoryview(data).cast("B")  # sizes in bytes, whatever the buffer's format
         size = len(data)
         if size > MAX_RECORD:
@@ -235,7 +246,9 @@ class SecureChannel(trio.abc.AsyncResource):
             except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                 if self._closed:
                     raise ChannelClosed(f"channel to {self.peer.short} was closed") from None
-                raise await self._break(PeerGone(f"connection to {self.peer.short} lost: {exc}")) from None
+                self._check_usable()  # a receive broke the channel meanwhile: its error
+                self._send_lost = f"connection to {self.peer.short} lost: {exc}"
+                raise PeerGone(self._send_lost) from None
             except BaseException:
                 # Cancelled half-way: the peer may hold part of a record, so the stream can
                 # never carry another one.

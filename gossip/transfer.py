@@ -34,7 +34,9 @@ async def send_state(
     """Send a flat state (from :func:`gossip.tensors.snapshot`) as header plus records.
 
     ``flat`` must not change until this returns: fp32 records are views of it. On any failure
-    or cancellation the channel is closed, since the peer may hold part of the state.
+    or cancellation the channel is closed, since the peer may hold part of the state, except
+    :class:`PeerGone`: the peer is gone, nothing more can be sent, and what it sent before it
+    went can still be received.
     """
     header = StateHeader(
         fingerprint=schema.fingerprint,
@@ -47,6 +49,8 @@ async def send_state(
         await channel.send_message(header)
         for record in encode_chunks(flat, codec, MAX_RECORD):
             await channel.send(record)
+    except PeerGone:
+        raise
     except BaseException:
         # Failed or cancelled (the caller's deadline) between records: the peer's decoder
         # would take our next message for tensor bytes, so the channel is done.
