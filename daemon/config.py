@@ -318,13 +318,16 @@ class AveragingSection(_Section):
                            _want(lambda v: 0 < v <= 1, "a number in (0, 1]"))
     codec: str = _field("fp32", "wire format of exchanged states: fp32 (exact), bf16 or fp16 "
                         "(half the bytes)", _one_of("fp32", "bf16", "fp16"))
-    clip: float = _field(5.0, "clip a step to clip x the median recent distance (>= 0); 0: off",
-                         NON_NEGATIVE)
+    clip: float = _field(5.0, "clip a step to clip x the median distance of our recent rounds "
+                         "(>= 0); 0: off", NON_NEGATIVE)
     max_norm_ratio: float = _field(100.0, "refuse a state farther from ours than this x our "
                                    "norm (> 0)", POSITIVE)
     strikes: int = _field(3, "refused payloads in a row that quarantine a peer (>= 1)",
                           AT_LEAST_1)
     quarantine: float = _field(600.0, "s a quarantined peer is left alone (>= 0)", NON_NEGATIVE)
+    trust_after: float = _field(10.0, "s a peer must have been an alive member before its offers "
+                                "move our model; until then they commit but move it by nothing "
+                                "(>= 0)", NON_NEGATIVE)
     start: str = _field("auto", "first weights: auto (download if a ready peer exists, else "
                         "own), own or download", _one_of("auto", "own", "download"))
     download_wait: float = _field(5.0, "s; with start = auto, how long to look for a ready peer "

@@ -47,8 +47,8 @@ class Metrics:
         self.loss = Gauge("gossip_loss", "Mean training loss of the last chunk of steps", registry=r)
         self.rate = Gauge("gossip_samples_per_second", f"Training samples per second over the "
                           f"last {RATE_WINDOW:g} s", registry=r)
-        self.step = Gauge("gossip_step", "Training step, merged as a max across the swarm",
-                          registry=r)
+        self.step = Gauge("gossip_step", "Training step, raised to peers' up to the median the "
+                          "members announce", registry=r)
         self.exchanges = Counter("gossip_exchanges", "Averaging exchanges by result",
                                  ["result"], registry=r)
         self.rounds_without_peer = Counter("gossip_rounds_without_peer",
@@ -66,6 +66,10 @@ class Metrics:
                                "by limit: max_connections (refused at accept), "
                                "max_handshakes_per_host (an unproven one evicted), peer_rate",
                                ["limit"], registry=r)
+        self.newcomers = Counter("gossip_newcomer_offers", "Offers from newcomers (peers not "
+                                 "yet members for averaging.trust_after): committed (their state "
+                                 "moved us by nothing) or limited (answered busy: the newcomers "
+                                 "of their host had had their share)", ["outcome"], registry=r)
         self.evaluation = Gauge("gossip_eval", "The task's latest evaluation, by metric "
                                 "(task.eval_every, and at exit)", ["metric"], registry=r)
         self.checkpoints = Counter("gossip_checkpoints", "Checkpoints written", registry=r)
@@ -79,6 +83,9 @@ class Metrics:
             self.bytes.labels(direction)
         for limit in LIMITS:
             self.refused.labels(limit)
+        for outcome in ("committed", "limited"):
+            self.newcomers.labels(outcome)
+        self._newcomers_seen = (0, 0)
         self._refused_seen = dict.fromkeys(LIMITS, 0)
         self._chunks: deque[tuple[float, int]] = deque()  # (monotonic end, samples)
         self._last_loss = math.nan
@@ -125,6 +132,10 @@ class Metrics:
         self._bytes_seen = (stats.bytes_sent, stats.bytes_received)
         self.rounds_without_peer.inc(stats.no_peer - self._no_peer_seen)
         self._no_peer_seen = stats.no_peer
+        committed, limited = self._newcomers_seen
+        self.newcomers.labels("committed").inc(stats.newcomers - committed)
+        self.newcomers.labels("limited").inc(stats.newcomers_limited - limited)
+        self._newcomers_seen = (stats.newcomers, stats.newcomers_limited)
         refused = dict(zip(LIMITS, (roster.connections_refused, roster.connections_evicted,
                                     roster.channels_limited)))
         for limit, count in refused.items():
@@ -145,7 +156,9 @@ class Metrics:
             "peers": {state: getattr(roster, state) for state in STATES},
             "exchanges": {"committed": stats.committed, "busy": stats.busy,
                           "rejected": stats.rejected, "invalid": stats.invalid,
-                          "failed": stats.failed, "no_peer": stats.no_peer},
+                          "failed": stats.failed, "no_peer": stats.no_peer,
+                          "newcomers": stats.newcomers,
+                          "newcomers_limited": stats.newcomers_limited},
             "bytes": {"sent": stats.bytes_sent, "received": stats.bytes_received},
             "mean_exchange_s": round(stats.mean_duration, 4),
             "last_distance": stats.last_distance,

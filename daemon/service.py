@@ -261,11 +261,12 @@ class _Service:
                                        p.batches)
                 if self.stop.is_set():  # a signal while the node was opening
                     self.request_stop()
+                schema = node.replica.schema.fingerprint_hex
                 log.info("start version=%s peer=%s address=%s swarm=%s task=%s device=%s "
-                         "checkpoint=%s step=%d", VERSION, node.peer_id, node.address,
-                         p.swarm.name, c.task.entry, p.device, p.resumed or "none",
+                         "schema=%s checkpoint=%s step=%d", VERSION, node.peer_id, node.address,
+                         p.swarm.name, c.task.entry, p.device, schema, p.resumed or "none",
                          node.global_step)
-                self.event("start", peer=node.peer_id, address=node.address,
+                self.event("start", peer=node.peer_id, address=node.address, schema=schema,
                            resumed=str(p.resumed) if p.resumed else None, step=node.global_step)
                 async with trio.open_nursery() as nursery:
                     await nursery.start(functools.partial(
@@ -443,7 +444,8 @@ class _Service:
                  for m in node.roster.members() if m.peer != me]
         return {
             "peer": me, "address": node.address, "swarm": self.p.swarm.name,
-            "task": c.task.entry, "device": str(self.p.device), "version": VERSION,
+            "task": c.task.entry, "schema": node.replica.schema.fingerprint_hex,
+            "device": str(self.p.device), "version": VERSION,
             "uptime_s": round(time.monotonic() - self.started, 1),
             "data_dir": str(c.data_dir()),
             **self.metrics.sample(node),

@@ -3,8 +3,9 @@
 Theory of operation
 -------------------
 Every ``interval`` seconds (jittered, so a swarm started at once does not fire at once) a node
-runs a *round*: it takes a snapshot of its state, picks a peer uniformly among the members
-that are alive, ready and not quarantined, and offers an exchange on a fresh secure channel::
+runs a *round*: it takes a snapshot of its state, picks a peer at random among the members
+that are alive, ready and not quarantined (a host uniformly, then one of its members:
+:func:`gossip.standing.pick`), and offers an exchange on a fresh secure channel::
 
     initiator                               responder
     Offer(fingerprint, codec, step,   --->
@@ -33,8 +34,15 @@ silent peer costs one deadline.
 A peer whose payload fails the checks gets a strike; ``strikes`` in a row quarantine it for
 ``quarantine`` seconds: we neither offer to it nor accept its offers. A peer whose schema,
 codec or mixing mode differs from ours is quarantined at once (it cannot be averaged with).
-A node's step is merged as a max on every commit (and on a download), so step-based
-learning-rate schedules line up across the swarm.
+How far a received state may move us depends on the exchange's standing
+(:mod:`gossip.standing`): a peer we chose, or a member of ``trust_after`` seconds' standing,
+moves us within the clip bound; a newcomer's offer commits but moves us by nothing, and the
+newcomers behind one source host share a budget of one exchange per round of ours.
+
+On a commit a node takes the peer's step if it is ahead, but never past the lower median of
+the steps the alive, ready members announce (:func:`~gossip.standing.step_ceiling`), and the
+same bound applies to a download: step-based learning-rate schedules line up across the
+swarm, and a liar cannot move them.
 
 Heavy work (snapshots, the delta) runs in a worker thread for models of
 :data:`~gossip.replica.OFFLOAD_NUMEL` elements or more, and inline below that, so small models in a simulated
@@ -61,12 +69,13 @@ from .errors import GossipError, PeerGone, PeerTimeout, RemoteProtocolError, Sch
 from .groups import first_error
 from .handshake import Swarm
 from .identity import Identity, PeerId
-from .member import Member
+from .member import Member, State
 from .messages import Accept, Close, Commit, Offer, StateRequest
 from .mixing import DeltaHistory, Quarantine, coefficient, make_delta, merged_weight
 from .network import Network
 from .replica import Counters, Replica, offload
 from .roster import Roster
+from .standing import NewcomerBudget, Standing, pick, standing, step_ceiling
 from .tensors import CODECS
 from .transfer import receive_state, send_state
 
@@ -91,12 +100,13 @@ class AveragingConfig:
     codec: str = "fp32"  # wire codec of the exchanged states: fp32 (exact), bf16 or fp16
     attempts: int = 3  # peers tried per round when they are busy or fail
     backoff: float = 0.2  # mean pause before trying the next peer (x U(0.5, 1.5))
-    clip: float = 5.0  # clip a step to clip x the median recent distance; 0 turns clipping off
-    clip_window: int = 32  # accepted exchanges the median looks back on
+    clip: float = 5.0  # clip a step to clip x the median distance of our rounds; 0: no clipping
+    clip_window: int = 32  # exchanges we initiated that the median looks back on
     clip_min_history: int = 8  # no clipping until this many are known
     max_norm_ratio: float = 100.0  # refuse a state farther from ours than this x our norm
     strikes: int = 3  # refused payloads in a row that quarantine a peer
     quarantine: float = 600.0  # how long a quarantine lasts
+    trust_after: float = 10.0  # s a member must be alive for its offers to move us (gossip.standing)
     offer_timeout: float = 5.0  # from sending Offer to its answer
     transfer_timeout: float = 10.0  # both payloads: this + encoded bytes / min_rate
     min_rate: float = 1e6  # bytes/s the slowest link we accept moves (100 MB: 110 s)
@@ -105,7 +115,7 @@ class AveragingConfig:
     download_wait: float = 5.0  # "auto": after joining, how long to look for a ready peer
 
     def __post_init__(self) -> None:
-        for name in ("interval", "weight", "clip", "quarantine", "download_wait"):
+        for name in ("interval", "weight", "clip", "quarantine", "trust_after", "download_wait"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and type(value) is not bool
                     or value is None and name == "interval"):
@@ -133,8 +143,10 @@ class AveragingConfig:
             raise ValueError("averaging.clip_min_history must not exceed averaging.clip_window")
         if not (math.isfinite(self.clip) and self.clip >= 0):
             raise ValueError(f"averaging.clip must be >= 0, not {self.clip!r}")
-        if not (math.isfinite(self.quarantine) and self.quarantine >= 0):
-            raise ValueError(f"averaging.quarantine must be >= 0, not {self.quarantine!r}")
+        for name in ("quarantine", "trust_after"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"averaging.{name} must be >= 0, not {value!r}")
         if not (math.isfinite(self.download_wait) and self.download_wait >= 0):
             raise ValueError(f"averaging.download_wait must be >= 0, not {self.download_wait!r}")
         if self.start not in ("auto", "own", "download"):
@@ -182,13 +194,15 @@ class AveragingStatistics:
     failed: int
     no_peer: int  # rounds that found no peer
     clipped: int  # committed exchanges whose step was clipped
+    newcomers: int  # committed exchanges with a newcomer, whose state moved us by nothing
+    newcomers_limited: int  # newcomers' offers answered busy: their host's budget was spent
     quarantined: int  # peers in quarantine now
     bytes_sent: int  # on the wire, over every averaging channel
     bytes_received: int
     last_exchange: float | None  # when the last commit happened
     mean_duration: float  # of committed exchanges, seconds, from offer to commit
     last_distance: float | None  # ||peer - own|| of the last committed exchange
-    step: int  # this node's step, merged as a max across the swarm
+    step: int  # this node's step, raised to peers' up to the members' median
     samples: int
     weight: float  # push-sum weight (1 plus samples trained; merged on exchanges)
     pending: int  # committed deltas not yet applied by the trainer
@@ -200,6 +214,8 @@ class AveragingStatistics:
 class _Tally:
     results: dict[Result, int] = field(default_factory=lambda: dict.fromkeys(Result, 0))
     clipped: int = 0
+    newcomers: int = 0
+    newcomers_limited: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
     last_exchange: float | None = None
@@ -232,6 +248,7 @@ class Averaging:
         self.stopping = False  # set by stop(): no new exchanges either way
         self._history = DeltaHistory(config.clip_window, config.clip_min_history)
         self._quarantine = Quarantine(config.strikes, config.quarantine)
+        self._newcomers = NewcomerBudget()
         self._tally = _Tally()
         self.ready = trio.Event()
         self._nbytes = replica.schema.encoded_size(config.codec)
@@ -247,7 +264,8 @@ class Averaging:
         return AveragingStatistics(
             committed, t.results[Result.BUSY], t.results[Result.REJECTED],
             t.results[Result.INVALID], t.results[Result.FAILED], t.results[Result.NO_PEER],
-            t.clipped, self._quarantine.count(trio.current_time()), t.bytes_sent,
+            t.clipped, t.newcomers, t.newcomers_limited,
+            self._quarantine.count(trio.current_time()), t.bytes_sent,
             t.bytes_received, t.last_exchange, t.durations / committed if committed else 0.0,
             t.last_distance, c.step, c.samples, c.weight, self.replica.pending,
             t.downloads_served, self.ready.is_set(),
@@ -280,6 +298,7 @@ class Averaging:
         """
         await self.ready.wait()
         self._roster.set_meta(step=self.replica.counters().step)
+        self._newcomers.round()
         # A peer that failed or refused is not tried again this round. One that was busy
         # may be, when nobody untried is left: two nodes whose rounds start at the same
         # instant are busy with their own offers, and the randomized backoff lets one of
@@ -310,12 +329,12 @@ class Averaging:
         """Answer an offer on ``channel`` (the roster's handler calls this)."""
         peer = channel.peer
         refusal = self._refusal(offer, peer)
-        if self._busy or self.stopping or not self.ready.is_set() or refusal is not None:
+        rank = self._offerer(peer)
+        later = None if refusal is not None else self._later(rank, channel.host)
+        if later is not None or refusal is not None:
             # Busy means "try again later" (not ready is a later too); Rejected means never.
-            if refusal is None:
-                reason = ("leaving" if self.stopping else "busy" if self.ready.is_set()
-                          else "not ready (fetching its initial state)")
-                close = Close(Close.BUSY, reason)
+            if later is not None:
+                close = Close(Close.BUSY, later)
             else:
                 log.info("averaging offer refused peer=%s reason=%s", peer.short, refusal)
                 close = Close(Close.REJECTED, refusal)
@@ -333,7 +352,8 @@ class Averaging:
                     await channel.send_message(Accept(mine.step, mine.samples, self._my_weight(mine)))
             except trio.TooSlowError:
                 raise PeerTimeout(peer.short, "accept") from None
-            result = await self._swap(channel, own, mine, offer.step, offer.weight, started)
+            result = await self._swap(channel, own, mine, offer.step, offer.weight, started,
+                                      rank)
         except (GossipError, trio.TooSlowError) as exc:
             result = self._failure(peer, "accept", exc)
         finally:
@@ -350,7 +370,7 @@ class Averaging:
             self._tally.downloads_served += 1
 
     async def download(self, candidates: list[Member]) -> Download:
-        """Load the state of the most advanced candidate that answers (see
+        """Load the state of a candidate that answers (see
         :func:`gossip.download.download`)."""
         return await download(self.replica, candidates, self._network, self._identity,
                               self._swarm, self._timeouts, deadline=self._download_deadline,
@@ -366,9 +386,9 @@ class Averaging:
 
     def _pick(self, skip: set[str]) -> Member | None:
         now = trio.current_time()
-        candidates = [m for m in self.allowed(self._roster.alive(ready=True))
-                      if m.peer not in skip and not self._quarantine.barred(m.peer, now)]
-        return self._rng.choice(candidates) if candidates else None
+        return pick([m for m in self.allowed(self._roster.alive(ready=True))
+                     if m.peer not in skip and not self._quarantine.barred(m.peer, now)],
+                    self._rng)
 
     async def _initiate(self, member: Member) -> Result:
         assert not self._busy, "round() checks, with no checkpoint in between"
@@ -401,7 +421,7 @@ class Averaging:
                     raise RemoteProtocolError("push-sum weight of 0 in Accept")
                 else:
                     result = await self._swap(channel, own, mine, answer.step, answer.weight,
-                                              started)
+                                              started, Standing.CHOSEN)
         except (GossipError, trio.TooSlowError) as exc:
             result = self._failure(peer, phase, exc)
             if isinstance(exc, (PeerGone, PeerTimeout)) and phase == "connect":
@@ -415,7 +435,8 @@ class Averaging:
         return result
 
     async def _swap(self, channel: SecureChannel, own: torch.Tensor, mine: Counters,
-                    peer_step: int, peer_weight: float, started: float) -> Result:
+                    peer_step: int, peer_weight: float, started: float,
+                    rank: Standing) -> Result:
         """Both payloads at once, the checks, the commit. Returns the result (tallied)."""
         peer, config, schema = channel.peer, self.config, self.replica.schema
         theirs = self.replica.buffer()
@@ -446,7 +467,8 @@ class Averaging:
                 return self._invalid(peer, f"bad payload: {exc}")
             c = coefficient(config.weight, config.by_samples, self._my_weight(mine), peer_weight)
             verdict = await offload(self.replica, make_delta, theirs, own, c, self._history,
-                                          clip=config.clip, max_norm_ratio=config.max_norm_ratio)
+                                    clip=config.clip, max_norm_ratio=config.max_norm_ratio,
+                                    standing=rank)
             if verdict.refused is not None:
                 result = self._invalid(peer, verdict.refused)
                 with trio.move_on_after(CLOSE_TIMEOUT):
@@ -469,10 +491,13 @@ class Averaging:
                 return self._refused(peer, answer)
             if not isinstance(answer, Commit):
                 raise RemoteProtocolError(f"expected Commit, got {type(answer).__name__}")
-            weight = merged_weight(self._my_weight(mine), peer_weight) if config.by_samples else None
-            self.replica.queue(theirs, scale=verdict.scale, peer_step=peer_step, weight=weight,
-                               sent_weight=self._my_weight(mine))
-            handed_over = True
+            if verdict.scale > 0:  # else a newcomer's: it learns from us, we take nothing
+                weight = (merged_weight(self._my_weight(mine), peer_weight) if config.by_samples
+                          else None)
+                self.replica.queue(theirs, scale=verdict.scale,
+                                   peer_step=min(peer_step, self._step_ceiling()),
+                                   weight=weight, sent_weight=self._my_weight(mine))
+                handed_over = True
         finally:
             if not handed_over:
                 self.replica.release(theirs)
@@ -481,10 +506,11 @@ class Averaging:
         t = self._tally
         t.results[Result.COMMITTED] += 1
         t.clipped += verdict.clipped
+        t.newcomers += rank is Standing.NEWCOMER
         t.last_exchange, t.last_distance = now, verdict.distance
         t.durations += now - started
-        log.debug("averaging committed peer=%s distance=%.4g clipped=%s", peer.short,
-                  verdict.distance, verdict.clipped)
+        log.debug("averaging committed peer=%s distance=%.4g clipped=%s standing=%s",
+                  peer.short, verdict.distance, verdict.clipped, rank.value)
         return Result.COMMITTED
 
     # ---- helpers ----------------------------------------------------------------------
@@ -497,13 +523,39 @@ class Averaging:
             self._on_exchange(Exchange(peer, initiated, result, trio.current_time() - started,
                                        distance))
 
+    def _offerer(self, peer: str) -> Standing:
+        """The standing of an offer from ``peer``: a member's, or a newcomer's."""
+        member = self._roster.get(peer)
+        since = member.since if member is not None and member.state is State.ALIVE else None
+        return standing(False, since, trio.current_time(), self.config.trust_after)
+
+    def _step_ceiling(self) -> int:
+        return step_ceiling(self._roster.alive(ready=True))
+
     def _my_weight(self, counters: Counters) -> float:
         return counters.weight if self.config.by_samples else 0.0
 
+    def _later(self, rank: Standing, host: str) -> str | None:
+        """Why an offer we could take must wait (answered busy), or None to take it now."""
+        if self.stopping:
+            return "leaving"
+        if not self.ready.is_set():
+            return "not ready (fetching its initial state)"
+        if self._busy:
+            return "busy"
+        if rank is Standing.NEWCOMER and not self._newcomers.allow(host):
+            self._tally.newcomers_limited += 1
+            return "busy: newcomers from this address have had their share for now"
+        return None
+
     def _refusal(self, offer: Offer, peer: str) -> str | None:
-        """Why we can never take this offer, or None if we could."""
+        """Why we can never take this offer, or None if we could. The reason travels in
+        ``Close.reason``, which is for logs: it never carries our schema's fingerprint (a
+        client computes that from its model, PROTOCOL.md section 7.1); our own log does."""
         if offer.fingerprint != self.replica.schema.fingerprint:
-            return f"schema {offer.fingerprint.hex()} is not ours ({self.replica.schema.fingerprint_hex})"
+            log.debug("averaging offer of another schema peer=%s theirs=%s ours=%s", peer[:8],
+                     offer.fingerprint.hex(), self.replica.schema.fingerprint_hex)
+            return "schema differs from ours (another model, or other task options)"
         if offer.codec != self.config.codec:
             return f"codec {offer.codec!r} is not ours ({self.config.codec!r})"
         if (offer.weight > 0) != self.config.by_samples:

@@ -11,8 +11,11 @@ A joiner asks a ready peer for its whole state on a fresh secure channel::
                                        <---  or Close(BUSY | REJECTED, reason)
 
 It tries the alive, ready members in order of their announced step, highest first (ties in
-random order), and falls back to the next on any failure. What arrives is checked (every value
-finite) before the replica takes it; only then does the node announce itself ready.
+random order), and falls back to the next on any failure; members announcing more than the
+candidates' median step (:func:`~gossip.standing.step_ceiling`) come last, so that a liar
+announcing a huge step is not everyone's first server. What arrives is checked (every
+value finite) before the replica takes it, with the sender's step bounded by that same median;
+only then does the node announce itself ready.
 
 ``meta`` is a canonical CBOR map ``{"buffers": {name: int}, "task": {...}}``: the model's
 integer scalar buffers (``num_batches_tracked``), which are not part of the averaged state,
@@ -40,6 +43,7 @@ from .errors import AveragingFailed, GossipError, PeerTimeout, RemoteProtocolErr
 from .handshake import Swarm
 from .identity import Identity, PeerId
 from .member import Member
+from .standing import step_ceiling
 from .messages import MAX_META, Close, StateInfo, StateRequest
 from .network import Network
 from .replica import Replica, offload
@@ -60,7 +64,7 @@ class Download:
     """Where a joiner's state came from."""
 
     peer: PeerId
-    step: int
+    step: int  # the step we took: the sender's, bounded by the members' announced median
     samples: int  # the sender's, for information
     task: dict[str, Any]  # the task metadata the sender's application published
 
@@ -150,8 +154,12 @@ async def serve_download(channel: SecureChannel, request: StateRequest, replica:
     peer = channel.peer
     refusal = None
     if request.fingerprint != replica.schema.fingerprint:
-        refusal = Close(Close.REJECTED, f"schema {request.fingerprint.hex()} is not ours "
-                                        f"({replica.schema.fingerprint_hex})")
+        # Close.reason is for logs and never carries our fingerprint (PROTOCOL.md section 7.1
+        # says how a client computes its own); our log does.
+        log.debug("state request of another schema peer=%s theirs=%s ours=%s", peer.short,
+                  request.fingerprint.hex(), replica.schema.fingerprint_hex)
+        refusal = Close(Close.REJECTED, "schema differs from ours (another model, or other "
+                                        "task options)")
     elif request.codec != CODEC:
         refusal = Close(Close.REJECTED, f"downloads use {CODEC}, not {request.codec!r}")
     elif not ready or serving[0] >= MAX_SERVING:
@@ -189,20 +197,25 @@ async def serve_download(channel: SecureChannel, request: StateRequest, replica:
 async def download(replica: Replica, candidates: list[Member], network: Network,
                    identity: Identity, swarm: Swarm, timeouts: Timeouts, *,
                    deadline: float, rng: random.Random) -> Download:
-    """Fetch the state of the most advanced candidate that answers, and load it.
+    """Fetch the state of the most advanced candidate (not above the median) that answers,
+    and load it.
 
     Args:
-        candidates: alive, ready members; tried by announced step, highest first.
+        candidates: alive, ready members; tried by announced step, highest first, those
+            above their median step (:func:`~gossip.standing.step_ceiling`) last. The step
+            we take is bounded by that median.
         deadline: seconds one attempt may take once connected.
 
     Raises:
         AveragingFailed: every candidate failed (each failure is logged).
     """
-    order = sorted(candidates, key=lambda m: (-m.step, rng.random()))
+    ceiling = step_ceiling(candidates)
+    order = sorted(candidates, key=lambda m: (m.step > ceiling, -m.step, rng.random()))
     last: BaseException | None = None
     for member in order:
         try:
-            result = await _fetch(replica, member, network, identity, swarm, timeouts, deadline)
+            result = await _fetch(replica, member, network, identity, swarm, timeouts,
+                                  deadline, ceiling)
         except (GossipError, trio.TooSlowError) as exc:
             log.info("state download failed peer=%s: %s", member.peer.short, exc)
             last = exc
@@ -214,7 +227,7 @@ async def download(replica: Replica, candidates: list[Member], network: Network,
 
 
 async def _fetch(replica: Replica, member: Member, network: Network, identity: Identity,
-                 swarm: Swarm, timeouts: Timeouts, deadline: float) -> Download:
+                 swarm: Swarm, timeouts: Timeouts, deadline: float, ceiling: int) -> Download:
     channel = await connect(network, member.address, identity=identity, swarm=swarm,
                             allow=frozenset({member.peer}), timeouts=timeouts)
     async with channel:
@@ -234,8 +247,9 @@ async def _fetch(replica: Replica, member: Member, network: Network, identity: I
             buffers, task = decode_meta(info.meta)
             if not await offload(replica, all_finite, flat):
                 raise RemoteProtocolError("downloaded state holds non-finite values")
-            await offload(replica, lambda: replica.load(flat, step=info.step, buffers=buffers))
+            step = min(info.step, ceiling)
+            await offload(replica, lambda: replica.load(flat, step=step, buffers=buffers))
         finally:
             replica.release(flat)
-    return Download(member.peer, info.step, info.samples, task)
+    return Download(member.peer, step, info.samples, task)
 

@@ -28,14 +28,25 @@ the add that applies the delta (``torch.add(alpha=c)``), which saves a pass over
 Trusting a payload (:func:`make_delta`), in order:
 
 1. every value finite, else refused;
-2. the distance ``‖s_B − s_A‖`` at most ``max_norm_ratio × ‖s_A‖``, else refused: no honest
-   replica of the same model is a hundred times larger than ours;
+2. the distance ``‖s_B − s_A‖`` at most ``max_norm_ratio × r``, else refused, where ``r`` is
+   our norm or, if smaller, the median of our norms at the exchanges in the history (below):
+   no honest replica of the same model is a hundred times larger than ours, and the
+   reference cannot be inflated by first pushing our own norm up;
 3. *self-centred clipping*: the difference is scaled down to at most ``clip ×`` the median
-   distance of the last ``clip_window`` accepted exchanges, so one wild peer moves us by a
-   bounded step. The raw distance enters the history, so a swarm whose spread really grows
-   (two halves of a healed partition) moves the median up within half a window. A median of
-   0 (a node that only met identical states, say right after a download) bounds nothing:
-   clipping to it would freeze the node.
+   of the history, so one wild peer moves us by a bounded step. A median of 0 (a node that
+   only met identical states, say right after a download) bounds nothing: clipping to it
+   would freeze the node;
+4. the exchange's :class:`~gossip.standing.Standing`: a newcomer's state is checked and
+   committed but applied with a scale of 0.
+
+The history is what keeps the bound from growing under attack. It holds the distances of the
+last ``clip_window`` exchanges *we initiated*, to a peer we picked at random (an attacker's
+share of them is its share of the member table, not its offer rate), and each enters
+*clipped* (what we accepted, not what was sent), so even a window full of poison cannot raise
+the median by more than a factor ``clip`` per half window, and a minority of poisoned entries
+cannot raise it at all. A swarm whose spread really grows (two halves of a healed partition)
+still raises the median, by up to ``clip`` times per half window, and meanwhile converges by
+clipped steps.
 
 The checks and the difference are one pass over the model, chunk by chunk, so that each chunk
 is still in cache for the next operation on it: the exchange is CPU-bound, and memory traffic
@@ -54,6 +65,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .standing import Standing
 from .tensors import REDUCE_CHUNK, sum_of_squares
 
 __all__ = ["coefficient", "merged_weight", "DeltaHistory", "Delta", "make_delta", "Quarantine"]
@@ -79,29 +91,21 @@ def merged_weight(mine: float, theirs: float) -> float:
     return (mine + theirs) / 2
 
 
-class DeltaHistory:
-    """The raw distances of the last ``window`` accepted exchanges, for clipping.
+class _Window:
+    """The last ``size`` values added, with their median, in O(log n) per add."""
 
-    ``bound(clip)`` is ``clip`` times their median once ``min_history`` are known, else None
-    (no clipping while there is nothing to compare with).
-    """
-
-    def __init__(self, window: int = 32, min_history: int = 8) -> None:
-        if window < 1 or not 1 <= min_history <= window:
-            raise ValueError("need window >= 1 and 1 <= min_history <= window")
-        self._recent: collections.deque[float] = collections.deque(maxlen=window)
+    def __init__(self, size: int) -> None:
+        self._recent: collections.deque[float] = collections.deque(maxlen=size)
         self._sorted: list[float] = []
-        self._min = min_history
 
     def __len__(self) -> int:
         return len(self._recent)
 
-    def add(self, distance: float) -> None:
+    def add(self, value: float) -> None:
         if len(self._recent) == self._recent.maxlen:
-            old = self._recent[0]
-            del self._sorted[bisect.bisect_left(self._sorted, old)]
-        self._recent.append(distance)
-        bisect.insort(self._sorted, distance)
+            del self._sorted[bisect.bisect_left(self._sorted, self._recent[0])]
+        self._recent.append(value)
+        bisect.insort(self._sorted, value)
 
     def median(self) -> float | None:
         n = len(self._sorted)
@@ -110,11 +114,42 @@ class DeltaHistory:
         mid = n // 2
         return self._sorted[mid] if n % 2 else (self._sorted[mid - 1] + self._sorted[mid]) / 2
 
+
+class DeltaHistory:
+    """The last ``window`` exchanges this node initiated: the distance it accepted in each
+    (clipped) and its own norm at the time, for clipping and the norm check.
+
+    ``bound(clip)`` is ``clip`` times the median distance once ``min_history`` are known,
+    else None (no clipping while there is nothing to compare with).
+    """
+
+    def __init__(self, window: int = 32, min_history: int = 8) -> None:
+        if window < 1 or not 1 <= min_history <= window:
+            raise ValueError("need window >= 1 and 1 <= min_history <= window")
+        self._distances = _Window(window)
+        self._norms = _Window(window)
+        self._min = min_history
+
+    def __len__(self) -> int:
+        return len(self._distances)
+
+    def add(self, distance: float, own_norm: float) -> None:
+        self._distances.add(distance)
+        self._norms.add(own_norm)
+
+    def median(self) -> float | None:
+        return self._distances.median()
+
     def bound(self, clip: float) -> float | None:
-        if clip <= 0 or len(self._sorted) < self._min:
+        if clip <= 0 or len(self) < self._min:
             return None
         median = self.median()
         return clip * median if median else None
+
+    def norm_reference(self, own_norm: float) -> float:
+        """Our norm, or the median of our norms in the window if that is smaller."""
+        median = self._norms.median()
+        return own_norm if median is None else min(own_norm, median)
 
 
 @dataclass(frozen=True)
@@ -125,7 +160,8 @@ class Delta:
         distance: ``‖received − own‖`` before any scaling (nan if not computed).
         refused: why the state was refused, or None if the delta is ready to queue.
         clipped: whether self-centred clipping shortened the step.
-        scale: the fraction of ``received − own`` to apply (0 when refused).
+        scale: the fraction of ``received − own`` to apply (0 when refused, or for a
+            newcomer, whose state is not applied).
     """
 
     distance: float
@@ -142,13 +178,14 @@ def make_delta(
     *,
     clip: float,
     max_norm_ratio: float,
+    standing: Standing = Standing.CHOSEN,
 ) -> Delta:
     """Check a received flat state and turn it, in place, into the difference to queue.
 
-    On success ``received`` holds ``received − own``, the step to take is ``verdict.scale``
-    times that (``coefficient``, shortened by clipping), and the raw distance has entered
-    ``history``. On refusal ``received`` holds garbage and ``history`` is unchanged. ``own``
-    is never modified.
+    On success ``received`` holds ``received − own`` and the step to take is
+    ``verdict.scale`` times that: ``coefficient``, shortened by clipping, or 0 for a
+    newcomer. A ``CHOSEN`` exchange's distance, clipped, has entered ``history``. On refusal
+    ``received`` holds garbage and ``history`` is unchanged. ``own`` is never modified.
     """
     distance_sq, own_sq, finite = _subtract(received, own)
     if not finite:
@@ -156,13 +193,18 @@ def make_delta(
     distance, own_norm = math.sqrt(distance_sq), math.sqrt(own_sq)
     if not math.isfinite(distance):
         return Delta(distance, "difference overflows float32")
-    if own_norm > 0 and distance > max_norm_ratio * own_norm:
+    reference = history.norm_reference(own_norm)
+    if reference > 0 and distance > max_norm_ratio * reference:
         return Delta(distance, f"distance {distance:.3g} is over {max_norm_ratio:g}x "
-                               f"our norm {own_norm:.3g}")
+                               f"our norm {reference:.3g}")
+    if standing is Standing.NEWCOMER:
+        return Delta(distance, None, False, 0.0)
     bound = history.bound(clip)
-    history.add(distance)
-    if bound is not None and distance > bound:
-        return Delta(distance, None, True, coefficient * bound / distance)
+    clipped = bound is not None and distance > bound
+    if standing is Standing.CHOSEN:
+        history.add(bound if clipped else distance, own_norm)  # type: ignore[arg-type]
+    if clipped:
+        return Delta(distance, None, True, coefficient * bound / distance)  # type: ignore[operator]
     return Delta(distance, None, False, coefficient)
 
 

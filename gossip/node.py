@@ -8,8 +8,9 @@ the download server (:mod:`gossip.download`), and runs two tasks in its own nurs
 
 * *start*: become ready. The first node of a swarm (no bootstrap addresses), or one started
   with ``start="own"`` (it has a checkpoint), is ready at once. Otherwise it joins, then
-  downloads the full state from the alive, ready peer with the highest step (falling back to
-  the next); with ``start="auto"`` a node that finds no ready peer within ``download_wait``
+  downloads the full state from the alive, ready peer with the highest step not above the
+  members' median (:func:`~gossip.download.download`; falling back to the next); with
+  ``start="auto"`` a node that finds no ready peer within ``download_wait``
   of joining starts from its own initialization (a swarm whose first nodes start together).
   Only then does it announce ``ready`` and take part in averaging.
 * *rounds*: one averaging round every ``interval`` seconds, jittered.
@@ -87,8 +88,9 @@ class SwarmNode:
 
     @property
     def global_step(self) -> int:
-        """This node's step, merged as a max with every peer it averaged with: use it for
-        learning-rate schedules, so that the swarm's schedules line up."""
+        """This node's step, raised to its peers' up to the median step the members announce
+        (:func:`~gossip.standing.step_ceiling`): use it for learning-rate schedules, so that
+        the swarm's schedules line up."""
         return self.replica.counters().step
 
     def step(self, samples: int = 0) -> int:

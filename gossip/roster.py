@@ -149,6 +149,10 @@ class Roster:
         """Every member known, in any state, ourselves excluded."""
         return self._m.members()
 
+    def get(self, peer: str) -> Member | None:
+        """What we know of ``peer``, in any state; None if it is not in our table."""
+        return self._m.get(peer)
+
     def alive(self, *, ready: bool | None = None) -> list[Member]:
         """Members in state ALIVE (not suspect), optionally only those (not) ready."""
         return [m for m in self._m.members()

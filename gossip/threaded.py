@@ -92,7 +92,8 @@ class Averager:
 
     @property
     def global_step(self) -> int:
-        """The step merged as a max across the swarm (for learning-rate schedules)."""
+        """The swarm's step: this node's, raised to its peers' up to the median step the
+        members announce (for learning-rate schedules)."""
         assert self._node is not None
         return self._node.global_step
 

@@ -26,7 +26,7 @@ import enum
 import random
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import trio
@@ -254,18 +254,26 @@ class HostilePeer(Outsider):
     """A holder of the swarm key that misbehaves. ``model``: a module shaped like the target's,
     whose state is the honest state the attacks distort (or the target's
     :class:`~gossip.tensors.StateSchema`: the honest state is then all ones). ``codec`` and
-    ``weight`` go in our offers (0.0: fixed-weight mixing, > 0: push-sum). ``identity`` is
-    fresh by default; a new one escapes quarantine. ``options``: as for :class:`Outsider`."""
+    ``weight`` go in our offers (0.0: fixed-weight mixing, > 0: push-sum), and ``step`` (a
+    liar's, up to the protocol's largest counter). ``identity`` is fresh by default; a new
+    one (:meth:`renew`) escapes quarantine. ``busy_tries``: offers answered busy before an
+    exchange attack gives up (``BUSY``). ``options``: as for :class:`Outsider`."""
 
     def __init__(self, swarm: Swarm, model: torch.nn.Module | StateSchema, *, codec: str = "fp32",
-                 weight: float = 0.0, identity: Identity | None = None, **options: object) -> None:
+                 weight: float = 0.0, step: int = 0, identity: Identity | None = None,
+                 busy_tries: int = BUSY_TRIES, **options: object) -> None:
         super().__init__(**options)  # type: ignore[arg-type]
         self.swarm, self.codec, self.weight = swarm, codec, weight
+        self.busy_tries = busy_tries
         self.identity = identity or Identity.generate()
         self.schema = model if isinstance(model, StateSchema) else StateSchema.from_module(model)
         self.honest = (new_flat(self.schema).fill_(1.0) if isinstance(model, StateSchema)
                        else snapshot(model, self.schema))
-        self._offer_message = Offer(self.schema.fingerprint, codec, 0, 0, weight)
+        self._offer_message = Offer(self.schema.fingerprint, codec, step, 0, weight)
+
+    def renew(self) -> None:
+        """Take a fresh identity: no strikes, no quarantine, no standing with anyone."""
+        self.identity = Identity.generate()
 
     async def send_nan(self, address: str) -> Outcome:
         """An exchange whose payload is the honest state with NaNs in it."""
@@ -279,10 +287,43 @@ class HostilePeer(Outsider):
         """The honest state times ``factor``: finite, but far beyond the norm bound."""
         return await self._exchange(address, f"{factor:g} x norm", self.honest * factor)
 
+    async def send_noise(self, address: str, ratio: float = 30.0) -> Outcome:
+        """Random noise ``ratio`` times as long as the honest state (a fresh draw from
+        ``rng`` each time): finite and within a 100 x norm check, the poison that only a
+        bound on each step, and on the steps' influence, can stop."""
+        noise = torch.randn(self.honest.numel(), generator=torch.Generator().manual_seed(
+            self.rng.getrandbits(63)))
+        noise *= ratio * float(torch.linalg.vector_norm(self.honest)) / float(
+            torch.linalg.vector_norm(noise))
+        return await self._exchange(address, f"noise at {ratio:g} x norm", noise)
+
     async def send_wrong_schema(self, address: str) -> Outcome:
         """An honest offer, then a payload header for another schema (of the same size)."""
         other = StateSchema((TensorSpec("hostile", (self.schema.numel,), "float32"),))
         return await self._stall(address, "wrong schema", other.fingerprint, False)
+
+    async def send_instead_of_header(self, address: str, message: Message) -> Outcome:
+        """Once accepted, ``message`` where our payload's header is due (a ``StateHeader``
+        announcing the wrong size, an ``Offer``, a ``Commit``...), then hang up at once, with
+        the target's payload unread (a reset, typically). What the target makes of it must
+        depend on what we sent, not on how far its own send had got."""
+        offered = await self._offer(address, f"{type(message).__name__} for a header")
+        if isinstance(offered, Outcome):
+            return offered
+        channel, tap, started = offered
+        try:
+            await channel.send_message(message)
+        except GossipError as exc:
+            return Outcome(f"{type(message).__name__} for a header", Reaction.CLOSED, 0.0,
+                           detail=f"{type(exc).__name__}: {exc}")
+        await trio.aclose_forcefully(tap)
+        return Outcome(f"{type(message).__name__} for a header", Reaction.CLOSED,
+                       trio.current_time() - started)
+
+    def header(self, *, nbytes: int | None = None) -> StateHeader:
+        """A header for our payload, announcing ``nbytes`` (the right size by default)."""
+        size = self.schema.encoded_size(self.codec) if nbytes is None else nbytes
+        return StateHeader(self.schema.fingerprint, self.codec, 0, 0, size)
 
     async def slowloris(self, address: str, *, mid_record: bool = True) -> Outcome:
         """Start a payload, then hold the connection: half of the first data record sent
@@ -335,7 +376,7 @@ class HostilePeer(Outsider):
 
     async def _offer(self, address: str, attack: str) -> tuple[SecureChannel, _Tap, float] | Outcome:
         """Offer (again while the target is busy): the accepted channel, or the answer."""
-        for _ in range(BUSY_TRIES):
+        for attempt in range(self.busy_tries):
             channel, tap = await self._connect(address)
             started = trio.current_time()
             answer: Message | GossipError | None = None
@@ -350,7 +391,8 @@ class HostilePeer(Outsider):
             await channel.aclose()
             if not isinstance(answer, Close) or answer.code != Close.BUSY:
                 break
-            await trio.sleep(self.rng.uniform(0.05, 0.25))  # as an honest node backs off
+            if attempt + 1 < self.busy_tries:
+                await trio.sleep(self.rng.uniform(0.05, 0.25))  # as an honest node backs off
         if isinstance(answer, Message):
             return self._verdict(attack, answer, started)
         return Outcome(attack, Reaction.CLOSED if answer else Reaction.HELD,
@@ -384,7 +426,7 @@ class HostilePeer(Outsider):
         if isinstance(offered, Outcome):
             return offered
         channel, tap, _ = offered
-        header = StateHeader(fingerprint, self.codec, 0, 0, self.schema.encoded_size(self.codec))
+        header = replace(self.header(), fingerprint=fingerprint)
         try:
             await channel.send_message(header)
             if half:

@@ -30,7 +30,9 @@ from gossip.tensors import StateSchema, snapshot
 from tests.util import SWARM, Signal
 
 PORT = 7000
-ROUNDS = AveragingConfig(interval=None)  # rounds only when the test asks
+# Rounds only when the test asks, and every member trusted at once (trust_after=0): these
+# tests are about exchanges and the swarm's arithmetic; the newcomer rule has its own.
+ROUNDS = AveragingConfig(interval=None, trust_after=0.0)
 
 
 class Flat(torch.nn.Module):

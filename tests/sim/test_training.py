@@ -43,7 +43,6 @@ loss, and the peer's step as its own.
 
 from __future__ import annotations
 
-import functools
 import random
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
@@ -51,101 +50,26 @@ from typing import AsyncIterator
 
 import pytest
 import torch
-import torch.nn.functional as F
 import trio
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 from trio.testing import MockClock
 
 from gossip.averaging import AveragingConfig
+from gossip.member import MembershipConfig
 from gossip.node import SwarmNode, open_swarm
 from gossip.simnet import SimNetwork
+from tests.sim.digits import BATCH, Trainer, accuracy, digits, held_out_loss, make_model, shards
 from tests.util import SWARM
 
 NODES = 4
 STEPS = 250  # local steps per node: about 24 passes over a shard of 337 images
-BATCH = 32
-LR = 0.1  # at step 0, decayed linearly to 0 at the last step
-MOMENTUM = 0.9
 STEP_TIME = 0.1  # virtual seconds one local step takes
 INTERVAL = 0.5  # virtual seconds between a node's rounds (x U(0.75, 1.25))
 CONFIG = AveragingConfig(interval=INTERVAL)
+# Steps announced at most every virtual second (the default is 30 s, longer than these runs):
+# a joiner takes the step the members announce, bounded by their median.
+MEMBERSHIP = MembershipConfig(meta_interval=1.0)
 TOLERANCE = 2.0  # accuracy points (9 of the 450 test images)
 
-
-
-@dataclass(frozen=True)
-class Digits:
-    x_train: torch.Tensor
-    y_train: torch.Tensor
-    x_test: torch.Tensor
-    y_test: torch.Tensor
-
-
-@functools.lru_cache(maxsize=1)
-def digits() -> Digits:
-    x, y = load_digits(return_X_y=True)
-    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.25, stratify=y,
-                                                        random_state=0)
-    mean, std = x_train.mean(axis=0), x_train.std(axis=0)
-    std[std == 0] = 1.0  # pixels that are blank in every training image
-    as_x = lambda a: torch.tensor((a - mean) / std, dtype=torch.float32)  # noqa: E731
-    as_y = lambda a: torch.tensor(a, dtype=torch.long)  # noqa: E731
-    return Digits(as_x(x_train), as_y(y_train), as_x(x_test), as_y(y_test))
-
-
-def shards(data: Digits, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The training set sorted by label and cut into ``n`` contiguous pieces."""
-    order = torch.argsort(data.y_train, stable=True)
-    return [(data.x_train[part], data.y_train[part]) for part in order.chunk(n)]
-
-
-def make_model(seed: int) -> torch.nn.Module:
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(),
-                                   torch.nn.Linear(64, 10))
-
-
-class Trainer:
-    """SGD on one dataset for ``steps`` steps, batches drawn from epochs shuffled by ``seed``."""
-
-    def __init__(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *,
-                 steps: int, seed: int) -> None:
-        self.model, self.x, self.y = model, x, y
-        self.steps, self.done = steps, 0
-        self.optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-        self._generator = torch.Generator().manual_seed(seed)
-        self._order = torch.empty(0, dtype=torch.long)
-
-    def step(self) -> None:
-        if len(self._order) < BATCH:
-            self._order = torch.randperm(len(self.y), generator=self._generator)
-        batch, self._order = self._order[:BATCH], self._order[BATCH:]
-        for group in self.optimizer.param_groups:
-            group["lr"] = LR * (1 - self.done / self.steps)
-        loss = F.cross_entropy(self.model(self.x[batch]), self.y[batch])
-        self.optimizer.zero_grad()
-        loss.backward()
-        self.optimizer.step()
-        self.done += 1
-
-    def run(self) -> torch.nn.Module:
-        while self.done < self.steps:
-            self.step()
-        return self.model
-
-
-@torch.no_grad()
-def accuracy(model: torch.nn.Module, data: Digits) -> float:
-    """Test accuracy in percent."""
-    return 100.0 * (model(data.x_test).argmax(dim=1) == data.y_test).float().mean().item()
-
-
-@torch.no_grad()
-def held_out_loss(model: torch.nn.Module, data: Digits) -> float:
-    """Mean cross-entropy over the test set."""
-    return F.cross_entropy(model(data.x_test), data.y_test).item()
 
 
 @dataclass(eq=False)
@@ -177,7 +101,8 @@ async def open_trained_swarm(net: SimNetwork, seed: int, *, average_every: int |
             bootstrap = [peers[0].node.address] if peers else []
             node = await stack.enter_async_context(open_swarm(
                 model, SWARM, network=net.host(name), listen=f"{name}:7000",
-                bootstrap=bootstrap, config=config, rng=random.Random(rng.getrandbits(64))))
+                bootstrap=bootstrap, config=config, membership=MEMBERSHIP,
+                rng=random.Random(rng.getrandbits(64))))
             peers.append(Peer(name, node, model))
         with trio.fail_after(30):
             for peer in peers:
@@ -249,10 +174,13 @@ async def test_a_joiner_starts_from_the_swarms_weights(autojump_clock: MockClock
             for mine, theirs in zip(model.state_dict().values(),
                                     source.model.state_dict().values()):
                 assert torch.equal(mine, theirs)
-            # The joiner takes the source's step, which is at least each trainer's own count
-            # (the step is merged as a max on every exchange, so it runs ahead of it).
-            assert joiner.global_step == joiner.downloaded.step == source.node.global_step
-            assert joiner.global_step >= STEPS
+            # The joiner takes the source's step, bounded by the median of the steps the
+            # members announce: the swarm's schedule, within a second of announcements.
+            announced = sorted(m.step for m in joiner.roster.alive(ready=True))
+            median = announced[(len(announced) - 1) // 2]
+            assert joiner.global_step == joiner.downloaded.step == min(
+                source.node.global_step, median)
+            assert joiner.global_step >= STEPS - 2 / STEP_TIME  # two seconds of steps at most
             swarm = [held_out_loss(p.model, data) for p in peers]
             print(f"untrained loss={untrained:.4f} joiner's first={first:.4f} "
                   f"swarm's={[round(loss, 4) for loss in swarm]}")

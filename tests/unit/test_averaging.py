@@ -17,7 +17,11 @@ from gossip import tensors
 from gossip.averaging import AveragingConfig, Exchange, Result
 from gossip.member import MembershipConfig
 from gossip.network import TcpNetwork
+from gossip.messages import MAX_COUNT, Commit, Offer, PushPull
 from gossip.node import SwarmNode, open_swarm
+from gossip.replica import Counters
+from gossip.standing import NEWCOMER_BURST
+from gossip.testing.hostile import HostilePeer, Reaction
 from tests.util import SWARM, Signal
 
 DEADLINE = 60.0  # s for anything on real sockets: generous, the machine may be loaded
@@ -37,6 +41,8 @@ BAD_VALUES = [
     ("max_norm_ratio", 0.0), ("max_norm_ratio", -1.0), ("max_norm_ratio", math.inf),
     ("strikes", 0), ("strikes", "3"),
     ("quarantine", -1.0), ("quarantine", math.inf), ("quarantine", math.nan),
+    ("trust_after", -1.0), ("trust_after", math.inf), ("trust_after", math.nan),
+    ("trust_after", "60"), ("trust_after", None),
     ("offer_timeout", 0.0), ("offer_timeout", math.nan),
     ("transfer_timeout", 0.0), ("transfer_timeout", -5.0),
     ("min_rate", 0.0), ("min_rate", math.inf),
@@ -64,6 +70,7 @@ def test_every_field_has_a_bad_value_in_the_table() -> None:
 @pytest.mark.parametrize("changes", [
     {}, {"interval": None}, {"interval": 0.01}, {"weight": 1.0}, {"weight": 1e-6},
     {"codec": "bf16"}, {"codec": "fp16"}, {"clip": 0.0}, {"quarantine": 0.0},
+    {"trust_after": 0.0},
     {"download_wait": 0.0}, {"clip_window": 1, "clip_min_history": 1},
     {"clip_window": 8, "clip_min_history": 8}, {"start": "own"}, {"start": "download"},
     {"by_samples": True}, {"min_rate": 1}, {"attempts": 1, "strikes": 1},
@@ -121,12 +128,15 @@ async def enter_node(stack: AsyncExitStack, model: torch.nn.Module, config: Aver
 @asynccontextmanager
 async def two_nodes(
     model_a: torch.nn.Module, model_b: torch.nn.Module, config_a: AveragingConfig,
-    config_b: AveragingConfig | None = None, *, seed: int = 0,
+    config_b: AveragingConfig | None = None, *, seed: int = 0, trust_after: float = 0.0,
 ) -> AsyncIterator[tuple[SwarmNode, SwarmNode, Signal]]:
     """A (starts the swarm) and B (joins it with its own state), each seeing the other ready,
-    and a signal that fires when an exchange ends at either."""
-    config_a = dataclasses.replace(config_a, interval=None)
-    config_b = dataclasses.replace(config_b or config_a, interval=None, start="own")
+    and a signal that fires when an exchange ends at either. By default each trusts the
+    other at once (``trust_after=0``): most tests here are about the exchange itself, and
+    the newcomer rule has tests of its own."""
+    config_a = dataclasses.replace(config_a, interval=None, trust_after=trust_after)
+    config_b = dataclasses.replace(config_b or config_a, interval=None, start="own",
+                                   trust_after=trust_after)
     exchanged = Signal()
     async with AsyncExitStack() as stack:
         a = await enter_node(stack, model_a, config_a, [], f"{seed}a", exchanged.fire)
@@ -322,3 +332,132 @@ async def test_every_exchange_is_reported_at_both_ends_as_it_ends() -> None:
             assert refused.initiated and refused.result is Result.REJECTED
             assert refused.distance is None
         assert len(seen["a"]) == len(seen["b"]) == 1
+
+
+# --- who may move us: newcomers, and the step -------------------------------------------
+
+
+async def test_a_young_members_offer_commits_but_moves_only_the_offerer() -> None:
+    model_a, model_b = mlp(20), mlp(21)
+    s_a, s_b = flat(model_a), flat(model_b)
+    # The default trust_after (60 s): B has been in A's table for far less.
+    async with two_nodes(model_a, model_b, AveragingConfig(), trust_after=60.0) as (
+            a, b, exchanged):
+        await exchange(b, a, exchanged)  # B offers: to A, a newcomer
+        a.step()
+        b.step()
+        torch.testing.assert_close(flat(model_a), s_a, rtol=0, atol=0)  # A took nothing
+        torch.testing.assert_close(flat(model_b), (s_a + s_b) / 2)  # B learned from A
+        stats = a.statistics()
+        assert (stats.committed, stats.newcomers, stats.invalid) == (1, 1, 0)
+        assert stats.step == 1 and stats.last_distance == pytest.approx(
+            float(torch.linalg.vector_norm(s_a - s_b)), rel=1e-5)
+        # A's own round: it picked B itself, so B's state counts.
+        s_b = flat(model_b)
+        await exchange(a, b, exchanged)
+        a.step()
+        torch.testing.assert_close(flat(model_a), (s_a + s_b) / 2)
+        assert a.statistics().newcomers == 1
+
+
+async def test_fresh_identities_behind_one_address_move_nothing_and_share_a_budget() -> None:
+    # The attack of the issue: a key holder with a new identity for every offer, offering
+    # again as soon as it is answered, poison 30 times our norm. Each offer is tried once
+    # here (busy_tries=1), so that the budget's answers can be read one by one.
+    model = mlp(22)
+    before = flat(model)
+    config = AveragingConfig(interval=None, start="own")
+    async with AsyncExitStack() as stack:
+        a = await enter_node(stack, model, config, [], "a", lambda _: None)
+        hostile = HostilePeer(SWARM, mlp(23), patience=DEADLINE, rng=random.Random(0),
+                              busy_tries=1)
+
+        async def attack() -> Reaction:
+            hostile.renew()
+            return (await hostile.send_noise(a.address, 30.0)).reaction
+
+        with trio.fail_after(DEADLINE):
+            # The host's saved-up budget, then busy: the budget is the host's, not the
+            # identity's.
+            assert [await attack() for _ in range(NEWCOMER_BURST + 1)] == (
+                [Reaction.ACCEPTED] * NEWCOMER_BURST + [Reaction.BUSY])
+            assert await a.average_now() is Result.NO_PEER  # a round of ours: one more token
+            assert [await attack() for _ in range(2)] == [Reaction.ACCEPTED, Reaction.BUSY]
+        a.step()
+        torch.testing.assert_close(flat(model), before, rtol=0, atol=0)  # moved by nothing
+        stats = a.statistics()
+        assert (stats.committed, stats.newcomers, stats.newcomers_limited) == (
+            NEWCOMER_BURST + 1, NEWCOMER_BURST + 1, 2)
+        assert stats.invalid == 0 and stats.quarantined == 0  # noise within 100x: no strike
+
+
+async def test_a_liars_step_moves_nobody_past_the_median_the_members_announce() -> None:
+    # B claims the largest step there is; C an honest 40. A takes C's 40 from either of
+    # them, and a joiner that downloads takes 40 too, from C, not from the liar: nothing
+    # moves past the lower median of what the others announce.
+    config = AveragingConfig(interval=None, start="own", trust_after=0.0)
+    seen = Signal()
+    peers: list[str] = []
+
+    def record(exchange: Exchange) -> None:
+        if exchange.initiated and exchange.result is Result.COMMITTED:
+            peers.append(exchange.peer)
+        seen.fire()
+
+    async with AsyncExitStack() as stack:
+        a = await enter_node(stack, mlp(24), config, [], "a", record)
+        b = await stack.enter_async_context(open_swarm(
+            mlp(24), SWARM, listen="127.0.0.1:0", network=TcpNetwork(), bootstrap=[a.address],
+            config=config, membership=MEMBERSHIP, rng=random.Random("b"),
+            counters=Counters(MAX_COUNT, 0, 1.0)))
+        c = await stack.enter_async_context(open_swarm(
+            mlp(24), SWARM, listen="127.0.0.1:0", network=TcpNetwork(), bootstrap=[a.address],
+            config=config, membership=MEMBERSHIP, rng=random.Random("c"),
+            counters=Counters(40, 0, 1.0)))
+        with trio.fail_after(DEADLINE):
+            await until(lambda: len(a.roster.alive(ready=True)) == 2, a)
+            while {b.peer_id, c.peer_id} - set(peers):
+                assert await a.average_now() is Result.COMMITTED
+        assert a.global_step == 40 and b.global_step == MAX_COUNT
+        joiner = await stack.enter_async_context(open_swarm(
+            mlp(25), SWARM, listen="127.0.0.1:0", network=TcpNetwork(), bootstrap=[a.address],
+            config=dataclasses.replace(config, start="download"), membership=MEMBERSHIP,
+            rng=random.Random("joiner")))
+        with trio.fail_after(DEADLINE):
+            await joiner.wait_ready()
+        assert joiner.downloaded is not None and joiner.global_step == 40
+        assert joiner.downloaded.peer != b.peer_id  # the liar is the last server tried
+
+
+# --- a bad payload header earns a strike, every time ------------------------------------
+
+TRIES = 50  # per case: the verdict must be the same every time
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["wrong nbytes", "Offer", "Commit", "PushPull"])
+async def test_a_bad_header_is_a_strike_whether_or_not_our_send_had_finished(case: str) -> None:
+    # The peer sends something else where its payload's header is due and hangs up at once,
+    # leaving ours unread: a reset reaches our sender, at a moment that varies from try to
+    # try. A model of 4 MiB keeps our payload in flight when that happens. What the verdict
+    # may depend on is what the peer sent, and it sent a bad header every time: a strike.
+    model = torch.nn.Linear(1024, 1024)
+    config = AveragingConfig(interval=None, start="own")
+    ended = Signal()
+    async with AsyncExitStack() as stack:
+        a = await enter_node(stack, model, config, [], "a", ended.fire)
+        hostile = HostilePeer(SWARM, model, patience=DEADLINE, rng=random.Random(0))
+        schema = a.replica.schema
+        message = {"wrong nbytes": hostile.header(nbytes=12),
+                   "Offer": Offer(schema.fingerprint, "fp32", 0, 0, 0.0),
+                   "Commit": Commit(), "PushPull": PushPull(False, True, ())}[case]
+        with trio.fail_after(DEADLINE * 4):
+            for i in range(TRIES):
+                await a.average_now()  # a round of ours: the newcomer budget earns a token
+                hostile.renew()  # no quarantine, and a fresh channel budget at the roster
+                outcome = await hostile.send_instead_of_header(a.address, message)
+                assert outcome.reaction is Reaction.CLOSED, outcome
+                # The verdict lands as the exchange ends, a moment after the hang-up.
+                await ended.wait_until(lambda: a.statistics().invalid + a.statistics().failed > i)
+                stats = a.statistics()
+                assert (stats.invalid, stats.failed) == (i + 1, 0), (case, i, stats)

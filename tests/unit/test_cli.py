@@ -400,13 +400,13 @@ def status_reply(**changes: Any) -> dict[str, Any]:
     """A reply shaped like daemon/service.py's _Service.status (after a JSON round trip)."""
     reply: dict[str, Any] = {
         "peer": "aaaabbbbccccddddeeeeffffgg", "address": "10.0.0.1:7070", "swarm": "lab",
-        "task": "daemon.tasks.digits:task", "device": "cpu", "version": "0.1.0",
-        "uptime_s": 61.4, "data_dir": "/srv/gossipd",
+        "task": "daemon.tasks.digits:task", "schema": "6b258ea925054d0b695d3dba4bc4c382",
+        "device": "cpu", "version": "0.1.0", "uptime_s": 61.4, "data_dir": "/srv/gossipd",
         # Metrics.sample
         "step": 1200, "samples": 76800, "loss": 0.123456, "samples_per_s": 2048.4,
         "ready": True, "peers": {"alive": 2, "suspect": 1, "dead": 0, "left": 0},
         "exchanges": {"committed": 30, "busy": 2, "rejected": 1, "invalid": 0, "failed": 3,
-                      "no_peer": 4},
+                      "no_peer": 4, "newcomers": 2, "newcomers_limited": 0},
         "bytes": {"sent": 12_300_000, "received": 4_560_000}, "mean_exchange_s": 0.0421,
         "last_distance": 0.5, "pending": 1, "quarantined": 0, "downloads_served": 0,
         "members": [

@@ -130,7 +130,9 @@ def test_samples_per_second_over_the_window(monkeypatch: pytest.MonkeyPatch) -> 
 
 # --- sample() against real nodes on a simulated network --------------------------------------
 
-CONFIG = gossip.AveragingConfig(interval=None)  # rounds only when the test asks
+# Rounds only when the test asks; members trusted at once, so that both sides of an exchange
+# apply it (the newcomer rule has tests of its own in test_averaging).
+CONFIG = gossip.AveragingConfig(interval=None, trust_after=0.0)
 
 
 async def test_sample_of_a_lone_node(autojump_clock: MockClock) -> None:
@@ -316,3 +318,25 @@ def test_a_reader_follows_the_log_and_never_returns_a_partial_line(tmp_path) -> 
         f.write('way"}\n')
     assert [e["event"] for e in reader.read()] == ["halfway"]
     log.close()
+
+
+async def test_sample_counts_newcomers_offers(autojump_clock: MockClock) -> None:
+    # B has been a member of A's table for less than trust_after: its offer commits at A,
+    # and moves A by nothing; A counts it.
+    net = SimNetwork(seed=3)
+    swarm = gossip.Swarm.generate("t")
+    m, told = Metrics(), Signal()
+    young = gossip.AveragingConfig(interval=None, trust_after=60.0)
+    async with gossip.open_swarm(torch.nn.Linear(2, 2), swarm, network=net.host("a"),
+                                 listen="a:7000", config=young, on_exchange=told.fire) as a:
+        async with gossip.open_swarm(torch.nn.Linear(2, 2), swarm, network=net.host("b"),
+                                     listen="b:7000", bootstrap=["a:7000"], config=young) as b:
+            await b.wait_ready()
+            assert await b.average_now() is gossip.Result.COMMITTED
+            await told.wait_until(lambda: a.statistics().committed == 1)
+            snap = m.sample(a)
+            again = m.sample(a)
+    assert snap["exchanges"]["newcomers"] == again["exchanges"]["newcomers"] == 1
+    assert snap["pending"] == 0  # nothing queued: the newcomer's state moved a by nothing
+    assert value(m, "gossip_newcomer_offers_total", outcome="committed") == 1
+    assert value(m, "gossip_newcomer_offers_total", outcome="limited") == 0

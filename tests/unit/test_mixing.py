@@ -17,11 +17,13 @@ from gossip import tensors
 from gossip.mixing import (
     MAX_QUARANTINED, Delta, DeltaHistory, Quarantine, coefficient, make_delta, merged_weight,
 )
+from gossip.standing import Standing
 from gossip.tensors import StateSchema
 
 CHUNK = tensors.REDUCE_CHUNK  # make_delta reduces in chunks of this many elements
 
 NO_CLIP = {"clip": 0.0, "max_norm_ratio": 100.0}
+ANY_NORM = math.inf  # our norm with a history entry, where the norm check is not under test
 
 
 def mlp(seed: int = 0) -> torch.nn.Module:
@@ -173,9 +175,9 @@ def test_history_median_odd_and_even() -> None:
     h = DeltaHistory(window=8, min_history=1)
     assert h.median() is None
     for d in (5.0, 1.0, 3.0):
-        h.add(d)
+        h.add(d, ANY_NORM)
     assert h.median() == 3.0
-    h.add(10.0)
+    h.add(10.0, ANY_NORM)
     assert h.median() == 4.0  # (3 + 5) / 2
     assert len(h) == 4
 
@@ -183,20 +185,20 @@ def test_history_median_odd_and_even() -> None:
 def test_history_forgets_beyond_its_window() -> None:
     h = DeltaHistory(window=3, min_history=1)
     for d in (100.0, 200.0, 300.0, 1.0, 2.0):
-        h.add(d)
+        h.add(d, ANY_NORM)
     assert len(h) == 3
     assert h.median() == 2.0  # of 300, 1, 2: the first two are gone
-    h.add(2.0)
-    h.add(2.0)
+    h.add(2.0, ANY_NORM)
+    h.add(2.0, ANY_NORM)
     assert h.median() == 2.0  # only 2s are left; 300 was evicted, not a duplicate 2
 
 
 def test_history_bound_waits_for_min_history_and_clip_zero_disables() -> None:
     h = DeltaHistory(window=4, min_history=3)
-    h.add(2.0)
-    h.add(4.0)
+    h.add(2.0, ANY_NORM)
+    h.add(4.0, ANY_NORM)
     assert h.bound(5.0) is None
-    h.add(6.0)
+    h.add(6.0, ANY_NORM)
     assert h.bound(5.0) == 20.0
     assert h.bound(0.0) is None
     assert h.bound(-1.0) is None
@@ -206,8 +208,8 @@ def test_a_zero_median_bounds_nothing() -> None:
     # A node that has only met identical states (right after a download, or a swarm at
     # rest) knows no scale for a step; clipping to 0 would freeze it.
     h = DeltaHistory(window=4, min_history=2)
-    h.add(0.0)
-    h.add(0.0)
+    h.add(0.0, ANY_NORM)
+    h.add(0.0, ANY_NORM)
     assert h.bound(5.0) is None
     verdict, delta = make(torch.tensor([3.0, 4.0]), torch.zeros(2), h, c=0.5, clip=5.0)
     assert verdict == Delta(5.0, None, False, 0.5)
@@ -229,7 +231,7 @@ distances = st.one_of(st.integers(0, 5).map(float),  # duplicates matter for the
 def test_history_median_matches_statistics_median(window: int, seq: list[float]) -> None:
     h = DeltaHistory(window=window, min_history=1)
     for i, d in enumerate(seq):
-        h.add(d)
+        h.add(d, ANY_NORM)
         recent = seq[max(0, i + 1 - window) : i + 1]
         assert len(h) == len(recent)
         assert h.median() == statistics.median(recent)
@@ -275,7 +277,7 @@ def test_make_delta_refuses_non_finite_values_anywhere(bad: float, where: int) -
     received = torch.full((BIG,), 2.0)
     received[where] = bad
     history = DeltaHistory(window=8, min_history=1)
-    history.add(1.0)
+    history.add(1.0, ANY_NORM)
     verdict, _ = make(received, own, history)
     assert verdict.refused is not None and "finite" in verdict.refused
     assert math.isnan(verdict.distance)
@@ -317,7 +319,7 @@ def test_make_delta_with_own_norm_zero_does_not_refuse() -> None:
 @pytest.mark.parametrize("c", [0.5, 0.25, 1.0])
 def test_clipping_scales_the_step_to_exactly_the_bound(c: float) -> None:
     history = DeltaHistory(window=8, min_history=1)
-    history.add(2.0)
+    history.add(2.0, ANY_NORM)
     bound = history.bound(3.0)
     assert bound == 6.0
     own = torch.randn(1000, generator=torch.Generator().manual_seed(0))
@@ -330,15 +332,15 @@ def test_clipping_scales_the_step_to_exactly_the_bound(c: float) -> None:
     # Same direction as the raw difference.
     cosine = float(torch.dot(delta, direction) / (delta.norm() * direction.norm()))
     assert cosine > 1 - 1e-5
-    # The raw distance, not the clipped one, entered the history.
+    # The clipped distance, what we accepted, entered the history: not the raw 60.
     assert len(history) == 2
-    assert math.isclose(history.median(), 31.0, rel_tol=1e-6)  # of 2 and 60
+    assert history.median() == 4.0  # of 2 and 6
 
 
 def test_clipping_leaves_a_step_within_the_bound_alone() -> None:
     history = DeltaHistory(window=8, min_history=2)
-    history.add(4.0)
-    history.add(4.0)
+    history.add(4.0, ANY_NORM)
+    history.add(4.0, ANY_NORM)
     verdict, delta = make(torch.tensor([3.0, 4.0]), torch.zeros(2), history, c=0.5, clip=2.0)
     assert verdict == Delta(5.0, None, False, 0.5)
     exact(delta, torch.tensor([1.5, 2.0]))
@@ -346,13 +348,78 @@ def test_clipping_leaves_a_step_within_the_bound_alone() -> None:
 
 def test_no_clipping_before_min_history_or_with_clip_zero() -> None:
     history = DeltaHistory(window=8, min_history=2)
-    history.add(1.0)
+    history.add(1.0, ANY_NORM)
     verdict, delta = make(torch.tensor([30.0, 40.0]), torch.zeros(2), history, c=1.0, clip=1.0)
     assert verdict == Delta(50.0, None, False, 1.0)  # one entry known, two needed
     exact(delta, torch.tensor([30.0, 40.0]))
     verdict, delta = make(torch.tensor([300.0, 400.0]), torch.zeros(2), history, c=1.0, clip=0.0)
     assert verdict == Delta(500.0, None, False, 1.0)  # clip=0: off, however far
     exact(delta, torch.tensor([300.0, 400.0]))
+
+
+def test_poison_in_a_minority_of_the_history_cannot_raise_the_bound() -> None:
+    # The history only hears of exchanges we initiated, to peers picked at random: an
+    # attacker holding a third of the member table fills a third of it, with states as far
+    # away as it likes. The median, and the bound, stay the honest ones.
+    history = DeltaHistory(window=32, min_history=8)
+    for i in range(300):
+        far = i % 3 == 0
+        distance = 1e6 if far else 1.0 + (i % 5) / 10
+        bound = history.bound(5.0)
+        history.add(min(distance, bound) if bound else distance, ANY_NORM)
+    assert history.bound(5.0) is not None and history.bound(5.0) <= 5 * 1.4
+
+
+def test_a_history_all_poison_grows_by_at_most_clip_per_half_window() -> None:
+    # Even a window of nothing but poison raises the bound by a factor ``clip`` per half
+    # window, not to the attacker's distance at once: the entries are what we accepted.
+    history = DeltaHistory(window=32, min_history=8)
+    for _ in range(32):
+        history.add(1.0, ANY_NORM)
+    own = torch.zeros(4)
+    for _ in range(16):
+        verdict = make_delta(torch.full((4,), 5e5), own.clone(), 0.5, history, clip=5.0,
+                             max_norm_ratio=math.inf)
+        assert verdict.clipped
+    assert history.median() == 3.0  # (1 + 5) / 2: sixteen clipped entries of 5 beside 1s
+    assert history.bound(5.0) == 15.0
+
+
+def test_the_norm_reference_is_the_median_of_our_recent_norms_when_smaller() -> None:
+    # An attacker that got our norm pushed up (by accepted steps) must not earn a larger
+    # refusal radius with it: the reference is our norm over the history, at its median.
+    history = DeltaHistory(window=8, min_history=8)
+    for _ in range(8):
+        history.add(1.0, 5.0)  # our norm was 5 at each of the last 8 exchanges
+    assert history.norm_reference(5000.0) == 5.0
+    assert history.norm_reference(2.0) == 2.0  # our norm now, when that is the smaller
+    own = torch.tensor([3000.0, 4000.0])  # norm 5000 now
+    received = own + torch.tensor([0.0, 501.0])  # 501 away: over 100 x 5, under 100 x 5000
+    verdict = make_delta(received, own, 0.5, history, clip=0.0, max_norm_ratio=100.0)
+    assert verdict.refused is not None and "our norm 5" in verdict.refused
+
+
+def test_a_newcomers_state_is_checked_committed_and_moves_us_by_nothing() -> None:
+    history = DeltaHistory(window=8, min_history=1)
+    history.add(1.0, ANY_NORM)
+    own = torch.tensor([3.0, 4.0])
+    verdict = make_delta(torch.tensor([30.0, 40.0]), own, 0.5, history, clip=5.0,
+                         max_norm_ratio=100.0, standing=Standing.NEWCOMER)
+    assert verdict == Delta(math.sqrt(27.0**2 + 36.0**2), None, False, 0.0)
+    assert len(history) == 1  # a newcomer's distance is not ours to learn the scale from
+    bad = make_delta(torch.tensor([math.nan, 0.0]), own, 0.5, history, clip=5.0,
+                     max_norm_ratio=100.0, standing=Standing.NEWCOMER)
+    assert bad.refused is not None  # still a strike: the checks run for everyone
+
+
+def test_a_member_is_clipped_like_a_chosen_peer_but_does_not_feed_the_history() -> None:
+    history = DeltaHistory(window=8, min_history=1)
+    history.add(2.0, ANY_NORM)
+    received = torch.tensor([60.0, 0.0])
+    verdict = make_delta(received, torch.zeros(2), 0.5, history, clip=3.0,
+                         max_norm_ratio=100.0, standing=Standing.MEMBER)
+    assert verdict.clipped and math.isclose(verdict.scale, 0.5 * 6.0 / 60.0)
+    assert len(history) == 1
 
 
 def test_make_delta_over_several_chunks() -> None:

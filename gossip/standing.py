@@ -1,0 +1,158 @@
+"""How much a peer's state may move this node: its standing, and the newcomers' budget. Pure.
+
+Theory of operation
+-------------------
+Anyone who holds the swarm key can mint identities, so a node cannot take "a peer I have not
+barred" to mean "a peer I can trust": a key holder with a fresh identity for every offer is
+never barred. What an identity cannot fake is *time* and *our own choice*. An exchange has one
+of three standings:
+
+* ``CHOSEN``: we made the offer, to a peer we picked at random among the alive, ready members
+  (:func:`pick`). An attacker's share of these is its share of the member table's hosts,
+  whatever its offer rate. Its state is applied within the clip bound, and its distance (clipped) feeds
+  the history the bound comes from (:class:`~gossip.mixing.DeltaHistory`), which is why the
+  bound cannot be driven by offers.
+* ``MEMBER``: it offered, and it has been an alive member of our table for at least
+  ``trust_after`` seconds without interruption. Applied within the clip bound; its distance
+  does not enter the history.
+* ``NEWCOMER``: it offered, and it is not in our table or joined it less than ``trust_after``
+  ago. The exchange runs and commits as any other (the checks, the strikes and the peer's
+  benefit are unchanged: it learns from us), but *we apply nothing*: its state moves us by
+  zero. Fresh identities therefore buy no influence at all. An honest newcomer still counts:
+  the members that pick it for their own rounds apply its state as ``CHOSEN``, and after
+  ``trust_after`` its own offers count too.
+
+A newcomer still takes our one exchange slot for the length of an exchange, and identities
+cost nothing, so newcomers' offers are also rate-limited *by source host*, across identities
+(:class:`NewcomerBudget`): one token per round this node starts, at most
+:data:`NEWCOMER_BURST` saved, so the newcomers behind one address get at most as many
+exchanges with us as one honest node that picked us every round. A newcomer over the budget
+is answered busy ("later"), not refused. Members are not limited here (the roster's per-peer
+channel rate limit still applies to everyone).
+
+Hosts, not identities, are also what counts where the member table decides (:func:`pick`,
+:func:`step_ceiling`): a peer for our rounds is a host chosen uniformly, then one of its
+members, and the step ceiling is a median over hosts. Identities cost nothing and addresses
+do, so a key holder who fills the table with identities on one address weighs as one host.
+(Addresses and steps in the table are claims, not proofs: a claimed address that is not the
+claimant's leads to exchanges that fail to connect, not to poison, but a claimed step counts
+towards the ceiling until the member is found dead. PROTOCOL.md section 12 says what that
+leaves a liar.)
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import random
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+from .address import parse_address
+from .member import Member
+
+__all__ = ["Standing", "standing", "pick", "step_ceiling", "NewcomerBudget", "NEWCOMER_BURST",
+           "MAX_HOSTS"]
+
+NEWCOMER_BURST = 2  # newcomer exchanges one host may have saved up
+MAX_HOSTS = 4096  # hosts whose budget is remembered; the one seen longest ago goes first
+
+
+class Standing(enum.Enum):
+    """How far a received state may move us (see the module docstring)."""
+
+    CHOSEN = "chosen"
+    MEMBER = "member"
+    NEWCOMER = "newcomer"
+
+
+def standing(initiated: bool, alive_since: float | None, now: float,
+             trust_after: float) -> Standing:
+    """The standing of one exchange.
+
+    Args:
+        initiated: we made the offer (to a member we picked).
+        alive_since: since when the peer has been alive in our member table without a
+            break, or None if it is not alive there.
+        now: the current time.
+        trust_after: seconds a member must have been alive for its offers to count.
+    """
+    if initiated:
+        return Standing.CHOSEN
+    if alive_since is not None and now - alive_since >= trust_after:
+        return Standing.MEMBER
+    return Standing.NEWCOMER
+
+
+def by_host(members: Iterable[Member]) -> list[list[Member]]:
+    """``members`` grouped by the host part of their address, hosts in first-seen order."""
+    groups: dict[str, list[Member]] = {}
+    for member in members:
+        groups.setdefault(_host(member.address), []).append(member)
+    return list(groups.values())
+
+
+@functools.lru_cache(maxsize=MAX_HOSTS)
+def _host(address: str) -> str:
+    # Every round and every commit groups the whole member table: parse each address once.
+    return parse_address(address)[0]
+
+
+def pick(members: Sequence[Member], rng: random.Random) -> Member | None:
+    """A member for a round: a host uniformly among the hosts of ``members``, then one of
+    its members uniformly; None if there are none. With one member per host (the usual
+    swarm) this is a uniform choice among members."""
+    hosts = by_host(members)
+    return rng.choice(rng.choice(hosts)) if hosts else None
+
+
+def step_ceiling(members: Iterable[Member]) -> int:
+    """The highest step one exchange or one download may give this node: the lower median,
+    over the hosts of ``members`` (the other alive, ready members), of each host's lower
+    median announced step; 0 if there are none (then the step does not move).
+
+    A max would let one liar move everyone's learning-rate schedule to its end; the lower
+    median cannot pass an honest host's step while at least half of the hosts are honest.
+    No slack is added for honest progress: a slack compounds (nodes raised by it announce
+    it, which raises the median by it again), and the median alone lets a node that lags
+    catch up with the majority, which is what lining schedules up needs.
+    """
+    return _lower_median([_lower_median([m.step for m in group]) for group in by_host(members)])
+
+
+def _lower_median(values: list[int]) -> int:
+    if not values:
+        return 0
+    return sorted(values)[(len(values) - 1) // 2]
+
+
+class NewcomerBudget:
+    """Token buckets keyed by source host, refilled by one token per round of ours.
+
+    Counting in rounds rather than seconds ties the budget to this node's own pace, whatever
+    it is (a node that starts no rounds of its own lends newcomers only their first
+    :data:`NEWCOMER_BURST` exchanges, until they have been members for ``trust_after``).
+    A host the table forgot starts again with a full bucket.
+    """
+
+    def __init__(self, burst: int = NEWCOMER_BURST, max_hosts: int = MAX_HOSTS) -> None:
+        if burst < 1 or max_hosts < 1:
+            raise ValueError("need burst >= 1 and max_hosts >= 1")
+        self._burst = burst
+        self._max_hosts = max_hosts
+        self._round = 0
+        self._buckets: OrderedDict[str, tuple[int, int]] = OrderedDict()  # tokens, at round
+
+    def round(self) -> None:
+        """This node started a round: every host earns a token."""
+        self._round += 1
+
+    def allow(self, host: str) -> bool:
+        """Whether a newcomer from ``host`` may have an exchange now (spends a token if so)."""
+        tokens, then = self._buckets.pop(host, (self._burst, self._round))
+        tokens = min(self._burst, tokens + self._round - then)
+        allowed = tokens >= 1
+        self._buckets[host] = (tokens - allowed, self._round)
+        if len(self._buckets) > self._max_hosts:
+            self._buckets.popitem(last=False)
+        return allowed

@@ -1,0 +1,114 @@
+"""Tests for gossip.standing: which exchanges may move us, by how much, the newcomers' budget,
+and the member table counted by host. Pure."""
+
+from __future__ import annotations
+
+import collections
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gossip.identity import PeerId
+from gossip.member import Member, State
+from gossip.messages import MAX_COUNT
+from gossip.standing import NEWCOMER_BURST, NewcomerBudget, Standing, pick, standing, step_ceiling
+
+def member(i: int, host: str, step: int = 0) -> Member:
+    return Member(PeerId(f"{i:026d}"), f"{host}:7070", 1, State.ALIVE, 1, step, True, 0.0)
+
+
+def members(steps_by_host: list[tuple[str, int]]) -> list[Member]:
+    return [member(i, host, step) for i, (host, step) in enumerate(steps_by_host)]
+
+
+@pytest.mark.parametrize("initiated, since, now, expected", [
+    (True, None, 0.0, Standing.CHOSEN),  # our own pick: never a stranger's offer
+    (True, 99.0, 100.0, Standing.CHOSEN),
+    (False, None, 1000.0, Standing.NEWCOMER),  # not alive in our table at all
+    (False, 50.0, 100.0, Standing.NEWCOMER),  # alive for 50 s of the 60 needed
+    (False, 40.0, 100.0, Standing.MEMBER),  # exactly 60 s
+    (False, 0.0, 100.0, Standing.MEMBER),
+], ids=repr)
+def test_standing(initiated: bool, since: float | None, now: float, expected: Standing) -> None:
+    assert standing(initiated, since, now, trust_after=60.0) is expected
+
+
+def test_trust_after_zero_trusts_every_alive_member_at_once() -> None:
+    assert standing(False, 100.0, 100.0, trust_after=0.0) is Standing.MEMBER
+    assert standing(False, None, 100.0, trust_after=0.0) is Standing.NEWCOMER
+
+
+def test_newcomers_of_one_host_share_a_burst_then_one_exchange_per_round() -> None:
+    budget = NewcomerBudget()
+    assert [budget.allow("10.0.0.9") for _ in range(NEWCOMER_BURST + 1)] == (
+        [True] * NEWCOMER_BURST + [False])
+    assert budget.allow("10.0.0.8")  # another host has its own bucket
+    budget.round()
+    assert budget.allow("10.0.0.9")
+    assert not budget.allow("10.0.0.9")
+    for _ in range(10):  # rounds while nobody asks save up to the burst, no more
+        budget.round()
+    assert [budget.allow("10.0.0.9") for _ in range(NEWCOMER_BURST + 1)] == (
+        [True] * NEWCOMER_BURST + [False])
+
+
+def test_the_budget_table_is_bounded_and_forgets_the_host_seen_longest_ago() -> None:
+    budget = NewcomerBudget(burst=1, max_hosts=3)
+    for host in ("a", "b", "c"):
+        assert budget.allow(host)
+    assert not budget.allow("a")  # "a" is now the most recent, "b" the oldest
+    assert budget.allow("d")  # a fourth host: "b" is forgotten
+    assert budget.allow("b")  # forgotten means a full bucket again
+    assert not budget.allow("a")
+
+
+@pytest.mark.parametrize("burst, hosts", [(0, 1), (1, 0)])
+def test_the_budget_refuses_bad_sizes(burst: int, hosts: int) -> None:
+    with pytest.raises(ValueError):
+        NewcomerBudget(burst, hosts)
+
+
+# --- step_ceiling ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("announced, ceiling", [
+    ([], 0), ([7], 7), ([3, 9], 3), ([5, 1, 9], 5), ([4, 1, 9, 8], 4),
+    ([100, 101, 99, MAX_COUNT], 100), ([100, MAX_COUNT, MAX_COUNT], MAX_COUNT),
+], ids=repr)
+def test_step_ceiling_is_the_lower_median_with_a_member_per_host(announced: list[int],
+                                                                   ceiling: int) -> None:
+    assert step_ceiling(members([(f"10.0.0.{i}", s) for i, s in enumerate(announced)])) == ceiling
+
+
+def test_step_ceiling_counts_a_host_once_however_many_identities_it_has() -> None:
+    # Three honest hosts near step 100; one host announcing forty liars at the largest step.
+    table = members([("10.0.0.1", 100), ("10.0.0.2", 102), ("10.0.0.3", 98)]
+                    + [("10.6.6.6", MAX_COUNT)] * 40)
+    assert step_ceiling(table) == 100
+    # Nodes that share a host (one machine, or 127.0.0.1 in tests) are one host's median.
+    assert step_ceiling(members([("127.0.0.1", 5), ("127.0.0.1", 9), ("127.0.0.1", 7)])) == 7
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 10**6), min_size=1, max_size=20), st.data())
+def test_liar_hosts_fewer_than_the_honest_cannot_lift_the_ceiling(honest: list[int], data) -> None:
+    liars = data.draw(st.lists(st.lists(st.integers(0, MAX_COUNT), min_size=1, max_size=5),
+                               max_size=len(honest)))
+    table = [("honest%d" % i, s) for i, s in enumerate(honest)]
+    table += [("liar%d" % i, s) for i, group in enumerate(liars) for s in group]
+    assert step_ceiling(members(table)) <= max(honest)
+
+
+# --- pick -------------------------------------------------------------------------------
+
+
+def test_pick_chooses_a_host_then_a_member_of_it() -> None:
+    rng = random.Random(1)
+    table = members([("10.0.0.1", 0), ("10.0.0.2", 0)] + [("10.6.6.6", 0)] * 20)
+    hosts = collections.Counter(pick(table, rng).address for _ in range(3000))
+    # A third each, not 20/22 for the host with twenty identities.
+    for count in hosts.values():
+        assert 850 < count < 1150, hosts
+    assert pick([], rng) is None
