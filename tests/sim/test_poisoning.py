@@ -10,7 +10,7 @@ model's norm (within the 100x norm check, so never refused). The same swarm, fro
 seeds, also runs without the attacker, in the same test.
 
 The claims (issue: fresh identities must not poison a model): every honest node's accuracy
-ends within :data:`TOLERANCE` points of the same node's in the unattacked run; no honest node
+ends within :data:`TOLERANCE` points of the unattacked run's (its nodes' mean); no honest node
 quarantines another; and no honest model's norm ever goes past the largest an unattacked one
 reaches by more than a few percent (the largest is printed: before the attack was bounded, it
 went from 30 to 587,225 in 40 offers).
@@ -36,9 +36,9 @@ from tests.sim.digits import BATCH, Trainer, accuracy, digits, make_model, shard
 from tests.util import SWARM
 
 NODES = 8
-# The issue's run is 30 virtual minutes (POISONING_MINUTES=30: about 4 minutes of CPU for the
-# two swarms); the suite runs 5, which is past the point where the unattacked nodes agree.
-MINUTES = float(os.environ.get("POISONING_MINUTES", "5"))
+# The issue's run is 30 virtual minutes (POISONING_MINUTES=30: minutes of CPU for the two
+# swarms); the suite runs 3, past the point where the unattacked nodes agree.
+MINUTES = float(os.environ.get("POISONING_MINUTES", "3"))
 STEP_TIME = 1.0  # virtual seconds per local step
 STEPS = int(MINUTES * 60 / STEP_TIME)
 RATIO = 30.0  # the poison's norm, in honest norms
@@ -120,7 +120,11 @@ async def test_fresh_identities_do_not_poison_a_training_swarm(autojump_clock: M
           f"(with newcomers {attacked.newcomers}) attacks "
           f"{ {r.value: n for r, n in attacked.attacks.items()} }")
     assert attacked.attacks.get(Reaction.ACCEPTED, 0) > 100  # the poison really was taken
-    for mine, unattacked in zip(attacked.accuracies, calm.accuracies):
+    # Within a point of the unattacked run, whose nodes agree to about half a point among
+    # themselves: which of two offers wins a race is not seeded (trio's scheduling), and the
+    # attacker's exchanges change which races happen, not the models.
+    unattacked = sum(calm.accuracies) / len(calm.accuracies)
+    for mine in attacked.accuracies:
         assert abs(mine - unattacked) <= TOLERANCE, (attacked.accuracies, calm.accuracies)
     assert attacked.quarantined == calm.quarantined == 0
     assert attacked.largest_norm <= 1.05 * calm.largest_norm
