@@ -326,8 +326,8 @@ class AveragingSection(_Section):
                           AT_LEAST_1)
     quarantine: float = _field(600.0, "s a quarantined peer is left alone (>= 0)", NON_NEGATIVE)
     trust_after: float = _field(10.0, "s a peer must have been an alive member before its offers "
-                                "move our model; until then they commit but move it by nothing "
-                                "(>= 0)", NON_NEGATIVE)
+                                "move our model (unless we picked it before); until then they "
+                                "commit but move it by nothing (>= 0)", NON_NEGATIVE)
     start: str = _field("auto", "first weights: auto (download if a ready peer exists, else "
                         "own), own or download", _one_of("auto", "own", "download"))
     download_wait: float = _field(5.0, "s; with start = auto, how long to look for a ready peer "

@@ -67,9 +67,10 @@ class Metrics:
                                "max_handshakes_per_host (an unproven one evicted), peer_rate",
                                ["limit"], registry=r)
         self.newcomers = Counter("gossip_newcomer_offers", "Offers from newcomers (peers not "
-                                 "yet members for averaging.trust_after): committed (their state "
-                                 "moved us by nothing) or limited (answered busy: the newcomers "
-                                 "of their host had had their share)", ["outcome"], registry=r)
+                                 "members for averaging.trust_after, nor picked by us before): "
+                                 "committed (their state moved us by nothing) or limited "
+                                 "(answered busy: the newcomers of their host had had their "
+                                 "share)", ["outcome"], registry=r)
         self.evaluation = Gauge("gossip_eval", "The task's latest evaluation, by metric "
                                 "(task.eval_every, and at exit)", ["metric"], registry=r)
         self.checkpoints = Counter("gossip_checkpoints", "Checkpoints written", registry=r)

@@ -35,8 +35,8 @@ A peer whose payload fails the checks gets a strike; ``strikes`` in a row quaran
 ``quarantine`` seconds: we neither offer to it nor accept its offers. A peer whose schema,
 codec or mixing mode differs from ours is quarantined at once (it cannot be averaged with).
 How far a received state may move us depends on the exchange's standing
-(:mod:`gossip.standing`): a peer we chose, or a member of ``trust_after`` seconds' standing,
-moves us within the clip bound; a newcomer's offer commits but moves us by nothing, and the
+(:mod:`gossip.standing`): a peer we chose, or one with a record (a member for
+``trust_after`` seconds, or one we chose before), moves us within the clip bound; a newcomer's offer commits but moves us by nothing, and the
 newcomers behind one source host share a budget of one exchange per round of ours.
 
 On a commit a node takes the peer's step if it is ahead, but never past the lower median of
@@ -75,7 +75,7 @@ from .mixing import DeltaHistory, Quarantine, coefficient, make_delta, merged_we
 from .network import Network
 from .replica import Counters, Replica, offload
 from .roster import Roster
-from .standing import NewcomerBudget, Standing, pick, standing, step_ceiling
+from .standing import NewcomerBudget, Records, Standing, pick, standing, step_ceiling
 from .tensors import CODECS
 from .transfer import receive_state, send_state
 
@@ -106,7 +106,7 @@ class AveragingConfig:
     max_norm_ratio: float = 100.0  # refuse a state farther from ours than this x our norm
     strikes: int = 3  # refused payloads in a row that quarantine a peer
     quarantine: float = 600.0  # how long a quarantine lasts
-    trust_after: float = 10.0  # s a member must be alive for its offers to move us (gossip.standing)
+    trust_after: float = 10.0  # s alive before its offers move us, if we never picked it (standing)
     offer_timeout: float = 5.0  # from sending Offer to its answer
     transfer_timeout: float = 10.0  # both payloads: this + encoded bytes / min_rate
     min_rate: float = 1e6  # bytes/s the slowest link we accept moves (100 MB: 110 s)
@@ -249,6 +249,7 @@ class Averaging:
         self._history = DeltaHistory(config.clip_window, config.clip_min_history)
         self._quarantine = Quarantine(config.strikes, config.quarantine)
         self._newcomers = NewcomerBudget()
+        self._records = Records()
         self._tally = _Tally()
         self.ready = trio.Event()
         self._nbytes = replica.schema.encoded_size(config.codec)
@@ -502,6 +503,8 @@ class Averaging:
             if not handed_over:
                 self.replica.release(theirs)
         self._quarantine.clear(peer)
+        if rank is Standing.CHOSEN:
+            self._records.add(peer)
         now = trio.current_time()
         t = self._tally
         t.results[Result.COMMITTED] += 1
@@ -527,7 +530,8 @@ class Averaging:
         """The standing of an offer from ``peer``: a member's, or a newcomer's."""
         member = self._roster.get(peer)
         since = member.since if member is not None and member.state is State.ALIVE else None
-        return standing(False, since, trio.current_time(), self.config.trust_after)
+        return standing(False, since, trio.current_time(), self.config.trust_after,
+                        chosen_before=peer in self._records)
 
     def _step_ceiling(self) -> int:
         return step_ceiling(self._roster.alive(ready=True))

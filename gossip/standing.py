@@ -12,11 +12,13 @@ of three standings:
   whatever its offer rate. Its state is applied within the clip bound, and its distance (clipped) feeds
   the history the bound comes from (:class:`~gossip.mixing.DeltaHistory`), which is why the
   bound cannot be driven by offers.
-* ``MEMBER``: it offered, and it has been an alive member of our table for at least
-  ``trust_after`` seconds without interruption. Applied within the clip bound; its distance
-  does not enter the history.
-* ``NEWCOMER``: it offered, and it is not in our table or joined it less than ``trust_after``
-  ago. The exchange runs and commits as any other (the checks, the strikes and the peer's
+* ``MEMBER``: it offered, and it has a record with us: it has been an alive member of our
+  table for at least ``trust_after`` seconds without interruption, or we once picked it for a
+  round of ours and committed (:class:`Records`; a swarm that starts together has most of
+  these within a few rounds, long before ``trust_after``). Applied within the clip bound; its
+  distance does not enter the history.
+* ``NEWCOMER``: it offered, and it has no record: it is not in our table or joined it less
+  than ``trust_after`` ago, and we never picked it. The exchange runs and commits as any other (the checks, the strikes and the peer's
   benefit are unchanged: it learns from us), but *we apply nothing*: its state moves us by
   zero. Fresh identities therefore buy no influence at all. An honest newcomer still counts:
   the members that pick it for their own rounds apply its state as ``CHOSEN``, and after
@@ -51,11 +53,12 @@ from collections.abc import Iterable, Sequence
 from .address import parse_address
 from .member import Member
 
-__all__ = ["Standing", "standing", "pick", "step_ceiling", "NewcomerBudget", "NEWCOMER_BURST",
-           "MAX_HOSTS"]
+__all__ = ["Standing", "standing", "Records", "pick", "step_ceiling", "NewcomerBudget",
+           "NEWCOMER_BURST", "MAX_HOSTS", "MAX_RECORDS"]
 
 NEWCOMER_BURST = 2  # newcomer exchanges one host may have saved up
 MAX_HOSTS = 4096  # hosts whose budget is remembered; the one seen longest ago goes first
+MAX_RECORDS = 4096  # peers whose record is remembered; the one recorded longest ago goes first
 
 
 class Standing(enum.Enum):
@@ -66,8 +69,8 @@ class Standing(enum.Enum):
     NEWCOMER = "newcomer"
 
 
-def standing(initiated: bool, alive_since: float | None, now: float,
-             trust_after: float) -> Standing:
+def standing(initiated: bool, alive_since: float | None, now: float, trust_after: float, *,
+             chosen_before: bool = False) -> Standing:
     """The standing of one exchange.
 
     Args:
@@ -76,12 +79,31 @@ def standing(initiated: bool, alive_since: float | None, now: float,
             break, or None if it is not alive there.
         now: the current time.
         trust_after: seconds a member must have been alive for its offers to count.
+        chosen_before: we once picked the peer for a round and committed with it.
     """
     if initiated:
         return Standing.CHOSEN
-    if alive_since is not None and now - alive_since >= trust_after:
+    if chosen_before or alive_since is not None and now - alive_since >= trust_after:
         return Standing.MEMBER
     return Standing.NEWCOMER
+
+
+class Records:
+    """The peers we picked for a round of ours and committed with, the newest
+    :data:`MAX_RECORDS` of them: a record no identity can give itself."""
+
+    def __init__(self, max_peers: int = MAX_RECORDS) -> None:
+        self._max = max_peers
+        self._peers: OrderedDict[str, None] = OrderedDict()
+
+    def add(self, peer: str) -> None:
+        self._peers.pop(peer, None)
+        self._peers[peer] = None
+        if len(self._peers) > self._max:
+            self._peers.popitem(last=False)
+
+    def __contains__(self, peer: object) -> bool:
+        return peer in self._peers
 
 
 def by_host(members: Iterable[Member]) -> list[list[Member]]:

@@ -352,9 +352,17 @@ async def test_a_young_members_offer_commits_but_moves_only_the_offerer() -> Non
         assert (stats.committed, stats.newcomers, stats.invalid) == (1, 1, 0)
         assert stats.step == 1 and stats.last_distance == pytest.approx(
             float(torch.linalg.vector_norm(s_a - s_b)), rel=1e-5)
-        # A's own round: it picked B itself, so B's state counts.
+        # A's own round: it picked B itself, so B's state counts ...
         s_b = flat(model_b)
         await exchange(a, b, exchanged)
+        a.step()
+        b.step()
+        torch.testing.assert_close(flat(model_a), (s_a + s_b) / 2)
+        # ... and from then on B has a record with A: its own offers count too.
+        with torch.no_grad():
+            model_b[0].bias.add_(1.0)
+        s_a, s_b = flat(model_a), flat(model_b)
+        await exchange(b, a, exchanged)
         a.step()
         torch.testing.assert_close(flat(model_a), (s_a + s_b) / 2)
         assert a.statistics().newcomers == 1

@@ -13,7 +13,9 @@ from hypothesis import strategies as st
 from gossip.identity import PeerId
 from gossip.member import Member, State
 from gossip.messages import MAX_COUNT
-from gossip.standing import NEWCOMER_BURST, NewcomerBudget, Standing, pick, standing, step_ceiling
+from gossip.standing import (
+    NEWCOMER_BURST, NewcomerBudget, Records, Standing, pick, standing, step_ceiling,
+)
 
 def member(i: int, host: str, step: int = 0) -> Member:
     return Member(PeerId(f"{i:026d}"), f"{host}:7070", 1, State.ALIVE, 1, step, True, 0.0)
@@ -112,3 +114,15 @@ def test_pick_chooses_a_host_then_a_member_of_it() -> None:
     for count in hosts.values():
         assert 850 < count < 1150, hosts
     assert pick([], rng) is None
+
+
+def test_a_peer_we_chose_before_has_a_record_at_once() -> None:
+    assert standing(False, 99.0, 100.0, trust_after=60.0, chosen_before=True) is Standing.MEMBER
+    assert standing(False, None, 100.0, trust_after=60.0, chosen_before=True) is Standing.MEMBER
+
+
+def test_records_are_bounded_and_forget_the_oldest() -> None:
+    records = Records(max_peers=2)
+    for peer in ("a", "b", "a", "c"):  # "a" again: the newest, so "b" goes first
+        records.add(peer)
+    assert "a" in records and "c" in records and "b" not in records
