@@ -43,10 +43,10 @@ from .errors import AveragingFailed, GossipError, PeerTimeout, RemoteProtocolErr
 from .handshake import Swarm
 from .identity import Identity, PeerId
 from .member import Member
-from .standing import step_ceiling
 from .messages import MAX_META, Close, StateInfo, StateRequest
 from .network import Network
 from .replica import Replica, offload
+from .standing import step_ceiling
 from .tensors import all_finite
 from .transfer import receive_state, send_state
 from .wire import MAX_DEPTH

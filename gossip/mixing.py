@@ -41,7 +41,7 @@ Trusting a payload (:func:`make_delta`), in order:
 
 The history is what keeps the bound from growing under attack. It holds the distances of the
 last ``clip_window`` exchanges *we initiated*, to a peer we picked at random (an attacker's
-share of them is its share of the member table, not its offer rate), and each enters
+share of them is its share of the member table's hosts, not its offer rate), and each enters
 *clipped* (what we accepted, not what was sent), so even a window full of poison cannot raise
 the median by more than a factor ``clip`` per half window, and a minority of poisoned entries
 cannot raise it at all. A swarm whose spread really grows (two halves of a healed partition)
