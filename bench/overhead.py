@@ -14,8 +14,8 @@ metrics logs (``metrics.jsonl``), never their log text.
   on each side: the overhead ratio is the median over rounds of B's steps/s over the mean of
   its two A's, which cancels a slow drift in the machine's speed. Steps/s come from the
   trainer's ``progress`` events, one per chunk of steps (``task.progress_every = 1``). Their
-  ``step`` is merged as a max across the swarm, but the idle peer steps slower than the
-  trainer so it stays the trainer's own; the bench checks this (each ``metrics`` event's
+  ``step`` is raised to a peer's (up to the members' median), but the idle peer steps slower
+  than the trainer so it stays the trainer's own; the bench checks this (each ``metrics`` event's
   step x batch size must equal its local ``samples``) and else counts those samples.
   Training time lost per exchange is (1 - ratio) x the B phases' length / their exchanges;
   the bench also compares the trainer's chunks (0.25 s each) that overlap an exchange with

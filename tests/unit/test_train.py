@@ -167,7 +167,7 @@ def test_chunk_applies_pending_deltas() -> None:
     assert chunk.applied == 1
     assert replica.pending == 0
     assert torch.allclose(flat(task.model, replica), before + 0.5 * delta)
-    assert node.global_step == 40  # the peer's step, merged as a max
+    assert node.global_step == 40  # the step the replica was given (bounded by its caller)
 
 
 def test_chunk_applies_deltas_queued_meanwhile_after_its_steps() -> None:
