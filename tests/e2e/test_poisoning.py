@@ -62,11 +62,12 @@ def largest_norm(d: Daemon) -> float:
     return max(norms)
 
 
-def pair(swarm: DaemonSwarm, name: str) -> list[Daemon]:
-    first = swarm.add(f"{name}1", settings=SETTINGS).start()
-    wait_for(lambda: first.last("start"), START, [first], f"{name}1 to start")
-    second = swarm.add(f"{name}2", bootstrap=[first], settings=SETTINGS).start()
-    return [first, second]
+def pairs(*swarms: DaemonSwarm) -> list[list[Daemon]]:
+    """Two daemons in each swarm, the swarms started side by side."""
+    firsts = [swarm.add(f"{swarm.name}1", settings=SETTINGS).start() for swarm in swarms]
+    wait_for(lambda: all(d.last("start") for d in firsts), START, firsts, "the first nodes")
+    return [[first, swarm.add(f"{swarm.name}2", bootstrap=[first], settings=SETTINGS).start()]
+            for swarm, first in zip(swarms, firsts)]
 
 
 async def attack(key: SwarmKey, targets: list[str], seconds: float) -> dict[Reaction, int]:
@@ -82,8 +83,8 @@ async def attack(key: SwarmKey, targets: list[str], seconds: float) -> dict[Reac
 
 
 def test_fresh_identities_do_not_poison_real_daemons(tmp_path: Path) -> None:
-    with DaemonSwarm(tmp_path / "attacked") as attacked, DaemonSwarm(tmp_path / "calm") as calm:
-        targets, others = pair(attacked, "a"), pair(calm, "c")
+    with DaemonSwarm(tmp_path, "attacked") as attacked, DaemonSwarm(tmp_path, "calm") as calm:
+        targets, others = pairs(attacked, calm)
         everyone = targets + others
         wait_for(lambda: all((d.last("eval") or {}).get("accuracy", 0) > 0.9 for d in everyone),
                  120, everyone, "every node to learn")
