@@ -8,7 +8,7 @@ alike. The parent process (which imports no torch) starts the workers and relays
 messages; it measures nothing itself.
 
 * exchange fp32 / bf16: each worker opens a node per codec, ``open_swarm(model, ...,
-  config=AveragingConfig(interval=None, codec=..., start="own"))``, one swarm per codec; *b*
+  config=AveragingConfig(every=None, interval=None, codec=..., start="own"))``, one swarm per codec; *b*
   bootstraps to *a*, and both wait until each sees the other alive and ready. *a* times
   ``await node.average_now()``, which must return ``COMMITTED``: connect, Noise handshake,
   Offer/Accept, both snapshots, both 100 MB payloads at once (encrypted, 1 MiB records), the
@@ -345,7 +345,7 @@ class Bench:
     async def open_node(self, stack: AsyncExitStack, codec: str, bootstrap: str | None):
         from gossip import AveragingConfig, Swarm, open_swarm
 
-        config = AveragingConfig(interval=None, codec=codec, start="own")
+        config = AveragingConfig(every=None, interval=None, codec=codec, start="own")
         node = await stack.enter_async_context(open_swarm(
             self.model, Swarm(f"bench-{codec}", self.key), listen="127.0.0.1:0",
             bootstrap=[bootstrap] if bootstrap else [], config=config))

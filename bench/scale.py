@@ -12,7 +12,7 @@ is only the CPU work of N nodes in one process.
   spread ||w_i - mean|| / ||mean|| is about 1 (about 1.1 for the farthest node).
 * Membership first: the nodes join through node 0 (membership's LAN profile, as a daemon
   runs it) and the bench waits until every node sees every other alive and ready (no
-  exchange happens before: ``interval=None``).
+  exchange happens before: ``every=None, interval=None``).
 * Round: one averaging interval (INTERVAL virtual seconds). Each node runs the daemon's
   timer, as ``Averaging.run`` does: its first round at a uniform random instant in the first
   interval, then ``average_now()`` (up to 3 peers tried, a randomized backoff after a BUSY or
@@ -90,7 +90,7 @@ JOIN_LIMIT = 600.0  # virtual s the join may take
 THEORY_MATCHING = math.log2(1 / TARGET**2)  # 19.9: rounds of a perfect matching (RMS)
 THEORY_ASYNC = 2 * math.log(1 / TARGET)  # 13.8: rounds of asynchronous gossip (RMS)
 THEORY = round(THEORY_MATCHING) + 1  # the issue's ~21: matching, farthest node
-AVERAGING = AveragingConfig(interval=None, start="own")  # rounds come from the bench's timers
+AVERAGING = AveragingConfig(every=None, interval=None, start="own")  # rounds come from the bench's timers
 # Membership is not what is measured here, only what lets the nodes find each other: the LAN
 # profile as it is (its join is as cheap as any tried: fewer gossip retransmissions leave gaps
 # that only the push-pulls 5 and 30+ periods later fill, and slower probes delay those).

@@ -310,8 +310,20 @@ class AveragingSection(_Section):
     """How, and how often, this node averages its model with a random peer."""
 
     section = "averaging"
-    interval: float = _field(5.0, "s, mean time between the rounds we start; 0: never start "
-                             "one (still answers peers)", NON_NEGATIVE)
+    every: int = _field(1, "local steps between the rounds we start (x U(0.75, 1.25)); a "
+                        "round on a slow link is followed at once by the next; 0: by interval "
+                        "only (see docs/DAEMON.md, Choosing averaging.every)", COUNT)
+    interval: float = _field(10.0, "s, longest time between the rounds we start, for a node "
+                             "that steps slower than every (or not at all); 0: by steps only "
+                             "(every and interval both 0: never start one; still answers "
+                             "peers)", NON_NEGATIVE)
+    correction: bool = _field(True, "keep a drift correction (added to the gradients; its "
+                              "estimate travels with the weights): what keeps nodes on skewed "
+                              "data from drifting apart. Costs two model-sized buffers on the "
+                              "device and doubles the bytes of an exchange")
+    leak: float = _field(0.01, "fraction of the drift correction that fades at each exchange, "
+                         "so that departures leave no lasting bias; in [0, 1)",
+                         _want(lambda v: 0 <= v < 1, "a number in [0, 1)"))
     mixing: str = _field("fixed", "fixed: own += weight * (peer - own); samples: weigh both "
                          "sides by samples trained (push-sum)", _one_of("fixed", "samples"))
     weight: float = _field(0.5, "fixed mixing's weight, in (0, 1]; 0.5 keeps the swarm's mean",
@@ -345,10 +357,11 @@ class AveragingSection(_Section):
                              "transfer_timeout", POSITIVE)
 
     def to_averaging(self) -> gossip.AveragingConfig:
-        """The library's averaging settings: the fields of the same name, plus interval 0 as
-        None (never start a round) and mixing as ``by_samples``."""
+        """The library's averaging settings: the fields of the same name, plus every and
+        interval 0 as None (not by steps; not by time) and mixing as ``by_samples``."""
         shared = {f.name for f in fields(gossip.AveragingConfig)}
         values = {f.name: getattr(self, f.name) for f in fields(self) if f.name in shared}
+        values["every"] = None if self.every == 0 else self.every
         values["interval"] = None if self.interval == 0 else self.interval
         return gossip.AveragingConfig(**values, by_samples=self.mixing == "samples")
 

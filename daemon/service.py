@@ -72,11 +72,25 @@ class Prepared:
     task: Task
     batches: Iterator[Any]  # this node's batches, the first one already drawn (it exists)
     counters: gossip.Counters | None  # from the checkpoint resumed, if any
+    correction: Any  # the drift correction saved with it (None: none)
     resumed: Path | None
     control: socket.socket  # the control socket, bound and listening
     metrics: Metrics
     log_file: MetricsLog | None
+    step: _Step  # what the task's Context.global_step reads
     metrics_server: Any = None  # prometheus_client's HTTP server, if configured
+
+
+class _Step:
+    """The task's ``Context.global_step``: the node's step once it runs, the checkpoint's
+    until then."""
+
+    def __init__(self) -> None:
+        self.start = 0
+        self.node: gossip.SwarmNode | None = None
+
+    def __call__(self) -> int:
+        return self.start if self.node is None else self.node.global_step
 
 
 def prepare(config: Config) -> Prepared:
@@ -112,8 +126,9 @@ def _prepare(config: Config, control: socket.socket) -> Prepared:
     if config.task.threads:
         torch.set_num_threads(config.task.threads)
     shard = Shard(config.task.shard, config.task.shards)
+    step = _Step()
     task = _build_task(config, fn, Context(config.task.seed, device, dict(config.task.options),
-                                           data_dir / "cache"))
+                                           data_dir / "cache", step))
     try:
         first = iter(task.batches(shard))
         batches = itertools.chain([next(first)], first)
@@ -123,7 +138,7 @@ def _prepare(config: Config, control: socket.socket) -> Prepared:
         log.debug("the task's batches() failed", exc_info=True)
         raise StartupError(f"{config.task.entry}: batches({shard}) failed: {exc!r}") from None
     task.model.to(device)
-    counters, resumed = None, None
+    counters, correction, resumed = None, None, None
     try:
         found = checkpoint.load_latest(config.path(config.checkpoint.dir))
     except OSError as exc:
@@ -132,7 +147,7 @@ def _prepare(config: Config, control: socket.socket) -> Prepared:
     if found is not None:
         resumed, state = found
         try:
-            counters = Trainer.restore(task, state)
+            counters, correction = Trainer.restore(task, state)
         except (KeyError, ValueError, RuntimeError, TypeError) as exc:
             raise StartupError(f"checkpoint {resumed} does not fit task {config.task.entry}: "
                                f"{str(exc).splitlines()[0]}") from None
@@ -141,8 +156,9 @@ def _prepare(config: Config, control: socket.socket) -> Prepared:
         log_file = MetricsLog(config.path(config.metrics.log)) if config.metrics.log else None
     except OSError as exc:
         raise StartupError(f"metrics.log {config.path(config.metrics.log)}: {exc.strerror}") from None
-    prepared = Prepared(config, identity, swarm, device, task, batches, counters, resumed,
-                        control, metrics, log_file)
+    prepared = Prepared(config, identity, swarm, device, task, batches, counters, correction,
+                        resumed, control, metrics, log_file, step)
+    step.start = counters.step if counters is not None else 0
     if config.metrics.prometheus:  # last: it starts a thread
         prepared.metrics_server = _serve_metrics(metrics, config.metrics.prometheus)
     return prepared
@@ -253,10 +269,11 @@ class _Service:
                 bootstrap=c.swarm.bootstrap, identity=p.identity,
                 config=replace(c.averaging.to_averaging(), start=start),
                 membership=c.membership(), timeouts=c.averaging.to_timeouts(), task=task_meta,
-                counters=p.counters, allow=c.swarm.allow or None, on_exchange=self.on_exchange,
+                counters=p.counters, optimizer=p.task.optimizer, correction=p.correction,
+                allow=c.swarm.allow or None, on_exchange=self.on_exchange,
                 limits=c.swarm.limits(), network=gossip.TcpNetwork(c.node.dial_from or None),
             ) as node:
-                self.node = node
+                self.node = p.step.node = node
                 self.trainer = Trainer(p.task, node, p.device, Shard(c.task.shard, c.task.shards),
                                        p.batches)
                 if self.stop.is_set():  # a signal while the node was opening

@@ -19,6 +19,8 @@ dicts), so a task written for the CPU also trains on a GPU.
             ...                              # endless; this node's part of the data
 
         def step(batch) -> Tensor:
+            for group in opt.param_groups:   # a schedule follows the swarm's step
+                group["lr"] = opts["lr"] * min(1.0, ctx.global_step() / 100)
             x, y = batch
             loss = F.cross_entropy(model(x), y)
             opt.zero_grad(); loss.backward(); opt.step()
@@ -74,12 +76,18 @@ class Context:
             the model and batches).
         options: the config's ``[task.options]`` table, as given.
         cache_dir: a directory the task may keep downloaded or prepared data in.
+        global_step: ``global_step()`` is the step to schedule by (a learning rate's warm-up
+            and decay): this node's optimizer steps, moved towards its peers' at every
+            exchange so that the swarm's schedules stay together (a node ahead of the swarm
+            holds its step while the others catch up; it never goes back). Call it in
+            ``step``: it changes as training goes. It counts steps, not samples.
     """
 
     seed: int
     device: torch.device
     options: Mapping[str, Any] = field(default_factory=dict)
     cache_dir: Path = Path(".")
+    global_step: Callable[[], int] = field(default=lambda: 0, compare=False)
 
 
 @dataclass

@@ -4,11 +4,12 @@ Theory of operation
 -------------------
 The service's trio loop calls :meth:`Trainer.chunk` through ``trio.to_thread.run_sync``.
 One chunk is a run of optimizer steps that ends after ``seconds`` of wall time, at the step
-limit, or as soon as :attr:`Trainer.stop` is set (a signal). Then, still in the worker
-thread, the chunk's steps and samples are counted on the replica and the deltas queued by
-committed exchanges meanwhile are added to the model. The thread never waits on the network:
-exchanges read the model through the replica's snapshot (a copy under the replica's lock)
-and hand back deltas, while this thread steps. A snapshot may straddle an optimizer step
+limit, or as soon as :attr:`Trainer.stop` is set (a signal). After each step, still in the
+worker thread, the step and its samples are counted on the replica (which starts an averaging
+round every ``averaging.every`` of them) and the deltas queued by exchanges that committed
+meanwhile are added to the model: a delta waits for at most one step. The thread never waits
+on the network: exchanges read the model through the replica's snapshot (a copy under the
+replica's lock) and hand back deltas, while this thread steps. A snapshot may straddle an optimizer step
 (some tensors from step t, the rest from t+1); that is one step's worth of noise in one
 exchange, cheaper than making every exchange wait for a step to end.
 
@@ -31,6 +32,7 @@ from typing import Any, Iterator, Mapping
 import torch
 
 import gossip
+from gossip.correction import check_state, corrected
 from gossip.replica import Counters
 
 from . import checkpoint
@@ -84,17 +86,17 @@ class Trainer:
             torch.cuda.set_device(self.device)
         task.model.train()
         total: torch.Tensor | float = 0.0
-        steps = 0
+        steps = applied = 0
         while steps < limit and not self.stop.is_set():
             batch = to_device(self._next_batch(), self.device)
             loss = task.step(batch)
             total = total + (loss.detach() if isinstance(loss, torch.Tensor) else float(loss))
             steps += 1
+            applied += self.node.step(task.batch_size)
             if time.monotonic() >= deadline:
                 break
+        applied += self.node.apply_pending()  # a chunk of no steps still takes them
         samples = steps * task.batch_size
-        self.node.replica.advance(steps, samples)
-        applied = self.node.apply_pending()
         mean = float(total) / steps if steps else math.nan
         if steps and not math.isfinite(mean) and not self._warned_nan:
             self._warned_nan = True
@@ -129,7 +131,7 @@ class Trainer:
         committed delta applied, the optimizer, the counters and the RNG states."""
         self.node.apply_pending()
         counters = self.node.replica.counters()
-        return {
+        state = {
             "model": _to_cpu(self.task.model.state_dict()),
             "optimizer": _to_cpu(self.task.optimizer.state_dict()),
             "counters": {"step": counters.step, "samples": counters.samples,
@@ -137,11 +139,16 @@ class Trainer:
             "rng": checkpoint.capture_rng(),
             "meta": dict(meta),
         }
+        correction = self.node.replica.correction_state()
+        if correction is not None:
+            state["correction"] = correction
+        return state
 
     @staticmethod
-    def restore(task: Task, state: Mapping[str, Any]) -> Counters:
+    def restore(task: Task, state: Mapping[str, Any]) -> tuple[Counters, Any]:
         """Load a checkpoint's model, optimizer and RNG state into ``task`` (before the node
-        opens); returns its counters for :func:`gossip.open_swarm`.
+        opens); returns its counters and drift correction (None if it has none) for
+        :func:`gossip.open_swarm`.
 
         Raises:
             KeyError, ValueError, RuntimeError: the checkpoint is not of this task's model.
@@ -150,4 +157,7 @@ class Trainer:
         task.optimizer.load_state_dict(state["optimizer"])
         checkpoint.restore_rng(state["rng"])
         c = state["counters"]
-        return Counters(int(c["step"]), int(c["samples"]), float(c["weight"]))
+        correction = state.get("correction")
+        if correction is not None:
+            check_state(corrected(task.model), correction)
+        return Counters(int(c["step"]), int(c["samples"]), float(c["weight"])), correction

@@ -2,27 +2,24 @@
 
 Theory of operation
 -------------------
-Every ``interval`` seconds (jittered, so a swarm started at once does not fire at once) a node
-runs a *round*: it takes a snapshot of its state, picks a peer at random among the members
-that are alive, ready and not quarantined (a host uniformly, then one of its members:
-:func:`gossip.standing.pick`), and offers an exchange on a fresh secure channel::
+A node starts a *round* once it has taken ``every`` local optimizer steps (x U(0.75, 1.25),
+so a swarm that steps in lockstep does not offer in lockstep) since it started its last one,
+or after ``interval`` seconds (likewise jittered) without a round, whichever comes first: the
+period is counted in steps, because a second is thousands of steps of a small model and a
+fraction of one of a large model, and the time bound keeps an idle node mixing. A round that
+takes longer than ``every`` steps (a slow link) is followed at once by the next; training never
+waits for the network. The node is also picked by its peers about as often as it picks, so it
+takes part in about two exchanges every ``every`` steps.
 
-    initiator                               responder
-    Offer(fingerprint, codec, step,   --->
-          samples, weight)
-                                      <---  Accept(step, samples, weight)
-                                            | Close(BUSY)      already in an exchange
-                                            | Close(REJECTED)  schema, codec, mode, quarantine
-    state payload                     <-->  state payload        (both at once, section 7)
-    check theirs; Commit or Close     <-->  check theirs; Commit or Close(REJECTED)
-    apply on their Commit                   apply on their Commit
-
-Each side applies only after it has checked the other's whole payload *and* received the
-other's Commit, so a failure anywhere before that leaves both models untouched; the one-sided
-case (one applies, the other not) shrinks to a lost final message. "Apply" means queueing
-``delta = c·(s_peer − s)`` on the :class:`~gossip.replica.Replica`: the trainer adds it at its
-next step boundary, so local steps taken during the exchange are kept (see
-:mod:`gossip.mixing` for ``c`` and the checks).
+A round takes a snapshot of the node's state (and of its drift correction's estimate, if it
+keeps one: :mod:`gossip.correction`), picks a peer at random among the members that are alive,
+ready and not quarantined (a host uniformly, then one of its members:
+:func:`gossip.standing.pick`), and runs one exchange with it on a fresh secure channel
+(:mod:`gossip.exchange`: offer, both payloads at once, the checks, the commit). Nothing is
+applied unless both sides hold and accept both payloads. "Apply" means queueing
+``delta = c·(s_peer − s)`` (and ``c·(z_peer − z)`` for the correction) on the
+:class:`~gossip.replica.Replica`: the trainer adds it at its next step boundary, so local
+steps taken during the exchange are kept (see :mod:`gossip.mixing` for ``c`` and the checks).
 
 One exchange at a time: a node that is in one answers any offer ``Close(BUSY)`` at once,
 never waiting, so two nodes that offer to each other, or a whole swarm offering at the same
@@ -36,17 +33,18 @@ A peer whose payload fails the checks gets a strike; ``strikes`` in a row quaran
 codec or mixing mode differs from ours is quarantined at once (it cannot be averaged with).
 How far a received state may move us depends on the exchange's standing
 (:mod:`gossip.standing`): a peer we chose, or one with a record (a member for
-``trust_after`` seconds, or one we chose before), moves us within the clip bound; a newcomer's offer commits but moves us by nothing, and the
-newcomers behind one source host share a budget of one exchange per round of ours.
+``trust_after`` seconds, or one we chose before), moves us within the clip bound; a
+newcomer's offer commits but moves us by nothing, and the newcomers behind one source host
+share a budget of one exchange per round of ours.
 
-On a commit a node takes the peer's step if it is ahead, but never past the lower median of
-the steps the alive, ready members announce (:func:`~gossip.standing.step_ceiling`), and the
-same bound applies to a download: step-based learning-rate schedules line up across the
-swarm, and a liar cannot move them.
+On a commit a node moves its step half way towards the peer's, counting the peer's only as
+far as it lies between our step and the swarm's median (:func:`~gossip.standing.step_move`),
+and a download takes the sender's step up to that median: nodes agree on the step their
+learning-rate schedules follow, and a liar cannot move it.
 
 Heavy work (snapshots, the delta) runs in a worker thread for models of
-:data:`~gossip.replica.OFFLOAD_NUMEL` elements or more, and inline below that, so small models in a simulated
-swarm stay on trio's virtual clock.
+:data:`~gossip.replica.OFFLOAD_NUMEL` elements or more, and inline below that, so small models
+in a simulated swarm stay on trio's virtual clock.
 """
 
 from __future__ import annotations
@@ -55,6 +53,7 @@ import enum
 import logging
 import math
 import random
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -62,28 +61,28 @@ from typing import Any, Callable
 import torch
 import trio
 
+from . import exchange
 from .channel import SecureChannel, Timeouts, connect
+from .correction import DEFAULT_LEAK
 from .download import CODEC as DOWNLOAD_CODEC
 from .download import Download, download, serve_download
-from .errors import GossipError, PeerGone, PeerTimeout, RemoteProtocolError, SchemaMismatch
-from .groups import first_error
+from .errors import GossipError, PeerGone, PeerTimeout
+from .exchange import CLOSE_TIMEOUT, Deadlines, Ending, Outcome
 from .handshake import Swarm
 from .identity import Identity, PeerId
 from .member import Member, State
-from .messages import Accept, Close, Commit, Offer, StateRequest
-from .mixing import DeltaHistory, Quarantine, coefficient, make_delta, merged_weight
+from .messages import Accept, Close, Offer, StateRequest
+from .mixing import DeltaHistory, Quarantine, Verdict, coefficient, judge, merged_weight
 from .network import Network
 from .replica import Counters, Replica, offload
 from .roster import Roster
-from .standing import NewcomerBudget, Records, Standing, pick, standing, step_ceiling
+from .standing import (NewcomerBudget, Records, Standing, pick, standing, step_ceiling,
+                       step_move, swarm_step)
 from .tensors import CODECS
-from .transfer import receive_state, send_state
 
 __all__ = ["AveragingConfig", "AveragingStatistics", "Averaging", "Exchange", "Result"]
 
 log = logging.getLogger(__name__)
-
-CLOSE_TIMEOUT = 1.0  # s to say Close(REJECTED) after refusing a payload
 
 
 @dataclass(frozen=True)
@@ -94,10 +93,15 @@ class AveragingConfig:
         ValueError: a value out of range (the message names the field).
     """
 
-    interval: float | None = 5.0  # mean time between our rounds (x U(0.75, 1.25)); None: only average_now()
+    every: int | None = 1  # local steps between our rounds (x U(0.75, 1.25)); None: by time only
+    interval: float | None = 10.0  # longest time between our rounds (x U(0.75, 1.25)), for a
+    # node that steps slower than `every` or not at all; None: by steps only (both None:
+    # only average_now())
     weight: float = 0.5  # fixed mode: delta = weight * (peer - own); 1/2 keeps the swarm's mean
     by_samples: bool = False  # push-sum: weigh each side by the samples it trained on
     codec: str = "fp32"  # wire codec of the exchanged states: fp32 (exact), bf16 or fp16
+    correction: bool = True  # keep a drift correction (needs the optimizer; gossip.correction)
+    leak: float = DEFAULT_LEAK  # fraction of the correction that fades per committed exchange
     attempts: int = 3  # peers tried per round when they are busy or fail
     backoff: float = 0.2  # mean pause before trying the next peer (x U(0.5, 1.5))
     clip: float = 5.0  # clip a step to clip x the median distance of our rounds; 0: no clipping
@@ -115,13 +119,15 @@ class AveragingConfig:
     download_wait: float = 5.0  # "auto": after joining, how long to look for a ready peer
 
     def __post_init__(self) -> None:
-        for name in ("interval", "weight", "clip", "quarantine", "trust_after", "download_wait"):
+        for name in ("interval", "weight", "clip", "quarantine", "trust_after", "download_wait",
+                     "leak"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and type(value) is not bool
                     or value is None and name == "interval"):
                 raise ValueError(f"averaging.{name} must be a number, not {value!r}")
-        if type(self.by_samples) is not bool:
-            raise ValueError(f"averaging.by_samples must be a bool, not {self.by_samples!r}")
+        for name in ("by_samples", "correction"):
+            if type(getattr(self, name)) is not bool:
+                raise ValueError(f"averaging.{name} must be a bool, not {getattr(self, name)!r}")
         positive = ("backoff", "offer_timeout", "transfer_timeout", "min_rate", "commit_timeout",
                     "max_norm_ratio")
         for name in positive:
@@ -131,8 +137,13 @@ class AveragingConfig:
                 raise ValueError(f"averaging.{name} must be a positive number, not {value!r}")
         if self.interval is not None and not (math.isfinite(self.interval) and self.interval > 0):
             raise ValueError(f"averaging.interval must be positive or None, not {self.interval!r}")
+        if self.every is not None and (type(self.every) is not int or self.every < 1):
+            raise ValueError(f"averaging.every must be an integer >= 1 or None, not "
+                             f"{self.every!r}")
         if not 0 < self.weight <= 1:
             raise ValueError(f"averaging.weight must be in (0, 1], not {self.weight!r}")
+        if not 0 <= self.leak < 1:
+            raise ValueError(f"averaging.leak must be in [0, 1), not {self.leak!r}")
         if self.codec not in CODECS:
             raise ValueError(f"averaging.codec must be one of {CODECS}, not {self.codec!r}")
         for name in ("attempts", "clip_window", "clip_min_history", "strikes"):
@@ -152,9 +163,14 @@ class AveragingConfig:
         if self.start not in ("auto", "own", "download"):
             raise ValueError(f"averaging.start must be auto, own or download, not {self.start!r}")
 
+    def deadlines(self) -> Deadlines:
+        """The deadlines of one exchange's phases."""
+        return Deadlines(self.offer_timeout, self.transfer_timeout, self.min_rate,
+                         self.commit_timeout)
+
     def transfer_deadline(self, nbytes: int) -> float:
         """The deadline for both payloads of ``nbytes`` each."""
-        return self.transfer_timeout + nbytes / self.min_rate
+        return self.deadlines().transfer_for(nbytes)
 
 
 class Result(enum.Enum):
@@ -193,7 +209,7 @@ class AveragingStatistics:
     invalid: int
     failed: int
     no_peer: int  # rounds that found no peer
-    clipped: int  # committed exchanges whose step was clipped
+    clipped: int  # committed exchanges whose step (state or correction) was clipped
     newcomers: int  # committed exchanges with a newcomer, whose state moved us by nothing
     newcomers_limited: int  # newcomers' offers answered busy: their host's budget was spent
     quarantined: int  # peers in quarantine now
@@ -202,12 +218,13 @@ class AveragingStatistics:
     last_exchange: float | None  # when the last commit happened
     mean_duration: float  # of committed exchanges, seconds, from offer to commit
     last_distance: float | None  # ||peer - own|| of the last committed exchange
-    step: int  # this node's step, raised to peers' up to the members' median
+    step: int  # the step this node schedules by: its own, moved towards the swarm's
     samples: int
     weight: float  # push-sum weight (1 plus samples trained; merged on exchanges)
     pending: int  # committed deltas not yet applied by the trainer
     downloads_served: int
     ready: bool  # whether this node averages (it has its initial state)
+    corrected: int  # committed exchanges that swapped drift-correction estimates too
 
 
 @dataclass
@@ -216,6 +233,7 @@ class _Tally:
     clipped: int = 0
     newcomers: int = 0
     newcomers_limited: int = 0
+    corrected: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
     last_exchange: float | None = None
@@ -246,13 +264,14 @@ class Averaging:
         self._on_exchange = on_exchange
         self._busy = False
         self.stopping = False  # set by stop(): no new exchanges either way
-        self._history = DeltaHistory(config.clip_window, config.clip_min_history)
+        self._histories = (DeltaHistory(config.clip_window, config.clip_min_history),
+                           DeltaHistory(config.clip_window, config.clip_min_history))
         self._quarantine = Quarantine(config.strikes, config.quarantine)
         self._newcomers = NewcomerBudget()
         self._records = Records()
         self._tally = _Tally()
         self.ready = trio.Event()
-        self._nbytes = replica.schema.encoded_size(config.codec)
+        self._deadlines = config.deadlines()
         self._serving = [0]  # downloads being served
         self._download_deadline = config.offer_timeout + config.transfer_deadline(
             replica.schema.encoded_size(DOWNLOAD_CODEC))
@@ -269,22 +288,49 @@ class Averaging:
             self._quarantine.count(trio.current_time()), t.bytes_sent,
             t.bytes_received, t.last_exchange, t.durations / committed if committed else 0.0,
             t.last_distance, c.step, c.samples, c.weight, self.replica.pending,
-            t.downloads_served, self.ready.is_set(),
+            t.downloads_served, self.ready.is_set(), t.corrected,
         )
 
     async def run(self) -> None:
-        """Run a round every ``interval`` (jittered) until cancelled.
+        """Start a round every ``every`` local steps or ``interval`` seconds, whichever comes
+        first (each jittered), counted from the start of the last round, until cancelled.
 
-        The first round comes within a quarter interval of the node becoming ready, so that a
-        node that just joined (or a misconfigured one) learns at once whether it can exchange.
+        The first round's time bound is a quarter interval, so that a node that just joined
+        (or a misconfigured one) learns at once whether it can exchange.
         """
-        if self.config.interval is None:
+        every, interval = self.config.every, self.config.interval
+        if every is None and interval is None:
             await trio.sleep_forever()
         await self.ready.wait()
-        await trio.sleep(self.config.interval * self._rng.uniform(0.0, 0.25))
+        first = True
         while True:
+            steps = None if every is None else max(1, round(every * self._rng.uniform(0.75, 1.25)))
+            spread = (0.0, 0.25) if first else (0.75, 1.25)
+            seconds = math.inf if interval is None else interval * self._rng.uniform(*spread)
+            with trio.move_on_after(seconds):
+                if steps is None:
+                    await trio.sleep_forever()
+                await self._local_steps(self.replica.local_steps + steps)
+            first = False
             await self.round()
-            await trio.sleep(self.config.interval * self._rng.uniform(0.75, 1.25))
+
+    async def _local_steps(self, target: int) -> None:
+        """Return once the trainer has counted ``target`` local steps (it may count them in
+        any thread)."""
+        reached = trio.Event()
+        token, here = trio.lowlevel.current_trio_token(), threading.get_ident()
+
+        def wake() -> None:
+            if threading.get_ident() == here:
+                reached.set()
+            else:
+                try:
+                    token.run_sync_soon(reached.set)
+                except trio.RunFinishedError:
+                    pass  # the node is gone; nobody waits any more
+
+        self.replica.watch(target, wake)
+        await reached.wait()
 
     def stop(self) -> None:
         """Start no more exchanges and answer offers busy (the node is about to leave); an
@@ -345,17 +391,22 @@ class Averaging:
             return
         self._busy = True
         started = trio.current_time()
-        own = self.replica.buffer()
+        own, theirs = self.replica.buffer(), self.replica.buffer()
+        # A newcomer's payload moves us by nothing (gossip.standing), and a correction that
+        # moved on its side only would leave the swarm's sum of corrections off for good
+        # (gossip.correction): with a newcomer, or before we have a gradient estimate of our
+        # own, only the state is swapped.
+        corrected = (offer.correction and rank is not Standing.NEWCOMER
+                     and self.replica.estimating)
         try:
-            mine = await offload(self.replica, self.replica.snapshot, own)
-            try:
-                with trio.fail_after(self.config.offer_timeout):
-                    await channel.send_message(Accept(mine.step, mine.samples, self._my_weight(mine)))
-            except trio.TooSlowError:
-                raise PeerTimeout(peer.short, "accept") from None
-            result = await self._swap(channel, own, mine, offer.step, offer.weight, started,
-                                      rank)
+            mine = await offload(self.replica, self.replica.snapshot, own, 1 + corrected)
+            accept = Accept(mine.step, mine.samples, self._my_weight(mine), corrected)
+            outcome = await exchange.respond(channel, offer, accept, own, theirs,
+                                             self.replica.schema,
+                                             self._checker(own, mine, rank), self._deadlines)
+            result = self._settle(peer, outcome, mine, rank, theirs, started, initiated=False)
         except (GossipError, trio.TooSlowError) as exc:
+            self.replica.release(theirs)
             result = self._failure(peer, "accept", exc)
         finally:
             self._busy = False
@@ -395,35 +446,26 @@ class Averaging:
         assert not self._busy, "round() checks, with no checkpoint in between"
         self._busy = True
         peer, started = member.peer, trio.current_time()
-        own = self.replica.buffer()
+        own, theirs = self.replica.buffer(), self.replica.buffer()
         channel: SecureChannel | None = None
         phase = "connect"
+        corrected = self.replica.estimating  # decided before the snapshot that holds it
         try:
-            mine = await offload(self.replica, self.replica.snapshot, own)
+            mine = await offload(self.replica, self.replica.snapshot, own, 1 + corrected)
             channel = await connect(self._network, member.address, identity=self._identity,
                                     swarm=self._swarm, allow=frozenset({peer}),
                                     timeouts=self._timeouts)
             async with channel:
                 phase = "offer"
-                schema = self.replica.schema
-                with trio.fail_after(self.config.offer_timeout):
-                    await channel.send_message(Offer(schema.fingerprint, self.config.codec,
-                                                     mine.step, mine.samples, self._my_weight(mine)))
-                    answer = await channel.receive_message()
-                if isinstance(answer, Close):
-                    if answer.code == Close.REJECTED:
-                        # Another schema, codec or mode, or it quarantined us: it will not
-                        # take our offers for a while, so stop making them.
-                        self._quarantine.bar(peer, trio.current_time())
-                    result = self._refused(peer, answer)
-                elif not isinstance(answer, Accept):
-                    raise RemoteProtocolError(f"expected Accept, got {type(answer).__name__}")
-                elif self.config.by_samples and answer.weight <= 0:
-                    raise RemoteProtocolError("push-sum weight of 0 in Accept")
-                else:
-                    result = await self._swap(channel, own, mine, answer.step, answer.weight,
-                                              started, Standing.CHOSEN)
+                offer = Offer(self.replica.schema.fingerprint, self.config.codec, mine.step,
+                              mine.samples, self._my_weight(mine), corrected)
+                outcome = await exchange.initiate(
+                    channel, offer, own, theirs, self.replica.schema,
+                    self._checker(own, mine, Standing.CHOSEN), self._deadlines)
+            result = self._settle(peer, outcome, mine, Standing.CHOSEN, theirs, started,
+                                  initiated=True)
         except (GossipError, trio.TooSlowError) as exc:
+            self.replica.release(theirs)
             result = self._failure(peer, phase, exc)
             if isinstance(exc, (PeerGone, PeerTimeout)) and phase == "connect":
                 self._roster.report_failure(peer)
@@ -435,73 +477,45 @@ class Averaging:
         self._ended(peer, True, result, started)
         return result
 
-    async def _swap(self, channel: SecureChannel, own: torch.Tensor, mine: Counters,
-                    peer_step: int, peer_weight: float, started: float,
-                    rank: Standing) -> Result:
-        """Both payloads at once, the checks, the commit. Returns the result (tallied)."""
-        peer, config, schema = channel.peer, self.config, self.replica.schema
-        theirs = self.replica.buffer()
-        handed_over = False
-        # Why our send failed, held until the receive is done: the verdict is on what the
-        # peer sent, read to its end whatever became of our send, so that a peer that sent
-        # a bad header and hung up earns its strike whether or not our payload had left.
-        lost: list[GossipError] = []
+    def _checker(self, own: torch.Tensor, mine: Counters, rank: Standing) -> exchange.Check:
+        """The checks of a received payload (:func:`gossip.mixing.judge`), for the exchange."""
+        config = self.config
 
-        async def send() -> None:
-            try:
-                await send_state(channel, own, schema, config.codec)
-            except GossipError as exc:  # PeerGone, or ChannelClosed: the receive failed
-                lost.append(exc)
+        async def check(theirs: torch.Tensor, parts: int, peer: Offer | Accept) -> Verdict:
+            c = coefficient(config.weight, config.by_samples, self._my_weight(mine), peer.weight)
+            return await offload(self.replica, judge, theirs, own, parts, c, self._histories,
+                                 clip=config.clip, max_norm_ratio=config.max_norm_ratio,
+                                 standing=rank)
 
-        try:
-            transfer_end = trio.current_time() + config.transfer_deadline(self._nbytes)
-            try:
-                with trio.fail_at(transfer_end), first_error():
-                    async with trio.open_nursery() as nursery:
-                        nursery.start_soon(send)
-                        await receive_state(channel, schema, config.codec, theirs)
-                if lost:
-                    raise lost[0]
-            except trio.TooSlowError:
-                raise PeerTimeout(peer.short, "transfer") from None
-            except (SchemaMismatch, RemoteProtocolError) as exc:
-                return self._invalid(peer, f"bad payload: {exc}")
-            c = coefficient(config.weight, config.by_samples, self._my_weight(mine), peer_weight)
-            verdict = await offload(self.replica, make_delta, theirs, own, c, self._history,
-                                    clip=config.clip, max_norm_ratio=config.max_norm_ratio,
-                                    standing=rank)
-            if verdict.refused is not None:
-                result = self._invalid(peer, verdict.refused)
-                with trio.move_on_after(CLOSE_TIMEOUT):
-                    try:
-                        await channel.send_message(Close(Close.REJECTED, f"invalid state: {verdict.refused}"))
-                    except GossipError:
-                        pass  # it hung up already (say, it refused ours): the strike stands
-                return result
-            try:
-                # Our send may have returned while the last of our payload still sat in
-                # socket buffers on a slow link: the peer may still be receiving it, and it
-                # has until the transfer deadline to, so the commit deadline counts from there.
-                commit_by = max(transfer_end, trio.current_time()) + config.commit_timeout
-                with trio.fail_at(commit_by):
-                    await channel.send_message(Commit())
-                    answer = await channel.receive_message()
-            except trio.TooSlowError:
-                raise PeerTimeout(peer.short, "commit") from None
-            if isinstance(answer, Close):
-                return self._refused(peer, answer)
-            if not isinstance(answer, Commit):
-                raise RemoteProtocolError(f"expected Commit, got {type(answer).__name__}")
-            if verdict.scale > 0:  # else a newcomer's: it learns from us, we take nothing
-                weight = (merged_weight(self._my_weight(mine), peer_weight) if config.by_samples
-                          else None)
-                self.replica.queue(theirs, scale=verdict.scale,
-                                   peer_step=min(peer_step, self._step_ceiling()),
-                                   weight=weight, sent_weight=self._my_weight(mine))
-                handed_over = True
-        finally:
-            if not handed_over:
-                self.replica.release(theirs)
+        return check
+
+    def _settle(self, peer: PeerId, outcome: Outcome, mine: Counters, rank: Standing,
+                theirs: torch.Tensor, started: float, *, initiated: bool) -> Result:
+        """Tally an exchange that ended without failing and, if it committed, queue what
+        it brought. ``theirs`` is handed over: queued, or given back."""
+        if outcome.ending is not Ending.COMMITTED:
+            self.replica.release(theirs)
+            if outcome.ending is Ending.INVALID:
+                return self._invalid(peer, outcome.reason)
+            if outcome.ending is Ending.REJECTED and initiated and not outcome.parts:
+                # Another schema, codec or mode, or it quarantined us: it will not take our
+                # offers for a while, so stop making them.
+                self._quarantine.bar(peer, trio.current_time())
+            return self._refused(peer, outcome)
+        verdict, bid = outcome.verdict, outcome.peer
+        assert isinstance(verdict, Verdict) and bid is not None
+        if verdict.state.scale > 0:  # else a newcomer's: it learns from us, we take nothing
+            weight = (merged_weight(self._my_weight(mine), bid.weight) if self.config.by_samples
+                      else None)
+            move = step_move(mine.step, bid.step, swarm_step(
+                self._roster.alive(ready=True), self.replica.counters().step,
+                self._roster.announced_step))
+            self.replica.queue(theirs, scale=verdict.state.scale,
+                               correction=verdict.correction.scale if verdict.correction else 0.0,
+                               step_move=move, weight=weight,
+                               sent_weight=self._my_weight(mine))
+        else:
+            self.replica.release(theirs)
         self._quarantine.clear(peer)
         if rank is Standing.CHOSEN:
             self._records.add(peer)
@@ -510,10 +524,11 @@ class Averaging:
         t.results[Result.COMMITTED] += 1
         t.clipped += verdict.clipped
         t.newcomers += rank is Standing.NEWCOMER
-        t.last_exchange, t.last_distance = now, verdict.distance
+        t.corrected += outcome.parts == 2
+        t.last_exchange, t.last_distance = now, verdict.state.distance
         t.durations += now - started
-        log.debug("averaging committed peer=%s distance=%.4g clipped=%s standing=%s",
-                  peer.short, verdict.distance, verdict.clipped, rank.value)
+        log.debug("averaging committed peer=%s distance=%.4g clipped=%s standing=%s parts=%d",
+                  peer.short, verdict.state.distance, verdict.clipped, rank.value, outcome.parts)
         return Result.COMMITTED
 
     # ---- helpers ----------------------------------------------------------------------
@@ -532,9 +547,6 @@ class Averaging:
         since = member.since if member is not None and member.state is State.ALIVE else None
         return standing(False, since, trio.current_time(), self.config.trust_after,
                         chosen_before=peer in self._records)
-
-    def _step_ceiling(self) -> int:
-        return step_ceiling(self._roster.alive(ready=True))
 
     def _my_weight(self, counters: Counters) -> float:
         return counters.weight if self.config.by_samples else 0.0
@@ -568,11 +580,11 @@ class Averaging:
             return "quarantined"
         return None
 
-    def _refused(self, peer: str, close: Close) -> Result:
-        if close.code == Close.BUSY:
+    def _refused(self, peer: str, outcome: Outcome) -> Result:
+        if outcome.ending is Ending.BUSY:
             self._tally.results[Result.BUSY] += 1
             return Result.BUSY
-        log.info("averaging refused by peer=%s code=%d reason=%s", peer[:8], close.code, close.reason)
+        log.info("averaging refused by peer=%s reason=%s", peer[:8], outcome.reason)
         self._tally.results[Result.REJECTED] += 1
         return Result.REJECTED
 

@@ -176,9 +176,10 @@ async def serve_download(channel: SecureChannel, request: StateRequest, replica:
             await channel.send_message(Close(Close.REJECTED, "this node's task metadata is invalid"))
         return False
     serving[0] += 1
-    flat = replica.buffer()
+    buffer = replica.buffer()
+    flat = buffer[:replica.schema.numel]  # the state alone: a joiner starts with no correction
     try:
-        counters = await offload(replica, replica.snapshot, flat)
+        counters = await offload(replica, replica.snapshot, buffer, 1)
         with trio.fail_after(deadline):
             await channel.send_message(StateInfo(counters.step, counters.samples,
                                                  counters.weight, meta))
@@ -191,7 +192,7 @@ async def serve_download(channel: SecureChannel, request: StateRequest, replica:
         return False
     finally:
         serving[0] -= 1
-        replica.release(flat)
+        replica.release(buffer)
 
 
 async def download(replica: Replica, candidates: list[Member], network: Network,
@@ -231,7 +232,8 @@ async def _fetch(replica: Replica, member: Member, network: Network, identity: I
     channel = await connect(network, member.address, identity=identity, swarm=swarm,
                             allow=frozenset({member.peer}), timeouts=timeouts)
     async with channel:
-        flat = replica.buffer()
+        buffer = replica.buffer()
+        flat = buffer[:replica.schema.numel]
         try:
             try:
                 with trio.fail_after(deadline):
@@ -250,6 +252,6 @@ async def _fetch(replica: Replica, member: Member, network: Network, identity: I
             step = min(info.step, ceiling)
             await offload(replica, lambda: replica.load(flat, step=step, buffers=buffers))
         finally:
-            replica.release(flat)
+            replica.release(buffer)
     return Download(member.peer, step, info.samples, task)
 

@@ -420,6 +420,7 @@ class Offer(Message):
     step: int  # the initiator's (global) training step
     samples: int  # training samples it has processed
     weight: float  # its push-sum weight; 0.0 when it mixes with a fixed weight
+    correction: bool = False  # it keeps a drift correction and can send its estimate
 
     def __post_init__(self) -> None:
         _bytes(Offer, "fingerprint", self.fingerprint, size=FINGERPRINT_BYTES)
@@ -427,6 +428,7 @@ class Offer(Message):
         _uint(Offer, "step", self.step)
         _uint(Offer, "samples", self.samples)
         _weight(Offer, "weight", self.weight)
+        _bool(Offer, "correction", self.correction)
 
 
 @dataclass(frozen=True, slots=True)
@@ -437,11 +439,13 @@ class Accept(Message):
     step: int
     samples: int
     weight: float  # as Offer.weight
+    correction: bool = False  # both payloads carry the estimates (the offer said it could)
 
     def __post_init__(self) -> None:
         _uint(Accept, "step", self.step)
         _uint(Accept, "samples", self.samples)
         _weight(Accept, "weight", self.weight)
+        _bool(Accept, "correction", self.correction)
 
 
 @dataclass(frozen=True, slots=True)

@@ -61,14 +61,16 @@ from __future__ import annotations
 import bisect
 import collections
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from .correction import CORRECTION_RATE
 from .standing import Standing
 from .tensors import REDUCE_CHUNK, sum_of_squares
 
-__all__ = ["coefficient", "merged_weight", "DeltaHistory", "Delta", "make_delta", "Quarantine"]
+__all__ = ["coefficient", "merged_weight", "DeltaHistory", "Delta", "Verdict", "make_delta",
+           "judge", "Quarantine"]
 
 MAX_QUARANTINED = 4096  # peers remembered by a Quarantine; the oldest entry goes first
 
@@ -137,6 +139,10 @@ class DeltaHistory:
         self._distances.add(distance)
         self._norms.add(own_norm)
 
+    def record(self, delta: Delta) -> None:
+        """Add an accepted delta: the distance it moved us by (clipped) and our norm."""
+        self.add(delta.accepted, delta.own_norm)
+
     def median(self) -> float | None:
         return self._distances.median()
 
@@ -168,6 +174,32 @@ class Delta:
     refused: str | None = None
     clipped: bool = False
     scale: float = 0.0
+    # For the history (not part of the verdict): the distance as accepted, clipped to the
+    # bound, and our own norm.
+    accepted: float = field(default=math.nan, compare=False)
+    own_norm: float = field(default=math.nan, compare=False)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The verdict on a whole payload: its state and, if it carried one, the correction's
+    estimate (:func:`judge`)."""
+
+    state: Delta
+    correction: Delta | None = None
+
+    @property
+    def refused(self) -> str | None:
+        """Why the payload is refused, or None."""
+        if self.state.refused is not None:
+            return self.state.refused
+        if self.correction is not None and self.correction.refused is not None:
+            return f"correction: {self.correction.refused}"
+        return None
+
+    @property
+    def clipped(self) -> bool:
+        return self.state.clipped or (self.correction is not None and self.correction.clipped)
 
 
 def make_delta(
@@ -179,13 +211,16 @@ def make_delta(
     clip: float,
     max_norm_ratio: float,
     standing: Standing = Standing.CHOSEN,
+    record: bool = True,
 ) -> Delta:
     """Check a received flat state and turn it, in place, into the difference to queue.
 
     On success ``received`` holds ``received − own`` and the step to take is
     ``verdict.scale`` times that: ``coefficient``, shortened by clipping, or 0 for a
-    newcomer. A ``CHOSEN`` exchange's distance, clipped, has entered ``history``. On refusal
-    ``received`` holds garbage and ``history`` is unchanged. ``own`` is never modified.
+    newcomer. A ``CHOSEN`` exchange's distance, clipped, has entered ``history`` (unless
+    ``record`` is false: then the caller records it with :meth:`DeltaHistory.record` once
+    it takes the delta). On refusal ``received`` holds garbage and ``history`` is unchanged.
+    ``own`` is never modified.
     """
     distance_sq, own_sq, finite = _subtract(received, own)
     if not finite:
@@ -198,14 +233,47 @@ def make_delta(
         return Delta(distance, f"distance {distance:.3g} is over {max_norm_ratio:g}x "
                                f"our norm {reference:.3g}")
     if standing is Standing.NEWCOMER:
-        return Delta(distance, None, False, 0.0)
+        return Delta(distance, None, False, 0.0, distance, own_norm)
     bound = history.bound(clip)
-    clipped = bound is not None and distance > bound
-    if standing is Standing.CHOSEN:
-        history.add(bound if clipped else distance, own_norm)  # type: ignore[arg-type]
-    if clipped:
-        return Delta(distance, None, True, coefficient * bound / distance)  # type: ignore[operator]
-    return Delta(distance, None, False, coefficient)
+    if bound is not None and distance > bound:
+        delta = Delta(distance, None, True, coefficient * bound / distance, bound, own_norm)
+    else:
+        delta = Delta(distance, None, False, coefficient, distance, own_norm)
+    if standing is Standing.CHOSEN and record:
+        history.record(delta)
+    return delta
+
+
+def judge(
+    received: torch.Tensor,
+    own: torch.Tensor,
+    parts: int,
+    coefficient: float,
+    histories: tuple[DeltaHistory, DeltaHistory],
+    *,
+    clip: float,
+    max_norm_ratio: float,
+    standing: Standing = Standing.CHOSEN,
+) -> Verdict:
+    """:func:`make_delta` for each part of a payload: the state, then (``parts`` 2) the
+    correction's estimate, each against its own history, so that neither bound is driven by
+    the other's scale. The estimate's fraction is ``coefficient`` times
+    :data:`~gossip.correction.CORRECTION_RATE`. A ``CHOSEN`` exchange's distances enter the
+    histories only if every part passes."""
+    n = received.numel() // parts
+    state = make_delta(received[:n], own[:n], coefficient, histories[0], clip=clip,
+                       max_norm_ratio=max_norm_ratio, standing=standing, record=False)
+    correction = None
+    if parts == 2 and state.refused is None:
+        correction = make_delta(received[n:], own[n:2 * n], coefficient * CORRECTION_RATE,
+                                histories[1], clip=clip, max_norm_ratio=max_norm_ratio,
+                                standing=standing, record=False)
+    verdict = Verdict(state, correction)
+    if standing is Standing.CHOSEN and verdict.refused is None:
+        histories[0].record(state)
+        if correction is not None:
+            histories[1].record(correction)
+    return verdict
 
 
 def _subtract(received: torch.Tensor, own: torch.Tensor) -> tuple[float, float, bool]:

@@ -13,7 +13,8 @@ the download server (:mod:`gossip.download`), and runs two tasks in its own nurs
   ``start="auto"`` a node that finds no ready peer within ``download_wait``
   of joining starts from its own initialization (a swarm whose first nodes start together).
   Only then does it announce ``ready`` and take part in averaging.
-* *rounds*: one averaging round every ``interval`` seconds, jittered.
+* *rounds*: one averaging round every ``every`` local steps (or ``interval`` seconds
+  without one), jittered (:meth:`~gossip.averaging.Averaging.run`).
 
 The trainer stays in charge of the model: :meth:`SwarmNode.step` counts a step and adds the
 queued deltas, and never waits on the network. On exit the node stops averaging (an exchange
@@ -182,6 +183,8 @@ async def open_swarm(
     task: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None = None,
     rng: random.Random | None = None,
     counters: Counters | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    correction: Mapping[str, torch.Tensor] | None = None,
     allow: Collection[str] | None = None,
     on_change: Callable[[Member], None] | None = None,
     on_exchange: Callable[[Exchange], None] | None = None,
@@ -202,6 +205,12 @@ async def open_swarm(
             function returning it at each download.
         rng: the node's only source of randomness (seed it in tests).
         counters: the step, samples and weight to resume from (saved with a checkpoint).
+        optimizer: the model's optimizer. With ``config.correction`` (the default) the node
+            keeps a drift correction and adds it to the gradients before each of this
+            optimizer's steps (:mod:`gossip.correction`); without an optimizer it averages
+            the weights alone. Its state never leaves the node.
+        correction: the correction to resume from (saved with a checkpoint, from
+            :meth:`~gossip.replica.Replica.correction_state`).
         allow: the peer ids this node exchanges weights with (offers, downloads, both ways);
             None: any holder of the swarm key. Membership itself is open to every key holder.
         on_change: called with every membership change (see :func:`~gossip.roster.open_roster`).
@@ -217,9 +226,10 @@ async def open_swarm(
     identity = identity or Identity.generate()
     network = network or TcpNetwork()
     rng = rng or random.Random()
-    replica = Replica(model, by_samples=config.by_samples)
+    replica = Replica(model, by_samples=config.by_samples, leak=config.leak,
+                      optimizer=optimizer if config.correction else None)
     if counters is not None:
-        replica.restore(counters)
+        replica.restore(counters, correction)
     task_fn: Callable[[], Mapping[str, Any]]
     if task is None:
         task_fn = dict
@@ -238,18 +248,21 @@ async def open_swarm(
             return
         await node._handle(channel, first)
 
-    async with open_roster(network, identity, swarm, listen, bootstrap=bootstrap,
-                           advertise=advertise, config=membership, timeouts=timeouts,
-                           rng=random.Random(rng.getrandbits(64)), handler=handle,
-                           on_change=on_change, limits=limits) as roster:
-        averaging = Averaging(replica, roster, network, identity, swarm, config, timeouts, rng,
-                              on_exchange, allow=None if allow is None else frozenset(allow))
-        node = SwarmNode(roster, replica, averaging, task_fn)
-        with one_error():
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(node._start, bool(bootstrap))
-                nursery.start_soon(averaging.run)
-                try:
-                    yield node
-                finally:
-                    nursery.cancel_scope.cancel()
+    try:
+        async with open_roster(network, identity, swarm, listen, bootstrap=bootstrap,
+                               advertise=advertise, config=membership, timeouts=timeouts,
+                               rng=random.Random(rng.getrandbits(64)), handler=handle,
+                               on_change=on_change, limits=limits) as roster:
+            averaging = Averaging(replica, roster, network, identity, swarm, config, timeouts, rng,
+                                  on_exchange, allow=None if allow is None else frozenset(allow))
+            node = SwarmNode(roster, replica, averaging, task_fn)
+            with one_error():
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(node._start, bool(bootstrap))
+                    nursery.start_soon(averaging.run)
+                    try:
+                        yield node
+                    finally:
+                        nursery.cancel_scope.cancel()
+    finally:
+        replica.close()  # the optimizer goes on without our hook

@@ -11,18 +11,28 @@ trainer never waits for the network at all.
 A queued delta is a difference and the fraction of it to take (``scale``); the add that
 applies it multiplies, so the network side never makes a pass over the model just to scale.
 
-Memory: the flat buffers (one float32 copy of the model each) are the snapshot being sent, the
-state being received, and the pending delta. The received buffer *becomes* the pending delta
-when nothing is pending, and applied deltas go back to a spare slot for the next exchange, so
-a node holds at most three buffers however many exchanges it makes. On a CUDA model the
-buffers are page-locked, so device copies are fast.
+Parts: a replica given its optimizer keeps a drift correction (:mod:`gossip.correction`), and
+then every flat buffer holds two parts of the schema's size, the state and the correction's
+estimate ``z``; without one, only the state. An exchange may still swap only the state (a peer
+that keeps no correction): the second part of its buffers is then unused, and its commit only
+lets the correction leak.
 
-Counters: ``step`` is the node's training step, raised to a peer's on an exchange or a download
-(so learning-rate schedules line up across the swarm) as far as the caller allows (see
-:func:`gossip.standing.step_ceiling`); ``samples`` counts samples this node trained on;
-``weight`` is the push-sum weight (see :mod:`gossip.mixing`). Counting saturates at the
-protocol's range (:data:`~gossip.messages.MAX_COUNT`), so every counter stays one a peer
-would accept.
+Memory: the flat buffers (``parts`` float32 copies of the model each) are the snapshot being
+sent, the state being received, and the pending delta. The received buffer *becomes* the
+pending delta when nothing is pending, and applied deltas go back to a spare slot for the next
+exchange, so a node holds at most three buffers however many exchanges it makes. On a CUDA
+model the buffers are page-locked, so device copies are fast.
+
+Counters: ``step`` is the step the swarm schedules by (see :mod:`gossip.standing`): this
+node's optimizer steps, moved on each exchange towards the swarm's by a signed ``step_move``.
+It never goes back: a move down becomes a *debt* that the node's next optimizer steps pay off
+instead of counting, so a node ahead of the swarm holds its step while the others catch up
+(learning-rate schedules never reverse, and checkpoints, named by step, stay in order).
+``samples`` counts samples this node trained on; ``weight`` is the push-sum weight (see
+:mod:`gossip.mixing`). Counting saturates at the protocol's range
+(:data:`~gossip.messages.MAX_COUNT`), so every counter stays one a peer would accept.
+:attr:`Replica.local_steps` counts this process's own optimizer steps, for the scheduler that
+starts a round every so many of them (:meth:`Replica.watch`).
 
 Threads: any thread may call any method; each takes :attr:`lock` for as long as it touches the
 model or the buffers. A trainer that wants snapshots that never straddle an optimizer step
@@ -32,6 +42,7 @@ holds :attr:`lock` around ``optimizer.step()`` too.
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -39,6 +50,7 @@ import torch
 import trio
 
 from . import tensors
+from .correction import DEFAULT_LEAK, Correction
 from .messages import MAX_COUNT, MAX_WEIGHT
 from .tensors import StateSchema
 
@@ -57,45 +69,95 @@ class Counters:
 
 
 class Replica:
-    """A model, its schema and counters, and the deltas queued for it.
+    """A model, its schema and counters, its drift correction, and the deltas queued for it.
 
     Args:
-        model: the live module, on any device.
+        model: the live module, on any device (on the device it will train on: the
+            correction is kept beside each parameter).
         by_samples: push-sum mode: the weight grows by the samples trained on.
+        optimizer: the model's optimizer, to keep a drift correction (added to the
+            gradients by a step pre-hook); None: no correction.
+        leak: the fraction of the correction that fades at each committed exchange.
     """
 
-    def __init__(self, model: torch.nn.Module, *, by_samples: bool = False) -> None:
+    def __init__(self, model: torch.nn.Module, *, by_samples: bool = False,
+                 optimizer: torch.optim.Optimizer | None = None,
+                 leak: float = DEFAULT_LEAK) -> None:
         self.model = model
         self.schema = StateSchema.from_module(model)
         self.lock = threading.Lock()
         self.by_samples = by_samples
+        self.leak = leak
         self._step = 0
+        self._debt = 0  # optimizer steps still to take without counting (a move down)
         self._samples = 0
         self._weight = 1.0
+        self._local = 0  # this process's optimizer steps
+        self._watch: tuple[int, Callable[[], None]] | None = None
         self._pending: torch.Tensor | None = None
-        self._pending_scale = 0.0  # the delta to apply is _pending_scale x _pending
+        self._scales = [0.0, 0.0]  # the delta to apply is scale[k] x part k of _pending
+        self._decay = 1.0  # what the correction is multiplied by before the pending part
         self._pending_count = 0
         self._spare: list[torch.Tensor] = []
         self._pin = any(t.is_cuda for t in model.state_dict().values()
                         if isinstance(t, torch.Tensor))
+        self.correction: Correction | None = None
+        self._hook: Any = None
+        if optimizer is not None:
+            self.correction = Correction(model, self.schema)
+            self._hook = optimizer.register_step_pre_hook(self._before_step)
+
+    @property
+    def estimating(self) -> bool:
+        """Whether this replica can swap a drift correction's estimate: it keeps a correction
+        and has taken a step since it started (or downloaded a state)."""
+        with self.lock:
+            return self.correction is not None and self.correction.measured
+
+    @property
+    def parts(self) -> int:
+        """Parts of the schema's size in each flat buffer: 2 with a correction, else 1."""
+        return 1 if self.correction is None else 2
+
+    def close(self) -> None:
+        """Stop correcting the optimizer's gradients (the node is closing)."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
 
     # ---- trainer side -----------------------------------------------------------------
+
+    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        with self.lock:
+            if self.correction is not None:
+                self.correction.before_step()
 
     def advance(self, steps: int = 1, samples: int = 0) -> None:
         """Count ``steps`` optimizer steps over ``samples`` training samples."""
         if steps < 0 or samples < 0:
             raise ValueError("steps and samples must be non-negative")
+        fire = None
         with self.lock:
-            self._step = min(self._step + steps, MAX_COUNT)
+            paid = min(self._debt, steps)
+            self._debt -= paid
+            self._step = min(self._step + steps - paid, MAX_COUNT)
             self._samples = min(self._samples + samples, MAX_COUNT)
+            self._local += steps
             if self.by_samples:
                 self._weight = min(self._weight + samples, MAX_WEIGHT)
+            if self._watch is not None and self._local >= self._watch[0]:
+                fire, self._watch = self._watch[1], None
+        if fire is not None:
+            fire()
 
-    def restore(self, counters: Counters) -> None:
-        """Take the counters saved with a checkpoint (before the node starts averaging).
+    def restore(self, counters: Counters,
+                correction: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Take the counters (and correction) saved with a checkpoint, before the node starts
+        averaging.
 
         Raises:
-            ValueError: a counter out of the protocol's range (a damaged or foreign file).
+            ValueError: a counter out of the protocol's range, or a correction that is not
+                this model's (a damaged or foreign file).
         """
         if not (0 <= counters.step <= MAX_COUNT and 0 <= counters.samples <= MAX_COUNT
                 and 0 < counters.weight <= MAX_WEIGHT):
@@ -104,13 +166,19 @@ class Replica:
         with self.lock:
             self._step, self._samples = counters.step, counters.samples
             self._weight = counters.weight if self.by_samples else 1.0
+            if correction is not None and self.correction is not None:
+                self.correction.load_state_dict(correction)
 
     def apply_pending(self) -> int:
-        """Add every queued delta to the live parameters; returns how many were queued."""
+        """Add every queued delta to the live parameters (and the correction); returns how
+        many were queued."""
         with self.lock:
             if self._pending is None:
                 return 0
-            tensors.add_(self.model, self.schema, self._pending, self._pending_scale)
+            n = self.schema.numel
+            tensors.add_(self.model, self.schema, self._pending[:n], self._scales[0])
+            if self.correction is not None:
+                self.correction.apply(self._pending[n:], self._scales[1], self._decay)
             count, self._pending_count = self._pending_count, 0
             self._spare.append(self._pending)
             self._pending = None
@@ -121,18 +189,41 @@ class Replica:
         """Deltas queued and not yet applied."""
         return self._pending_count
 
+    @property
+    def local_steps(self) -> int:
+        """Optimizer steps counted by this process (not moved by exchanges)."""
+        return self._local
+
     def counters(self) -> Counters:
         with self.lock:
             return Counters(self._step, self._samples, self._weight)
 
+    def correction_state(self) -> dict[str, torch.Tensor] | None:
+        """The correction, by parameter name on the CPU, for a checkpoint (None: none kept).
+        Call it after :meth:`apply_pending`, as a checkpoint does."""
+        with self.lock:
+            return None if self.correction is None else self.correction.state_dict()
+
     # ---- network side -----------------------------------------------------------------
 
+    def watch(self, steps: int, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` once :attr:`local_steps` reaches ``steps``: at once if it has,
+        else from the thread whose :meth:`advance` gets there. Replaces an earlier watch."""
+        with self.lock:
+            if self._local < steps:
+                self._watch = (steps, callback)
+                return
+            self._watch = None
+        callback()
+
     def buffer(self) -> torch.Tensor:
-        """A flat buffer to snapshot or receive into (a spare one if there is one)."""
+        """A flat buffer of :attr:`parts` parts to snapshot or receive into (a spare one if
+        there is one)."""
         with self.lock:
             if self._spare:
                 return self._spare.pop()
-        return tensors.new_flat(self.schema, pin_memory=self._pin)
+        return torch.zeros(self.parts * self.schema.numel, dtype=torch.float32,
+                           pin_memory=self._pin and torch.cuda.is_available())
 
     def release(self, flat: torch.Tensor) -> None:
         """Give back a buffer from :meth:`buffer` that is no longer needed. Spares and the
@@ -141,59 +232,99 @@ class Replica:
             if len(self._spare) + (self._pending is not None) < 3:
                 self._spare.append(flat)
 
-    def snapshot(self, out: torch.Tensor) -> Counters:
+    def snapshot(self, out: torch.Tensor, parts: int | None = None) -> Counters:
         """Copy the state into ``out``: the live state plus the deltas committed and not yet
         applied, so that an exchange starts from the state the node has (and the push-sum
-        weight, merged at commit, goes with it); returns the counters at that instant."""
+        weight, merged at commit, goes with it); returns the counters at that instant.
+
+        With ``parts`` 2 (the default when the replica keeps a correction) the second part
+        gets the correction's estimate ``z``, which starts the next gradient sum; a download
+        asks for 1.
+        """
+        parts = self.parts if parts is None else parts
+        n = self.schema.numel
         with self.lock:
-            tensors.snapshot(self.model, self.schema, out)
+            state = out[:n]
+            tensors.snapshot(self.model, self.schema, state)
             if self._pending is not None:
-                out.add_(self._pending, alpha=self._pending_scale)
+                state.add_(self._pending[:n], alpha=self._scales[0])
+            if parts == 2 and self.correction is not None:
+                estimate = out[n:2 * n]
+                pending = self._pending is not None
+                self.correction.estimate_into(estimate, self._decay if pending else 1.0)
+                if pending and self._scales[1]:
+                    estimate.add_(self._pending[n:], alpha=self._scales[1])
             return Counters(self._step, self._samples, self._weight)
 
-    def queue(self, delta: torch.Tensor, *, scale: float = 1.0, peer_step: int,
-              weight: float | None, sent_weight: float) -> None:
-        """Queue a committed delta, ``scale × delta`` (``delta`` is handed over: do not use it
-        afterwards).
+    def queue(self, delta: torch.Tensor, *, scale: float = 1.0, correction: float = 0.0,
+              step_move: int = 0, weight: float | None, sent_weight: float) -> None:
+        """Queue a committed delta: ``scale ×`` its state part for the model and, with a
+        correction, ``correction ×`` its second part for the correction, which first leaks
+        (``delta`` is handed over: do not use it afterwards).
 
         Args:
-            scale: the fraction of ``delta`` to apply; positive.
-            peer_step: the step the peer gives us, already bounded by the caller; ours
-                becomes the max of the two.
+            scale: the fraction of the state difference to apply; positive.
+            correction: the fraction of the estimates' difference to add to the correction;
+                0 when the exchange swapped no estimates (it still leaks).
+            step_move: how far to move our step (see :func:`gossip.standing.step_move`); a
+                move down is taken from the steps to come.
             weight: the merged push-sum weight, or None in fixed mode.
             sent_weight: the weight we offered (samples trained since then are kept).
         """
         if not scale > 0:
             raise ValueError(f"scale must be positive, not {scale!r}")
+        n = self.schema.numel
+        decay = 1.0 if self.correction is None else 1.0 - self.leak
         with self.lock:
-            self._step = max(self._step, peer_step)
+            self._move_step(step_move)
             if weight is not None:
                 self._weight = min(self._weight + weight - sent_weight, MAX_WEIGHT)
-            if self._pending is None:
-                self._pending, self._pending_scale = delta, scale
-            else:  # pending = s1·p + s2·d = s1·(p + (s2/s1)·d): one pass, s1 stays
-                self._pending.add_(delta, alpha=scale / self._pending_scale)
-                if len(self._spare) < 2:
-                    self._spare.append(delta)
             self._pending_count += 1
+            self._decay *= decay
+            if self._pending is None:
+                self._pending, self._scales, self._decay = delta, [scale, correction], decay
+                return
+            # pending = s1·p + s2·d = s1·(p + (s2/s1)·d): one pass, s1 stays. The
+            # correction's pending part leaks with the correction (its scale shrinks).
+            self._pending[:n].add_(delta[:n], alpha=scale / self._scales[0])
+            if self.correction is not None:
+                self._scales[1] *= decay
+                if correction and self._scales[1]:
+                    self._pending[n:].add_(delta[n:], alpha=correction / self._scales[1])
+                elif correction:
+                    self._pending[n:].copy_(delta[n:])
+                    self._scales[1] = correction
+            if len(self._spare) < 2:
+                self._spare.append(delta)
+
+    def _move_step(self, move: int) -> None:
+        if move < 0:
+            self._debt = min(self._debt - move, MAX_COUNT)
+            return
+        paid = min(self._debt, move)
+        self._debt -= paid
+        self._step = min(self._step + move - paid, MAX_COUNT)
 
     def load(self, flat: torch.Tensor, *, step: int, buffers: dict[str, int]) -> None:
         """Replace the live state by a downloaded one (parameters, float buffers, integer
         scalar buffers such as ``num_batches_tracked``) and take ``step`` (the sender's, as
-        far as the caller allows) if it is ahead. Our sample count and push-sum weight stay ours: a copy of a peer's state is
-        one more replica, and a small weight disturbs the swarm's weighted mean least.
-        Anything pending is dropped: it was relative to the state being replaced."""
+        far as the caller allows) if it is ahead. Our sample count and push-sum weight stay
+        ours: a copy of a peer's state is one more replica, and a small weight disturbs the
+        swarm's weighted mean least. Anything pending is dropped, since it was relative to the
+        state being replaced, and the correction starts from nothing (a joiner brings none)."""
         with self.lock:
-            tensors.load_(self.model, self.schema, flat)
+            tensors.load_(self.model, self.schema, flat[:self.schema.numel])
             live = self.model.state_dict()
             with torch.no_grad():
                 for name, value in buffers.items():
                     t = live.get(name)
                     if isinstance(t, torch.Tensor) and not t.is_floating_point() and t.numel() == 1:
                         t.fill_(value)
-            self._step = max(self._step, step)
+            self._step, self._debt = max(self._step, step), 0
             if self._pending is not None:
                 self._pending, self._pending_count = None, 0
+            if self.correction is not None:
+                self.correction.reset()
 
     def int_buffers(self) -> dict[str, int]:
         """The model's integer scalar buffers (such as ``num_batches_tracked``) by name."""

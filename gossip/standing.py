@@ -52,8 +52,10 @@ from collections.abc import Iterable, Sequence
 
 from .address import parse_address
 from .member import Member
+from .messages import MAX_COUNT as MAX_STEP
 
-__all__ = ["Standing", "standing", "Records", "pick", "step_ceiling", "NewcomerBudget",
+__all__ = ["Standing", "standing", "Records", "pick", "step_ceiling", "swarm_step",
+           "step_move", "NewcomerBudget",
            "NEWCOMER_BURST", "MAX_HOSTS", "MAX_RECORDS"]
 
 NEWCOMER_BURST = 2  # newcomer exchanges one host may have saved up
@@ -140,6 +142,32 @@ def step_ceiling(members: Iterable[Member]) -> int:
     catch up with the majority, which is what lining schedules up needs.
     """
     return _lower_median([_lower_median([m.step for m in group]) for group in by_host(members)])
+
+
+def swarm_step(members: Iterable[Member], own: int, announced: int) -> int | None:
+    """Our estimate of the swarm's step now, from the members' announcements: their median
+    (:func:`step_ceiling`) aged by how far our own step has moved since we last announced
+    it (the others' announcements are about as old as ours); None if there are no members.
+    """
+    members = list(members)
+    if not members:
+        return None
+    return min(step_ceiling(members) + max(0, own - announced), MAX_STEP)
+
+
+def step_move(own: int, peer: int, swarm: int | None) -> int:
+    """How far one committed exchange moves our step: half way to the peer's, where the
+    peer's counts only as far as it lies between our step and the swarm's (``swarm``, from
+    :func:`swarm_step`; None: no move). Every honest pair therefore moves towards the other
+    and towards the swarm's median, so nodes that train at different speeds agree on a
+    step that advances at the pace of the swarm; a liar moves nobody past the median, up or
+    down. A negative move is a debt the replica pays from its next steps (the step never
+    goes back)."""
+    if swarm is None:
+        return 0
+    target = min(max(peer, min(own, swarm)), max(own, swarm))
+    half = abs(target - own) // 2
+    return half if target >= own else -half
 
 
 def _lower_median(values: list[int]) -> int:

@@ -170,6 +170,11 @@ class StateSchema:
         """:attr:`fingerprint` as 32 lowercase hex digits (for logs and config)."""
         return self.fingerprint.hex()
 
+    def places(self) -> dict[str, slice]:
+        """Where each entry lies in the flat buffer, by name."""
+        return {e.name: slice(offset, offset + e.numel)
+                for e, offset in zip(self.entries, self._offsets)}
+
     def encoded_size(self, codec: str) -> int:
         """Exact size in bytes of the state encoded with ``codec``.
 
@@ -404,8 +409,9 @@ class StateDecoder:
     Args:
         schema: the local schema; nothing received can change the size or shape.
         codec: one of :data:`CODECS`.
-        out: the flat float32 buffer to fill (contiguous, ``schema.numel`` elements, any
-            device); a new one from :func:`new_flat` if omitted.
+        out: the flat float32 buffer to fill (contiguous, ``parts × schema.numel``
+            elements, any device); a new one if omitted.
+        parts: how many vectors of the schema's size the payload holds, back to back.
 
     Raises:
         ValueError: unknown codec, or ``out`` is not a contiguous 1-D float32 tensor.
@@ -413,20 +419,28 @@ class StateDecoder:
         RuntimeError: a big-endian host.
     """
 
-    def __init__(self, schema: StateSchema, codec: str, out: torch.Tensor | None = None) -> None:
+    def __init__(self, schema: StateSchema, codec: str, out: torch.Tensor | None = None, *,
+                 parts: int = 1) -> None:
         _require_little_endian()
         self._dtype = _codec_dtype(codec)
-        self._out = new_flat(schema) if out is None else out
-        _check_flat(self._out, schema)
+        if type(parts) is not int or parts < 1:
+            raise ValueError(f"parts must be an int >= 1, not {parts!r}")
+        if out is None:
+            out = torch.zeros(parts * schema.numel, dtype=torch.float32)
+        _check_flat(out)
+        if out.numel() != parts * schema.numel:
+            raise SchemaMismatch(f"flat buffer has {out.numel()} elements, {parts} part(s) of "
+                                 f"the schema have {parts * schema.numel}")
+        self._out = out
         self._codec = codec
-        self.total_bytes = schema.encoded_size(codec)
+        self.total_bytes = parts * schema.encoded_size(codec)
         self._received = 0
         self._error: str | None = None
         self._scratch = torch.empty(0, dtype=self._dtype)  # records to cast or copy over
         self._scratch_view = memoryview(b"")
         self._window = 0  # bytes of scratch the last window() offered
         fp32_host = self._dtype == torch.float32 and self._out.device.type == "cpu"
-        self._out_view = _host_view(self._out) if fp32_host and schema.numel else None
+        self._out_view = _host_view(self._out) if fp32_host and out.numel() else None
 
     @property
     def remaining_bytes(self) -> int:

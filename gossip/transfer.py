@@ -2,7 +2,9 @@
 
 A state travels as one :class:`~gossip.messages.StateHeader` record followed by exactly
 ``header.nbytes`` bytes of tensor data in records of whole elements (see
-:func:`gossip.tensors.encode_chunks`). The receiver checks the header against the schema it
+:func:`gossip.tensors.encode_chunks`). A payload may hold more than one vector of the schema's
+size back to back (an averaging exchange's state and drift-correction estimate): ``parts`` of
+them, which both sides agreed on before, so that the size is still fixed locally. The receiver checks the header against the schema it
 already has before reading any tensor byte, so the payload size is fixed locally, never by
 the peer; a peer that says ``Close`` instead is reported with its reason.
 
@@ -17,7 +19,7 @@ import torch
 from .channel import MAX_RECORD, SecureChannel
 from .errors import PeerGone, RemoteProtocolError, SchemaMismatch
 from .messages import Close, StateHeader
-from .tensors import StateDecoder, StateSchema, encode_chunks
+from .tensors import StateDecoder, StateSchema, encode_chunks, itemsize
 
 __all__ = ["send_state", "receive_state"]
 
@@ -31,7 +33,8 @@ async def send_state(
     step: int = 0,
     samples: int = 0,
 ) -> None:
-    """Send a flat state (from :func:`gossip.tensors.snapshot`) as header plus records.
+    """Send a flat state (from :func:`gossip.tensors.snapshot`; or several of the schema's
+    size back to back) as header plus records.
 
     ``flat`` must not change until this returns: fp32 records are views of it. On any failure
     or cancellation the channel is closed, since the peer may hold part of the state, except
@@ -43,7 +46,7 @@ async def send_state(
         codec=codec,
         step=step,
         samples=samples,
-        nbytes=schema.encoded_size(codec),
+        nbytes=flat.numel() * itemsize(codec),
     )
     try:
         await channel.send_message(header)
@@ -63,8 +66,10 @@ async def receive_state(
     schema: StateSchema,
     codec: str = "fp32",
     out: torch.Tensor | None = None,
+    parts: int = 1,
 ) -> tuple[StateHeader, torch.Tensor]:
-    """Receive a state sent by :func:`send_state` into a flat float32 buffer.
+    """Receive a state sent by :func:`send_state` into a flat float32 buffer (of ``parts``
+    times the schema's size).
 
     Returns:
         The header (the sender's step and sample counts) and the flat state.
@@ -79,7 +84,7 @@ async def receive_state(
         RemoteProtocolError: anything other than a header where one is due.
     """
     try:
-        return await _receive_state(channel, schema, codec, out)
+        return await _receive_state(channel, schema, codec, out, parts)
     except BaseException:
         # Including a cancellation by the caller's deadline between records: the rest of the
         # state may still arrive, and would be read as messages.
@@ -88,7 +93,8 @@ async def receive_state(
 
 
 async def _receive_state(
-    channel: SecureChannel, schema: StateSchema, codec: str, out: torch.Tensor | None
+    channel: SecureChannel, schema: StateSchema, codec: str, out: torch.Tensor | None,
+    parts: int,
 ) -> tuple[StateHeader, torch.Tensor]:
     message = await channel.receive_message()
     if isinstance(message, Close):
@@ -100,12 +106,13 @@ async def _receive_state(
             f"{channel.peer.short} sent a state of schema {message.fingerprint.hex()}, "
             f"ours is {schema.fingerprint_hex}"
         )
-    if message.codec != codec or message.nbytes != schema.encoded_size(codec):
+    expected = parts * schema.encoded_size(codec)
+    if message.codec != codec or message.nbytes != expected:
         raise SchemaMismatch(
             f"{channel.peer.short} announced {message.nbytes} bytes of {message.codec}; "
-            f"expected {schema.encoded_size(codec)} bytes of {codec}"
+            f"expected {expected} bytes of {codec}"
         )
-    decoder = StateDecoder(schema, codec, out)
+    decoder = StateDecoder(schema, codec, out, parts=parts)
     while not decoder.done:
         # Each record is decrypted straight into the state (fp32 into host memory) or into a
         # reused scratch buffer the decoder casts from: no allocation per record.

@@ -255,13 +255,16 @@ class HostilePeer(Outsider):
     whose state is the honest state the attacks distort (or the target's
     :class:`~gossip.tensors.StateSchema`: the honest state is then all ones). ``codec`` and
     ``weight`` go in our offers (0.0: fixed-weight mixing, > 0: push-sum), and ``step`` (a
-    liar's, up to the protocol's largest counter). ``identity`` is fresh by default; a new
+    liar's, up to the protocol's largest counter); with ``correction`` our offers say we keep
+    a drift correction, and a target that takes it gets an estimate after our state (zeros,
+    or the one an attack names). ``identity`` is fresh by default; a new
     one (:meth:`renew`) escapes quarantine. ``busy_tries``: offers answered busy before an
     exchange attack gives up (``BUSY``). ``options``: as for :class:`Outsider`."""
 
     def __init__(self, swarm: Swarm, model: torch.nn.Module | StateSchema, *, codec: str = "fp32",
                  weight: float = 0.0, step: int = 0, identity: Identity | None = None,
-                 busy_tries: int = BUSY_TRIES, **options: object) -> None:
+                 correction: bool = False, busy_tries: int = BUSY_TRIES,
+                 **options: object) -> None:
         super().__init__(**options)  # type: ignore[arg-type]
         self.swarm, self.codec, self.weight = swarm, codec, weight
         self.busy_tries = busy_tries
@@ -269,7 +272,7 @@ class HostilePeer(Outsider):
         self.schema = model if isinstance(model, StateSchema) else StateSchema.from_module(model)
         self.honest = (new_flat(self.schema).fill_(1.0) if isinstance(model, StateSchema)
                        else snapshot(model, self.schema))
-        self._offer_message = Offer(self.schema.fingerprint, codec, step, 0, weight)
+        self._offer_message = Offer(self.schema.fingerprint, codec, step, 0, weight, correction)
 
     def renew(self) -> None:
         """Take a fresh identity: no strikes, no quarantine, no standing with anyone."""
@@ -297,6 +300,12 @@ class HostilePeer(Outsider):
             torch.linalg.vector_norm(noise))
         return await self._exchange(address, f"noise at {ratio:g} x norm", noise)
 
+    async def send_correction(self, address: str, estimate: torch.Tensor,
+                              attack: str = "bad correction") -> Outcome:
+        """An exchange with the honest state and ``estimate`` as our drift correction's (the
+        target must take a correction: make this peer with ``correction=True``)."""
+        return await self._exchange(address, attack, self.honest, estimate)
+
     async def send_wrong_schema(self, address: str) -> Outcome:
         """An honest offer, then a payload header for another schema (of the same size)."""
         other = StateSchema((TensorSpec("hostile", (self.schema.numel,), "float32"),))
@@ -310,7 +319,7 @@ class HostilePeer(Outsider):
         offered = await self._offer(address, f"{type(message).__name__} for a header")
         if isinstance(offered, Outcome):
             return offered
-        channel, tap, started = offered
+        channel, tap, started, _ = offered
         try:
             await channel.send_message(message)
         except GossipError as exc:
@@ -374,7 +383,8 @@ class HostilePeer(Outsider):
         except trio.TooSlowError:
             raise PeerTimeout(address, "handshake") from None
 
-    async def _offer(self, address: str, attack: str) -> tuple[SecureChannel, _Tap, float] | Outcome:
+    async def _offer(self, address: str,
+                     attack: str) -> tuple[SecureChannel, _Tap, float, Accept] | Outcome:
         """Offer (again while the target is busy): the accepted channel, or the answer."""
         for attempt in range(self.busy_tries):
             channel, tap = await self._connect(address)
@@ -387,7 +397,7 @@ class HostilePeer(Outsider):
                 except GossipError as exc:
                     answer = exc
             if isinstance(answer, Accept):
-                return channel, tap, started
+                return channel, tap, started, answer
             await channel.aclose()
             if not isinstance(answer, Close) or answer.code != Close.BUSY:
                 break
@@ -398,19 +408,24 @@ class HostilePeer(Outsider):
         return Outcome(attack, Reaction.CLOSED if answer else Reaction.HELD,
                        trio.current_time() - started, detail=f"offer: {answer!r}")
 
-    async def _exchange(self, address: str, attack: str, flat: torch.Tensor) -> Outcome:
-        """A whole exchange with ``flat`` as our payload: the target's verdict on it."""
+    async def _exchange(self, address: str, attack: str, flat: torch.Tensor,
+                        estimate: torch.Tensor | None = None) -> Outcome:
+        """A whole exchange with ``flat`` (and, if the target takes one, ``estimate``, zeros
+        by default) as our payload: the target's verdict on it."""
         offered = await self._offer(address, attack)
         if isinstance(offered, Outcome):
             return offered
-        channel, _, started = offered
+        channel, _, started, accept = offered
+        parts = 1 + accept.correction
+        if parts == 2:
+            flat = torch.cat([flat, torch.zeros_like(flat) if estimate is None else estimate])
         async with channel:
             with trio.move_on_after(self.patience):
                 try:
                     with first_error():
                         async with trio.open_nursery() as nursery:
                             nursery.start_soon(send_state, channel, flat, self.schema, self.codec)
-                            await receive_state(channel, self.schema, self.codec)
+                            await receive_state(channel, self.schema, self.codec, parts=parts)
                     answer = await channel.receive_message()
                     if isinstance(answer, Commit):
                         await channel.send_message(Commit())  # an attacker wants it applied
@@ -425,7 +440,7 @@ class HostilePeer(Outsider):
         offered = await self._offer(address, attack)
         if isinstance(offered, Outcome):
             return offered
-        channel, tap, _ = offered
+        channel, tap, _, _ = offered
         header = replace(self.header(), fingerprint=fingerprint)
         try:
             await channel.send_message(header)

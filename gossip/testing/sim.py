@@ -91,6 +91,7 @@ class _Checkpoint:
     state: dict[str, torch.Tensor]
     counters: Counters
     steps: int
+    correction: dict[str, torch.Tensor] | None
 
 
 class SimNode:
@@ -100,6 +101,7 @@ class SimNode:
         name: its host's name, ``n<index>``.
         index: its position in :attr:`SimSwarm.nodes`.
         model: its live model, the same object across restarts.
+        optimizer: its optimizer (the same across restarts), or None.
         identity: its key; a restart keeps it.
         node: the :class:`~gossip.SwarmNode` while it runs, else None.
         loss: what ``train`` returned at its latest step (None before the first).
@@ -107,10 +109,12 @@ class SimNode:
         restarts: how many times it was restarted.
     """
 
-    def __init__(self, index: int, model: torch.nn.Module, identity: Identity) -> None:
+    def __init__(self, index: int, model: torch.nn.Module, identity: Identity,
+                 optimizer: torch.optim.Optimizer | None = None) -> None:
         self.name = f"n{index}"
         self.index = index
         self.model = model
+        self.optimizer = optimizer
         self.identity = identity
         self.node: SwarmNode | None = None
         self.loss: float | None = None
@@ -228,7 +232,8 @@ class SimSwarm:
         node.restarts += 1
         self.net.restart(node.name)
         config = dataclasses.replace(self._config, start="own")
-        await self._start(node, [n.address for n in self.running()], config, checkpoint.counters)
+        await self._start(node, [n.address for n in self.running()], config, checkpoint.counters,
+                          checkpoint.correction)
 
     async def stop(self, node: NodeLike) -> None:
         """Stop the node gracefully (it announces that it leaves); returns once it has.
@@ -386,13 +391,15 @@ class SimSwarm:
         return a, b
 
     async def _start(self, node: SimNode, bootstrap: list[str], config: AveragingConfig,
-                     counters: Counters | None) -> None:
+                     counters: Counters | None,
+                     correction: dict[str, torch.Tensor] | None = None) -> None:
         node._done = trio.Event()
         self._by_peer[node.peer_id] = node
-        await self._nursery.start(self._run, node, bootstrap, config, counters)
+        await self._nursery.start(self._run, node, bootstrap, config, counters, correction)
 
     async def _run(self, node: SimNode, bootstrap: list[str], config: AveragingConfig,
-                   counters: Counters | None, *, task_status: trio.TaskStatus[None]) -> None:
+                   counters: Counters | None, correction: dict[str, torch.Tensor] | None, *,
+                   task_status: trio.TaskStatus[None]) -> None:
         try:
             with trio.CancelScope() as node._scope:
                 async with open_swarm(
@@ -400,7 +407,8 @@ class SimSwarm:
                     listen=node.address, bootstrap=bootstrap, identity=node.identity,
                     config=config, membership=self._membership, timeouts=self._timeouts,
                     rng=random.Random(f"{self._seed}:{node.name}:{node.restarts}"),
-                    counters=counters, on_change=self._changed.fire,
+                    counters=counters, optimizer=node.optimizer, correction=correction,
+                    on_change=self._changed.fire,
                     on_exchange=functools.partial(self._exchanged, node),
                 ) as swarm_node:
                     node.node, node._down = swarm_node, None
@@ -448,6 +456,7 @@ async def open_sim_swarm(
     *,
     seed: int = 0,
     model: Callable[[int], torch.nn.Module] | None = None,
+    optimizer: Callable[[int], torch.optim.Optimizer] | None = None,
     train: Callable[[SimNode], float] | None = None,
     step_time: float = 0.05,
     config: AveragingConfig = SIM_CONFIG,
@@ -465,6 +474,9 @@ async def open_sim_swarm(
         seed: seeds every random choice (see the module docstring).
         model: ``model(i)`` builds node i's model; default: a 4x4 linear layer initialized
             from the seed and i.
+        optimizer: ``optimizer(i)`` gives node i's optimizer (over ``model(i)``'s
+            parameters), so that the node keeps a drift correction (see
+            :func:`gossip.open_swarm`); ``train`` steps it. None: weights alone.
         train: ``train(node)`` runs one training step on ``node.model`` and returns the
             loss; each running node calls it every ``step_time`` virtual seconds. None: no
             training, and deltas are added as exchanges end.
@@ -498,7 +510,8 @@ async def open_sim_swarm(
                            timeouts=timeouts, train=train, step_time=step_time)
             for i, m in enumerate(models):
                 key = Ed25519PrivateKey.from_private_bytes(_digest(seed, f"identity n{i}"))
-                sim.nodes.append(SimNode(i, m, Identity(key)))
+                sim.nodes.append(SimNode(i, m, Identity(key),
+                                         None if optimizer is None else optimizer(i)))
             first = sim.nodes[0]
             for node in sim.nodes:
                 await sim._start(node, [] if node is first else [first.address], config, None)
@@ -520,7 +533,8 @@ def _digest(seed: int, what: str) -> bytes:
 
 def _checkpoint(node: SimNode, swarm_node: SwarmNode) -> _Checkpoint:
     state = {k: v.detach().clone() for k, v in node.model.state_dict().items()}
-    return _Checkpoint(state, swarm_node.replica.counters(), node.steps)
+    return _Checkpoint(state, swarm_node.replica.counters(), node.steps,
+                       swarm_node.replica.correction_state())
 
 
 def _only(kind: type[BaseException], exc: BaseException) -> bool:

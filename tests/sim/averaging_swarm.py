@@ -3,8 +3,8 @@
 Each node is :func:`gossip.node.open_swarm` on its own simulated host, run in the test's
 nursery. Every membership change any node sees, and every exchange that ends anywhere, wakes
 :meth:`AveragingSwarm.wait_until`, so tests wait on conditions ("everyone sees everyone
-ready", "the responder has committed"), never by sleeping or polling. Rounds are
-driven by the test (``interval=None``): :meth:`AveragingSwarm.round` has every given node
+ready", "the responder has committed"), never by sleeping or polling. Rounds are driven by
+the test (``every=None, interval=None``): :meth:`AveragingSwarm.round` has every given node
 call ``average_now()`` at the same virtual instant, then add what each committed.
 """
 
@@ -32,7 +32,7 @@ from tests.util import SWARM, Signal
 PORT = 7000
 # Rounds only when the test asks, and every member trusted at once (trust_after=0): these
 # tests are about exchanges and the swarm's arithmetic; the newcomer rule has its own.
-ROUNDS = AveragingConfig(interval=None, trust_after=0.0)
+ROUNDS = AveragingConfig(every=None, interval=None, trust_after=0.0)
 
 
 class Flat(torch.nn.Module):

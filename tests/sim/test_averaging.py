@@ -1,6 +1,6 @@
 """Gossip averaging in whole swarms: open_swarm nodes on a SimNetwork under MockClock.
 
-Rounds are driven by the tests (``interval=None``): in a round every node calls
+Rounds are driven by the tests (``every=None, interval=None``): in a round every node calls
 ``average_now()`` at the same virtual instant, and once all have returned each adds the
 deltas it committed (as a trainer does at its next step). Bounds are in virtual seconds,
 enforced with ``trio.fail_after``; conditions are re-checked after every membership change.
@@ -443,7 +443,7 @@ async def test_the_first_node_is_ready_at_once_with_its_own_state(
     model = torch.nn.Linear(8, 4)
     before = state(model)
     async with open_averaging_swarm() as swarm:
-        first = await swarm.start(model, config=AveragingConfig(interval=None, start="auto"))
+        first = await swarm.start(model, config=AveragingConfig(every=None, interval=None, start="auto"))
         start = trio.current_time()
         await first.swarm_node.wait_ready()
         assert trio.current_time() == start

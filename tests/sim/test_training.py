@@ -92,7 +92,7 @@ async def open_trained_swarm(net: SimNetwork, seed: int, *, average_every: int |
     """
     rng = random.Random(seed)
     data = digits()
-    config = CONFIG if average_every is None else AveragingConfig(interval=None)
+    config = CONFIG if average_every is None else AveragingConfig(every=None, interval=None)
     async with AsyncExitStack() as stack:
         peers: list[Peer] = []
         for i in range(NODES):
@@ -159,7 +159,7 @@ async def test_a_joiner_starts_from_the_swarms_weights(autojump_clock: MockClock
         # A fresh initialization, not the swarm's: what the joiner would train from alone.
         model = make_model(seed + 1000)
         untrained = held_out_loss(model, data)
-        config = AveragingConfig(interval=None, start="auto")
+        config = AveragingConfig(every=None, interval=None, start="auto")
         async with open_swarm(model, SWARM, network=net.host("joiner"), listen="joiner:7000",
                               bootstrap=[peers[0].node.address], config=config,
                               rng=random.Random(seed)) as joiner:

@@ -1,5 +1,5 @@
 """Tests for gossip.averaging: the config's validation, and real exchanges between two nodes
-over TCP on 127.0.0.1 (open_swarm with rounds only on demand, ``interval=None``)."""
+over TCP on 127.0.0.1 (open_swarm with rounds only on demand, ``every=None, interval=None``)."""
 
 from __future__ import annotations
 
@@ -53,6 +53,9 @@ BAD_VALUES = [
     ("interval", "5"), ("interval", True), ("weight", "0.5"), ("weight", True),
     ("clip", "1"), ("quarantine", "1"), ("download_wait", "1"), ("backoff", True),
     ("min_rate", None), ("by_samples", "no"), ("by_samples", 1), ("by_samples", None),
+    ("every", 0), ("every", -5), ("every", 2.0), ("every", True), ("every", "5"),
+    ("correction", 1), ("correction", "yes"), ("correction", None),
+    ("leak", -0.1), ("leak", 1.0), ("leak", math.nan), ("leak", "0.1"), ("leak", None),
 ]
 
 
@@ -74,6 +77,8 @@ def test_every_field_has_a_bad_value_in_the_table() -> None:
     {"download_wait": 0.0}, {"clip_window": 1, "clip_min_history": 1},
     {"clip_window": 8, "clip_min_history": 8}, {"start": "own"}, {"start": "download"},
     {"by_samples": True}, {"min_rate": 1}, {"attempts": 1, "strikes": 1},
+    {"every": 1}, {"every": None}, {"every": None, "interval": None}, {"correction": False},
+    {"leak": 0.0}, {"leak": 0.99},
 ], ids=repr)
 def test_config_takes_the_edge_values(changes: dict) -> None:
     config = AveragingConfig(**changes)
@@ -134,8 +139,8 @@ async def two_nodes(
     and a signal that fires when an exchange ends at either. By default each trusts the
     other at once (``trust_after=0``): most tests here are about the exchange itself, and
     the newcomer rule has tests of its own."""
-    config_a = dataclasses.replace(config_a, interval=None, trust_after=trust_after)
-    config_b = dataclasses.replace(config_b or config_a, interval=None, start="own",
+    config_a = dataclasses.replace(config_a, every=None, interval=None, trust_after=trust_after)
+    config_b = dataclasses.replace(config_b or config_a, every=None, interval=None, start="own",
                                    trust_after=trust_after)
     exchanged = Signal()
     async with AsyncExitStack() as stack:
@@ -303,7 +308,7 @@ async def test_every_exchange_is_reported_at_both_ends_as_it_ends() -> None:
 
     model_a, model_b, model_c = mlp(15), mlp(16), mlp(17)
     distance = float(torch.linalg.vector_norm(flat(model_a) - flat(model_b)))
-    own = AveragingConfig(interval=None, start="own")
+    own = AveragingConfig(every=None, interval=None, start="own")
     async with AsyncExitStack() as stack:
         a = await enter_node(stack, model_a, own, [], "a", record("a"))
         b = await enter_node(stack, model_b, own, [a.address], "b", record("b"))
@@ -374,7 +379,7 @@ async def test_fresh_identities_behind_one_address_move_nothing_and_share_a_budg
     # here (busy_tries=1), so that the budget's answers can be read one by one.
     model = mlp(22)
     before = flat(model)
-    config = AveragingConfig(interval=None, start="own")
+    config = AveragingConfig(every=None, interval=None, start="own")
     async with AsyncExitStack() as stack:
         a = await enter_node(stack, model, config, [], "a", lambda _: None)
         hostile = HostilePeer(SWARM, mlp(23), patience=DEADLINE, rng=random.Random(0),
@@ -400,10 +405,10 @@ async def test_fresh_identities_behind_one_address_move_nothing_and_share_a_budg
 
 
 async def test_a_liars_step_moves_nobody_past_the_median_the_members_announce() -> None:
-    # B claims the largest step there is; C an honest 40. A takes C's 40 from either of
-    # them, and a joiner that downloads takes 40 too, from C, not from the liar: nothing
-    # moves past the lower median of what the others announce.
-    config = AveragingConfig(interval=None, start="own", trust_after=0.0)
+    # B claims the largest step there is; C an honest 40. A moves half way towards C's 40
+    # in each exchange, with either of them, and a joiner that downloads takes 40, from C,
+    # not from the liar: nothing moves past the lower median of what the others announce.
+    config = AveragingConfig(every=None, interval=None, start="own", trust_after=0.0)
     seen = Signal()
     peers: list[str] = []
 
@@ -426,7 +431,7 @@ async def test_a_liars_step_moves_nobody_past_the_median_the_members_announce() 
             await until(lambda: len(a.roster.alive(ready=True)) == 2, a)
             while {b.peer_id, c.peer_id} - set(peers):
                 assert await a.average_now() is Result.COMMITTED
-        assert a.global_step == 40 and b.global_step == MAX_COUNT
+        assert 20 <= a.global_step < 40 and b.global_step == MAX_COUNT
         joiner = await stack.enter_async_context(open_swarm(
             mlp(25), SWARM, listen="127.0.0.1:0", network=TcpNetwork(), bootstrap=[a.address],
             config=dataclasses.replace(config, start="download"), membership=MEMBERSHIP,
@@ -450,7 +455,7 @@ async def test_a_bad_header_is_a_strike_whether_or_not_our_send_had_finished(cas
     # try. A model of 4 MiB keeps our payload in flight when that happens. What the verdict
     # may depend on is what the peer sent, and it sent a bad header every time: a strike.
     model = torch.nn.Linear(1024, 1024)
-    config = AveragingConfig(interval=None, start="own")
+    config = AveragingConfig(every=None, interval=None, start="own")
     ended = Signal()
     async with AsyncExitStack() as stack:
         a = await enter_node(stack, model, config, [], "a", ended.fire)
@@ -469,3 +474,78 @@ async def test_a_bad_header_is_a_strike_whether_or_not_our_send_had_finished(cas
                 await ended.wait_until(lambda: a.statistics().invalid + a.statistics().failed > i)
                 stats = a.statistics()
                 assert (stats.invalid, stats.failed) == (i + 1, 0), (case, i, stats)
+
+
+# --- the drift correction's estimate is checked like a state -----------------------------
+
+def one_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """A training step, so that the node has a gradient estimate to swap."""
+    model.train()
+    loss = model(torch.randn(4, 8, generator=torch.Generator().manual_seed(1))).square().mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+
+
+@pytest.mark.parametrize("attack", ["NaN", "1e6 x norm"])
+async def test_a_correction_that_is_not_finite_or_far_too_long_is_a_strike(attack: str) -> None:
+    # B is a member in good standing whose estimate goes bad (a bug, or a liar with a
+    # record): A refuses the payload, strikes B, and after three in a row quarantines it.
+    models = [mlp(0), mlp(1)]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.01) for m in models]
+    config = AveragingConfig(every=None, interval=None, start="own", trust_after=0.0)
+    ended = Signal()
+    async with AsyncExitStack() as stack:
+        nodes: list[SwarmNode] = []
+        for i, (model, optimizer) in enumerate(zip(models, optimizers)):
+            nodes.append(await stack.enter_async_context(open_swarm(
+                model, SWARM, listen="127.0.0.1:0", network=TcpNetwork(), config=config,
+                bootstrap=[nodes[0].address] if nodes else [], membership=MEMBERSHIP,
+                rng=random.Random(i), optimizer=optimizer, on_exchange=ended.fire)))
+        a, b = nodes
+        with trio.fail_after(DEADLINE):
+            await until(lambda: sees_ready(a, b), a)
+        for model, optimizer in zip(models, optimizers):
+            one_step(model, optimizer)
+        correction = a.replica.correction_state()
+        honest = b.replica.snapshot
+
+        def spoiled(out: torch.Tensor, parts: int | None = None) -> Counters:
+            counters = honest(out, parts)
+            estimate = out[b.replica.schema.numel:]
+            estimate.copy_(torch.full_like(estimate, math.nan) if attack == "NaN"
+                           else estimate.sign() * 1e6 + 1e6)
+            return counters
+
+        b.replica.snapshot = spoiled  # type: ignore[method-assign]
+        with trio.fail_after(DEADLINE):
+            for strike in range(1, config.strikes + 1):
+                assert await a.average_now() is Result.INVALID
+                assert a.statistics().invalid == strike
+            assert await a.average_now() is Result.NO_PEER  # B is in quarantine now
+        stats = a.statistics()
+        assert (stats.committed, stats.quarantined) == (0, 1)
+        after = a.replica.correction_state()  # and nothing moved
+        assert all(torch.equal(after[k], v) for k, v in correction.items())
+
+
+async def test_a_newcomer_swaps_no_correction_so_none_moves_on_one_side_only() -> None:
+    model = mlp(0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    config = AveragingConfig(every=None, interval=None, start="own", trust_after=60.0)
+    ended = Signal()
+    async with open_swarm(model, SWARM, listen="127.0.0.1:0", network=TcpNetwork(),
+                          config=config, membership=MEMBERSHIP, rng=random.Random(0),
+                          optimizer=optimizer, on_exchange=ended.fire) as node:
+        with trio.fail_after(DEADLINE):
+            await node.wait_ready()
+        one_step(model, optimizer)
+        hostile = HostilePeer(SWARM, model, correction=True, patience=DEADLINE,
+                              rng=random.Random(0))
+        numel = node.replica.schema.numel
+        with trio.fail_after(DEADLINE):
+            outcome = await hostile.send_correction(node.address, torch.full((numel,), 1e6))
+            await ended.wait_until(lambda: node.statistics().committed == 1)
+        assert outcome.reaction is Reaction.ACCEPTED  # the state only: no estimate was asked
+        stats = node.statistics()
+        assert (stats.newcomers, stats.corrected, stats.invalid) == (1, 0, 0)

@@ -218,7 +218,7 @@ def rewrite(path: Path, old: str, new: str) -> None:
     ('device = "auto"', 'device = "tpu"', "task.device"),
     ('keep = 3', 'keep = 0', "checkpoint.keep"),
     ('profile = "lan"', 'profile = "lan"\ncolour = "blue"', "swarm.colour"),
-    ('interval = 5.0', 'interval = "often"', "averaging.interval"),
+    ('interval = 10.0', 'interval = "often"', "averaging.interval"),
     ('name = "s"', 'name = ""', "swarm.name"),
     ('[node]', '[nodes]', "nodes"),
     ('listen = "127.0.0.1:7070"', 'listen = "127.0.0.1:7070', "invalid TOML"),

@@ -420,10 +420,10 @@ def test_render_round_trips_any_name_and_options(name, options):
 # --- mapping onto the library's settings ------------------------------------------------------
 
 def test_to_averaging_maps_every_shared_field():
-    section = AveragingSection(interval=2, weight=0.25, codec="fp16", clip=0, max_norm_ratio=10,
-                               strikes=5, quarantine=60, start="own", download_wait=1,
-                               offer_timeout=1, transfer_timeout=2, commit_timeout=3,
-                               min_rate=5e5)
+    section = AveragingSection(every=7, interval=2, weight=0.25, codec="fp16", clip=0,
+                               max_norm_ratio=10, strikes=5, quarantine=60, start="own",
+                               download_wait=1, offer_timeout=1, transfer_timeout=2,
+                               commit_timeout=3, min_rate=5e5, correction=False, leak=0.5)
     averaging = section.to_averaging()
     assert averaging.interval == 2.0 and averaging.by_samples is False
     shared = {f.name for f in dataclasses.fields(gossip.AveragingConfig)}
@@ -435,6 +435,14 @@ def test_to_averaging_maps_every_shared_field():
 def test_to_averaging_interval_0_is_none_and_samples_is_push_sum():
     averaging = AveragingSection(interval=0, mixing="samples").to_averaging()
     assert averaging.interval is None and averaging.by_samples is True
+    assert averaging.every == 1  # by steps only
+
+
+def test_to_averaging_every_0_is_by_time_only_and_both_0_never_start_a_round():
+    averaging = AveragingSection(every=0).to_averaging()
+    assert averaging.every is None and averaging.interval == 10.0
+    averaging = AveragingSection(every=0, interval=0).to_averaging()
+    assert averaging.every is None and averaging.interval is None
 
 
 @pytest.mark.parametrize("codec", ["fp32", "bf16", "fp16"])

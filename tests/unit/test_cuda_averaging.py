@@ -17,7 +17,7 @@ from tests.util import SWARM
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-CONFIG = gossip.AveragingConfig(interval=None, download_wait=0.0)
+CONFIG = gossip.AveragingConfig(every=None, interval=None, download_wait=0.0)
 
 
 def mlp(seed: int) -> torch.nn.Module:
@@ -31,7 +31,7 @@ def test_replica_of_a_cuda_model_uses_pinned_buffers() -> None:
     flat = replica.buffer()
     assert flat.device.type == "cpu" and flat.is_pinned()
     replica.snapshot(flat)
-    replica.queue(torch.ones_like(flat), peer_step=0, weight=None, sent_weight=0.0)
+    replica.queue(torch.ones_like(flat), weight=None, sent_weight=0.0)
     assert replica.apply_pending() == 1
     after = replica.buffer()
     replica.snapshot(after)
@@ -45,7 +45,7 @@ async def test_cuda_and_cpu_nodes_average_to_the_midpoint() -> None:
                 if a.is_floating_point()]
     async with gossip.open_swarm(gpu, SWARM, config=CONFIG) as a:
         async with gossip.open_swarm(cpu, SWARM, bootstrap=[a.address],
-                                     config=gossip.AveragingConfig(interval=None, start="own")) as b:
+                                     config=gossip.AveragingConfig(every=None, interval=None, start="own")) as b:
             while not b.roster.alive(ready=True):
                 await b.roster.wait_changed()
             with trio.fail_after(30):

@@ -132,7 +132,7 @@ def test_samples_per_second_over_the_window(monkeypatch: pytest.MonkeyPatch) -> 
 
 # Rounds only when the test asks; members trusted at once, so that both sides of an exchange
 # apply it (the newcomer rule has tests of its own in test_averaging).
-CONFIG = gossip.AveragingConfig(interval=None, trust_after=0.0)
+CONFIG = gossip.AveragingConfig(every=None, interval=None, trust_after=0.0)
 
 
 async def test_sample_of_a_lone_node(autojump_clock: MockClock) -> None:
@@ -326,7 +326,7 @@ async def test_sample_counts_newcomers_offers(autojump_clock: MockClock) -> None
     net = SimNetwork(seed=3)
     swarm = gossip.Swarm.generate("t")
     m, told = Metrics(), Signal()
-    young = gossip.AveragingConfig(interval=None, trust_after=60.0)
+    young = gossip.AveragingConfig(every=None, interval=None, trust_after=60.0)
     async with gossip.open_swarm(torch.nn.Linear(2, 2), swarm, network=net.host("a"),
                                  listen="a:7000", config=young, on_exchange=told.fire) as a:
         async with gossip.open_swarm(torch.nn.Linear(2, 2), swarm, network=net.host("b"),

@@ -37,8 +37,8 @@ def filled(replica: Replica, values: torch.Tensor) -> torch.Tensor:
     return flat
 
 
-def queue(replica: Replica, delta: torch.Tensor, peer_step: int = 0, scale: float = 1.0) -> None:
-    replica.queue(delta, scale=scale, peer_step=peer_step, weight=None, sent_weight=0.0)
+def queue(replica: Replica, delta: torch.Tensor, step_move: int = 0, scale: float = 1.0) -> None:
+    replica.queue(delta, scale=scale, step_move=step_move, weight=None, sent_weight=0.0)
 
 
 def random_flat(replica: Replica, seed: int, scale: float = 0.1) -> torch.Tensor:
@@ -71,13 +71,21 @@ def test_advance_refuses_negative_counts(steps: int, samples: int) -> None:
     assert replica.counters() == Counters(0, 0, 1.0)
 
 
-def test_queue_merges_the_step_as_a_max() -> None:
+def test_a_step_moves_up_at_once_and_a_move_down_is_paid_from_the_next_steps() -> None:
     replica = Replica(linear())
     replica.advance(5)
-    queue(replica, filled(replica, torch.zeros(replica.schema.numel)), peer_step=3)
-    assert replica.counters().step == 5
-    queue(replica, filled(replica, torch.zeros(replica.schema.numel)), peer_step=9)
+    queue(replica, filled(replica, torch.zeros(replica.schema.numel)), step_move=4)
     assert replica.counters().step == 9
+    queue(replica, filled(replica, torch.zeros(replica.schema.numel)), step_move=-3)
+    assert replica.counters().step == 9  # the step never goes back ...
+    replica.advance(2)
+    assert replica.counters().step == 9  # ... the next steps pay the debt instead
+    replica.advance(2)
+    assert replica.counters().step == 10
+    assert replica.local_steps == 9  # the node's own steps count all the same
+    queue(replica, filled(replica, torch.zeros(replica.schema.numel)), step_move=-2)
+    queue(replica, filled(replica, torch.zeros(replica.schema.numel)), step_move=5)
+    assert replica.counters().step == 13  # a move up pays the debt first
 
 
 def test_queue_takes_the_merged_weight_and_keeps_samples_trained_since_the_offer() -> None:
@@ -85,7 +93,7 @@ def test_queue_takes_the_merged_weight_and_keeps_samples_trained_since_the_offer
     replica.advance(1, samples=4)  # weight 5: offered
     sent = replica.counters().weight
     replica.advance(1, samples=3)  # trained on while the exchange ran: weight 8
-    replica.queue(filled(replica, torch.zeros(replica.schema.numel)), peer_step=0,
+    replica.queue(filled(replica, torch.zeros(replica.schema.numel)),
                   weight=6.0, sent_weight=sent)
     assert replica.counters() == Counters(2, 7, 9.0)  # 6 merged + 3 since the offer
 

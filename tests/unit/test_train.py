@@ -27,10 +27,14 @@ CPU = torch.device("cpu")
 class FakeNode:
     """What Trainer uses of a SwarmNode, over a real Replica (as SwarmNode does)."""
 
-    def __init__(self, model: nn.Module) -> None:
-        self.replica = Replica(model)
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+        self.replica = Replica(model, optimizer=optimizer)
 
     def apply_pending(self) -> int:
+        return self.replica.apply_pending()
+
+    def step(self, samples: int = 0) -> int:
+        self.replica.advance(1, samples)
         return self.replica.apply_pending()
 
     @property
@@ -161,7 +165,7 @@ def test_chunk_applies_pending_deltas() -> None:
     trainer.stop.set()  # no steps: the only change to the model is the delta
     before = flat(task.model, replica)
     delta = torch.arange(replica.schema.numel, dtype=torch.float32)
-    replica.queue(delta.clone(), scale=0.5, peer_step=40, weight=None, sent_weight=1.0)
+    replica.queue(delta.clone(), scale=0.5, step_move=40, weight=None, sent_weight=1.0)
     assert replica.pending == 1
     chunk = trainer.chunk(seconds=60.0, limit=10)
     assert chunk.applied == 1
@@ -170,27 +174,26 @@ def test_chunk_applies_pending_deltas() -> None:
     assert node.global_step == 40  # the step the replica was given (bounded by its caller)
 
 
-def test_chunk_applies_deltas_queued_meanwhile_after_its_steps() -> None:
+def test_a_delta_queued_during_a_step_is_applied_at_the_end_of_that_step() -> None:
     task = make_task()
     trainer, node = make_trainer(task)
     replica = node.replica
     inner = task.step
-    calls = []
+    pending = []
 
     def step(batch: Any) -> Any:
+        pending.append(replica.pending)  # what the step starts with
         loss = inner(batch)
-        calls.append(1)
-        if len(calls) == 1:  # an exchange commits during the chunk's first step
-            replica.queue(torch.ones(replica.schema.numel), peer_step=2, weight=None,
+        if len(pending) == 1:  # an exchange commits during the chunk's first step
+            replica.queue(torch.ones(replica.schema.numel), step_move=2, weight=None,
                           sent_weight=1.0)
-        assert replica.pending == 1  # held until the chunk ends, never applied mid-chunk
         return loss
 
     task.step = step
     chunk = trainer.chunk(seconds=60.0, limit=3)
     assert (chunk.steps, chunk.applied) == (3, 1)
-    assert replica.pending == 0
-    assert node.global_step == 2 + 3  # max(0, 2) then three steps counted at the end
+    assert pending == [0, 0, 0]  # added at the step boundary, never waiting for the chunk
+    assert node.global_step == 2 + 3  # moved by 2, and three steps counted
 
 
 def test_evaluate() -> None:
@@ -294,12 +297,41 @@ def test_state_includes_pending_deltas() -> None:
     trainer, node = make_trainer(task)
     before = flat(task.model, node.replica)
     delta = torch.full((node.replica.schema.numel,), 2.0)
-    node.replica.queue(delta, peer_step=7, weight=None, sent_weight=1.0)
+    node.replica.queue(delta, step_move=7, weight=None, sent_weight=1.0)
     state = trainer.state({})
     assert node.replica.pending == 0
     saved = torch.cat([state["model"][name].flatten() for name in ("weight", "bias")])
     assert torch.allclose(saved, before + 2.0)
     assert state["counters"]["step"] == 7
+
+
+def test_the_drift_correction_goes_into_the_checkpoint_and_comes_back() -> None:
+    task = make_task(seed=0)
+    node = FakeNode(task.model, task.optimizer)
+    trainer = Trainer(task, node, CPU, Shard())  # type: ignore[arg-type]
+    correction = node.replica.correction
+    assert correction is not None
+    delta = torch.cat([torch.arange(node.replica.schema.numel, dtype=torch.float32)] * 2)
+    node.replica.queue(delta, scale=0.5, correction=0.25, weight=None, sent_weight=0.0)
+    state = trainer.state({})  # applies it: c = 0.25 x the second part
+    want = {"weight": torch.tensor([[0.0, 0.25]]), "bias": torch.tensor([0.5])}
+    assert state["correction"].keys() == want.keys()
+    assert all(torch.equal(state["correction"][k], v) for k, v in want.items())
+    node.replica.close()
+
+    other = make_task(seed=1)
+    counters, saved = Trainer.restore(other, state)
+    back = Replica(other.model, optimizer=other.optimizer)
+    back.restore(counters, saved)
+    assert back.correction_state() is not None
+    for name, value in back.correction_state().items():
+        assert torch.equal(value, state["correction"][name])
+    state["correction"]["bias"] = torch.tensor([float("nan")])
+    with pytest.raises(ValueError, match="finite"):
+        Trainer.restore(make_task(seed=1), state)
+    state["correction"]["bias"] = torch.zeros(3)
+    with pytest.raises(ValueError, match="shape"):
+        Trainer.restore(make_task(seed=1), state)
 
 
 def test_restore_loads_model_optimizer_and_rng() -> None:
@@ -313,8 +345,9 @@ def test_restore_loads_model_optimizer_and_rng() -> None:
     assert not torch.equal(other.model.weight, task.model.weight)
     torch.rand(10)
     random.random()
-    counters = Trainer.restore(other, state)
+    counters, correction = Trainer.restore(other, state)
     assert counters == Counters(5, 5 * BATCH, 1.0)
+    assert correction is None  # the node kept none
     for k, v in task.model.state_dict().items():
         assert torch.equal(other.model.state_dict()[k], v)
     assert torch.equal(other.optimizer.state_dict()["state"][0]["momentum_buffer"],
@@ -349,7 +382,7 @@ def test_restore_survives_torch_save_round_trip(tmp_path: Any) -> None:
     path = tmp_path / "state.pt"
     torch.save(trainer.state({"entry": "m:f"}), path)
     state = torch.load(path, weights_only=True)
-    assert Trainer.restore(make_task(seed=3), state) == Counters(2, 2 * BATCH, 1.0)
+    assert Trainer.restore(make_task(seed=3), state) == (Counters(2, 2 * BATCH, 1.0), None)
 
 
 def test_restore_refuses_another_model() -> None:

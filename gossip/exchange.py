@@ -1,0 +1,220 @@
+"""One averaging exchange over a secure channel, from either side.
+
+Theory of operation
+-------------------
+::
+
+    initiator                               responder
+    Offer(fingerprint, codec, step,   --->
+          samples, weight, correction)
+                                      <---  Accept(step, samples, weight, correction)
+                                            | Close(BUSY)      try again later
+                                            | Close(REJECTED)  never (schema, codec, ...)
+    payload                           <-->  payload              (both at once)
+    check theirs; Commit or Close     <-->  check theirs; Commit or Close(REJECTED)
+
+A payload is ``parts`` vectors of the model's schema back to back: the state, and, when both
+sides keep a drift correction (the offer says it can, and the accept says so too), the
+correction's estimate (:mod:`gossip.correction`). Each side knows the size of what it will
+receive before a byte of it arrives. Each side checks the other's whole payload (``check``)
+before it says ``Commit``, and the caller applies only after the peer's ``Commit`` has come
+too, so a failure anywhere before that leaves both models untouched; the one-sided case (one
+applies, the other not) shrinks to a lost final message.
+
+This module is the protocol of one exchange and nothing else: *when* to exchange and with
+whom (the scheduler), whether an offer may be taken at all, what the checks are and what a
+committed payload does to the model are the caller's (:mod:`gossip.averaging`). The caller
+passes its snapshot, a buffer to receive into, and ``check``; it gets an :class:`Outcome`.
+Every phase runs under its own deadline, and a deadline that passes is a
+:class:`~gossip.errors.PeerTimeout` naming the phase; what a peer did wrong is a
+:class:`~gossip.errors.GossipError`; neither leaves anything applied.
+
+The verdict on a payload depends only on what the peer sent, never on how far our own send had
+got: a peer that sends a bad header and hangs up earns the same ``INVALID`` whether or not our
+payload had left, because the receive is read to its end (or its failure) before any failure
+of our send is looked at.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Protocol
+
+import torch
+import trio
+
+from .channel import SecureChannel
+from .errors import GossipError, PeerTimeout, RemoteProtocolError, SchemaMismatch
+from .groups import first_error
+from .messages import Accept, Close, Commit, Offer
+from .tensors import StateSchema, itemsize
+from .transfer import receive_state, send_state
+
+__all__ = ["Deadlines", "Ending", "Outcome", "Verdict", "Check", "initiate", "respond",
+           "CLOSE_TIMEOUT"]
+
+CLOSE_TIMEOUT = 1.0  # s to say Close(REJECTED) after refusing a payload
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """How long each phase of an exchange may take, in seconds."""
+
+    offer: float  # from sending Offer to its answer (the responder: to send Accept)
+    transfer: float  # both payloads: this, plus the payload's bytes at ``min_rate``
+    min_rate: float  # bytes/s: the slowest link an exchange is given time for
+    commit: float  # for the peer's Commit, past the end of the transfer deadline
+
+    def transfer_for(self, nbytes: int) -> float:
+        """The deadline for both payloads of ``nbytes`` each."""
+        return self.transfer + nbytes / self.min_rate
+
+
+class Ending(enum.Enum):
+    """How an exchange ended, when it did not fail."""
+
+    COMMITTED = "committed"  # both sides checked both payloads and said Commit
+    BUSY = "busy"  # the peer said try later
+    REJECTED = "rejected"  # the peer refused our offer or our payload
+    INVALID = "invalid"  # we refused the peer's payload: the peer is at fault
+
+
+class Verdict(Protocol):
+    """What ``check`` returns: ``refused`` is why the payload is refused, or None."""
+
+    @property
+    def refused(self) -> str | None: ...
+
+
+Check = Callable[[torch.Tensor, int, "Offer | Accept"], Awaitable[Any]]
+"""``check(theirs, parts, peer)`` judges the received payload (``theirs`` holds ``parts``
+vectors; ``peer`` is the peer's ``Offer`` or ``Accept``) and returns a :class:`Verdict`; it
+may turn ``theirs`` into whatever it needs in place."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """An exchange that ended without failing.
+
+    Attributes:
+        ending: how it ended.
+        reason: why it did not commit (the peer's ``Close`` reason, or our refusal).
+        peer: the peer's ``Offer`` or ``Accept`` (its counters), once it was known.
+        parts: the vectors each payload held (0 if no payload moved).
+        verdict: ``check``'s verdict on the peer's payload, if it got that far.
+    """
+
+    ending: Ending
+    reason: str = ""
+    peer: Offer | Accept | None = None
+    parts: int = 0
+    verdict: Any = None
+
+
+async def initiate(channel: SecureChannel, offer: Offer, own: torch.Tensor,
+                   theirs: torch.Tensor, schema: StateSchema, check: Check,
+                   deadlines: Deadlines) -> Outcome:
+    """Offer an exchange on ``channel`` and, if the peer accepts, swap payloads and commit.
+
+    Args:
+        offer: our offer (``offer.correction``: ``own`` holds an estimate after the state).
+        own: our snapshot, one or two vectors of the schema; not changed.
+        theirs: where the peer's payload goes, as large as ``own``.
+        check: judges the peer's payload before we commit.
+
+    Raises:
+        PeerTimeout: a phase's deadline passed.
+        GossipError: the channel failed or the peer broke the protocol.
+    """
+    try:
+        with trio.fail_after(deadlines.offer):
+            await channel.send_message(offer)
+            answer = await channel.receive_message()
+    except trio.TooSlowError:
+        raise PeerTimeout(channel.peer.short, "offer") from None
+    if isinstance(answer, Close):
+        return _refused(answer)
+    if not isinstance(answer, Accept):
+        raise RemoteProtocolError(f"expected Accept, got {type(answer).__name__}")
+    if (answer.weight > 0) != (offer.weight > 0):
+        raise RemoteProtocolError("Accept's mixing mode is not the offer's")
+    if answer.correction and not offer.correction:
+        raise RemoteProtocolError("Accept takes a correction the offer did not bring")
+    return await _swap(channel, answer, offer.codec, 1 + answer.correction, own, theirs,
+                       schema, check, deadlines)
+
+
+async def respond(channel: SecureChannel, offer: Offer, accept: Accept, own: torch.Tensor,
+                  theirs: torch.Tensor, schema: StateSchema, check: Check,
+                  deadlines: Deadlines) -> Outcome:
+    """Take ``offer`` (already judged acceptable by the caller): say ``accept``, swap
+    payloads and commit. Arguments and errors as :func:`initiate`; ``accept.correction``
+    must be true only if ``offer.correction`` is and ``own`` holds an estimate."""
+    if accept.correction and not offer.correction:
+        raise ValueError("cannot accept a correction the offer did not bring")
+    try:
+        with trio.fail_after(deadlines.offer):
+            await channel.send_message(accept)
+    except trio.TooSlowError:
+        raise PeerTimeout(channel.peer.short, "accept") from None
+    return await _swap(channel, offer, offer.codec, 1 + accept.correction, own, theirs,
+                       schema, check, deadlines)
+
+
+async def _swap(channel: SecureChannel, peer: Offer | Accept, codec: str, parts: int,
+                own: torch.Tensor, theirs: torch.Tensor, schema: StateSchema, check: Check,
+                deadlines: Deadlines) -> Outcome:
+    """Both payloads at once, the check, the commit."""
+    size = parts * schema.numel
+    mine, into = own[:size], theirs[:size]
+    # Why our send failed, held until the receive is done (see the module docstring).
+    lost: list[GossipError] = []
+
+    async def send() -> None:
+        try:
+            await send_state(channel, mine, schema, codec)
+        except GossipError as exc:  # PeerGone, or ChannelClosed: the receive failed
+            lost.append(exc)
+
+    transfer_end = trio.current_time() + deadlines.transfer_for(size * itemsize(codec))
+    try:
+        with trio.fail_at(transfer_end), first_error():
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(send)
+                await receive_state(channel, schema, codec, into, parts=parts)
+        if lost:
+            raise lost[0]
+    except trio.TooSlowError:
+        raise PeerTimeout(channel.peer.short, "transfer") from None
+    except (SchemaMismatch, RemoteProtocolError) as exc:
+        return Outcome(Ending.INVALID, f"bad payload: {exc}", peer, parts)
+    verdict = await check(into, parts, peer)
+    if verdict.refused is not None:
+        with trio.move_on_after(CLOSE_TIMEOUT):
+            try:
+                await channel.send_message(Close(Close.REJECTED,
+                                                 f"invalid state: {verdict.refused}"))
+            except GossipError:
+                pass  # it hung up already (say, it refused ours): the verdict stands
+        return Outcome(Ending.INVALID, verdict.refused, peer, parts, verdict)
+    try:
+        # Our send may have returned while the last of our payload still sat in socket
+        # buffers on a slow link: the peer may still be receiving it, and it has until the
+        # transfer deadline to, so the commit deadline counts from there.
+        with trio.fail_at(max(transfer_end, trio.current_time()) + deadlines.commit):
+            await channel.send_message(Commit())
+            answer = await channel.receive_message()
+    except trio.TooSlowError:
+        raise PeerTimeout(channel.peer.short, "commit") from None
+    if isinstance(answer, Close):
+        refused = _refused(answer)
+        return Outcome(refused.ending, refused.reason, peer, parts, verdict)
+    if not isinstance(answer, Commit):
+        raise RemoteProtocolError(f"expected Commit, got {type(answer).__name__}")
+    return Outcome(Ending.COMMITTED, "", peer, parts, verdict)
+
+
+def _refused(close: Close) -> Outcome:
+    ending = Ending.BUSY if close.code == Close.BUSY else Ending.REJECTED
+    return Outcome(ending, close.reason)

@@ -1,0 +1,194 @@
+"""Tests for gossip.exchange: one exchange, both sides, over a handshaken in-memory channel pair
+(no nodes, no network): what is swapped, when each side commits, and who is at fault when it
+does not. Deadlines run on trio's virtual clock."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+import trio
+from trio.testing import MockClock
+
+from gossip import exchange
+from gossip.errors import PeerTimeout, RemoteProtocolError
+from gossip.exchange import Deadlines, Ending, Outcome
+from gossip.messages import Accept, Close, Offer, StateHeader
+from gossip.mixing import DeltaHistory, judge
+from gossip.tensors import StateSchema, TensorSpec
+from tests.util import pair
+
+SCHEMA = StateSchema((TensorSpec("w", (3,), "float32"), TensorSpec("b", (2,), "float32")))
+N = SCHEMA.numel
+DEADLINES = Deadlines(offer=5.0, transfer=10.0, min_rate=1e6, commit=5.0)
+
+
+def offer(correction: bool = True) -> Offer:
+    return Offer(SCHEMA.fingerprint, "fp32", 10, 320, 0.0, correction)
+
+
+def payload(value: float, parts: int = 2) -> torch.Tensor:
+    """A snapshot of ``parts`` parts: the state ``value``, the estimate ``-value``."""
+    return torch.cat([torch.full((N,), value), torch.full((N,), -value)][:parts])
+
+
+@dataclass
+class Recorded:
+    refused: str | None = None
+
+
+def recorder(seen: list[torch.Tensor], refuse: str | None = None) -> exchange.Check:
+    async def check(theirs: torch.Tensor, parts: int, peer: Offer | Accept) -> Recorded:
+        seen.append(theirs.clone())
+        return Recorded(refuse)
+
+    return check
+
+
+async def run_both(*, offered: Offer, accepted: bool, alice_own: torch.Tensor,
+                   bob_own: torch.Tensor, alice_check: exchange.Check,
+                   bob_check: exchange.Check) -> tuple[Outcome, Outcome]:
+    """Alice offers, Bob takes the offer (with his correction iff ``accepted``)."""
+    alice, bob, _ = await pair()
+    outcomes: dict[str, Outcome] = {}
+
+    async def initiator() -> None:
+        theirs = torch.full_like(alice_own, math.nan)
+        outcomes["alice"] = await exchange.initiate(alice, offered, alice_own, theirs, SCHEMA,
+                                                    alice_check, DEADLINES)
+
+    async def responder() -> None:
+        first = await bob.receive_message()
+        assert first == offered
+        accept = Accept(20, 640, 0.0, accepted)
+        theirs = torch.full_like(bob_own, math.nan)
+        outcomes["bob"] = await exchange.respond(bob, first, accept, bob_own, theirs, SCHEMA,
+                                                 bob_check, DEADLINES)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(initiator)
+        nursery.start_soon(responder)
+    return outcomes["alice"], outcomes["bob"]
+
+
+async def test_both_sides_swap_state_and_correction_and_commit() -> None:
+    seen_a: list[torch.Tensor] = []
+    seen_b: list[torch.Tensor] = []
+    a, b = await run_both(offered=offer(), accepted=True, alice_own=payload(1.0),
+                          bob_own=payload(2.0), alice_check=recorder(seen_a),
+                          bob_check=recorder(seen_b))
+    assert (a.ending, b.ending) == (Ending.COMMITTED, Ending.COMMITTED)
+    assert (a.parts, b.parts) == (2, 2)
+    assert torch.equal(seen_a[0], payload(2.0)) and torch.equal(seen_b[0], payload(1.0))
+    assert isinstance(a.peer, Accept) and a.peer.step == 20  # each learns the other's bid
+    assert isinstance(b.peer, Offer) and b.peer.step == 10
+
+
+async def test_a_responder_without_a_correction_swaps_the_state_alone() -> None:
+    seen_a: list[torch.Tensor] = []
+    seen_b: list[torch.Tensor] = []
+    a, b = await run_both(offered=offer(), accepted=False, alice_own=payload(1.0),
+                          bob_own=payload(2.0, parts=1), alice_check=recorder(seen_a),
+                          bob_check=recorder(seen_b))
+    assert (a.ending, b.ending) == (Ending.COMMITTED, Ending.COMMITTED)
+    assert (a.parts, b.parts) == (1, 1)
+    assert torch.equal(seen_a[0], payload(2.0, parts=1))  # only the state was sent ...
+    assert torch.equal(seen_b[0], payload(1.0, parts=1))  # ... either way
+
+
+async def test_a_refused_payload_is_invalid_here_and_rejected_there() -> None:
+    a, b = await run_both(offered=offer(), accepted=True, alice_own=payload(1.0),
+                          bob_own=payload(2.0), alice_check=recorder([]),
+                          bob_check=recorder([], refuse="not finite"))
+    assert b.ending is Ending.INVALID and b.reason == "not finite"
+    assert a.ending is Ending.REJECTED and "not finite" in a.reason
+    assert a.parts == 2  # refused after the payloads moved: no reason to bar the offer
+
+
+async def test_the_verdict_of_judge_refuses_a_correction_that_is_not_finite() -> None:
+    histories = (DeltaHistory(), DeltaHistory())
+
+    async def check(theirs: torch.Tensor, parts: int, peer: Offer | Accept):
+        return judge(theirs, payload(2.0), parts, 0.5, histories, clip=5.0,
+                     max_norm_ratio=100.0)
+
+    bad = payload(1.0)
+    bad[N + 1] = math.nan  # the estimate, not the state
+    a, b = await run_both(offered=offer(), accepted=True, alice_own=bad, bob_own=payload(2.0),
+                          alice_check=recorder([]), bob_check=check)
+    assert b.ending is Ending.INVALID and b.reason == "correction: non-finite values"
+    assert a.ending is Ending.REJECTED
+    assert len(histories[0]) == len(histories[1]) == 0  # nothing of a refused payload counts
+
+
+@pytest.mark.parametrize("code, ending", [(Close.BUSY, Ending.BUSY),
+                                          (Close.REJECTED, Ending.REJECTED)])
+async def test_an_offer_answered_by_close_moves_nothing(code: int, ending: Ending) -> None:
+    alice, bob, _ = await pair()
+    async with trio.open_nursery() as nursery:
+        async def answer() -> None:
+            await bob.receive_message()
+            await bob.send_message(Close(code, "not now"))
+
+        nursery.start_soon(answer)
+        outcome = await exchange.initiate(alice, offer(), payload(1.0), payload(0.0), SCHEMA,
+                                          recorder([]), DEADLINES)
+    assert outcome == Outcome(ending, "not now")
+
+
+@pytest.mark.parametrize("accept, why", [
+    (Accept(1, 1, 0.0, True), "did not bring"),  # a correction our offer did not bring
+    (Accept(1, 1, 2.0, False), "mixing mode"),  # push-sum against our fixed weight
+])
+async def test_an_accept_that_contradicts_the_offer_is_a_protocol_error(accept: Accept,
+                                                                        why: str) -> None:
+    alice, bob, _ = await pair()
+    async with trio.open_nursery() as nursery:
+        async def answer() -> None:
+            await bob.receive_message()
+            await bob.send_message(accept)
+
+        nursery.start_soon(answer)
+        with pytest.raises(RemoteProtocolError, match=why):
+            await exchange.initiate(alice, offer(correction=False), payload(1.0, 1),
+                                    payload(0.0, 1), SCHEMA, recorder([]), DEADLINES)
+
+
+async def test_a_payload_of_the_wrong_size_is_invalid() -> None:
+    """The peer agreed to send two parts and announces one: its fault, whatever our send did."""
+    alice, bob, _ = await pair()
+    async with trio.open_nursery() as nursery:
+        async def liar() -> None:
+            await bob.receive_message()
+            await bob.send_message(Accept(1, 1, 0.0, True))
+            await bob.send_message(StateHeader(SCHEMA.fingerprint, "fp32", 1, 1, N * 4))
+
+        nursery.start_soon(liar)
+        outcome = await exchange.initiate(alice, offer(), payload(1.0), payload(0.0), SCHEMA,
+                                          recorder([]), DEADLINES)
+    assert outcome.ending is Ending.INVALID and "announced" in outcome.reason
+
+
+@pytest.mark.parametrize("stop_after, phase", [(1, "offer"), (2, "transfer")])
+async def test_a_silent_peer_costs_one_deadline_named_by_its_phase(
+        autojump_clock: MockClock, stop_after: int, phase: str) -> None:
+    alice, bob, _ = await pair()
+    async with trio.open_nursery() as nursery:
+        async def silent() -> None:
+            await bob.receive_message()
+            if stop_after == 2:
+                await bob.send_message(Accept(1, 1, 0.0, True))
+            await trio.sleep_forever()
+
+        nursery.start_soon(silent)
+        started = trio.current_time()
+        with pytest.raises(PeerTimeout, match=phase):
+            await exchange.initiate(alice, offer(), payload(1.0), payload(0.0), SCHEMA,
+                                    recorder([]), DEADLINES)
+        waited = trio.current_time() - started
+        nursery.cancel_scope.cancel()
+    # The accept comes at once (virtual time), so each wait is its own phase's deadline.
+    want = DEADLINES.offer if phase == "offer" else DEADLINES.transfer_for(2 * N * 4)
+    assert waited == pytest.approx(want, abs=0.01)
