@@ -38,8 +38,9 @@ newcomer's offer commits but moves us by nothing, and the newcomers behind one s
 share a budget of one exchange per round of ours.
 
 On a commit a node moves its step half way towards the peer's, counting the peer's only as
-far as it lies between our step and the swarm's median (:func:`~gossip.standing.step_move`),
-and a download takes the sender's step up to that median: nodes agree on the step their
+far as it lies between our step and the swarm's (the median offset of the peers of our last
+rounds: :class:`~gossip.standing.StepOffsets`, :func:`~gossip.standing.step_move`), and a
+download takes the sender's step up to the members' median: nodes agree on the step their
 learning-rate schedules follow, and a liar cannot move it.
 
 Heavy work (snapshots, the delta) runs in a worker thread for models of
@@ -76,7 +77,7 @@ from .mixing import DeltaHistory, Quarantine, Verdict, coefficient, judge, merge
 from .network import Network
 from .replica import Counters, Replica, offload
 from .roster import Roster
-from .standing import (NewcomerBudget, Records, Standing, pick, standing, step_ceiling,
+from .standing import (NewcomerBudget, Records, Standing, StepOffsets, pick, standing,
                        step_move, swarm_step)
 from .tensors import CODECS
 
@@ -269,6 +270,7 @@ class Averaging:
         self._quarantine = Quarantine(config.strikes, config.quarantine)
         self._newcomers = NewcomerBudget()
         self._records = Records()
+        self._offsets = StepOffsets(config.clip_window)
         self._tally = _Tally()
         self.ready = trio.Event()
         self._deadlines = config.deadlines()
@@ -303,15 +305,17 @@ class Averaging:
             await trio.sleep_forever()
         await self.ready.wait()
         first = True
+        since, at = self.replica.local_steps, trio.current_time()  # the last round's start
         while True:
             steps = None if every is None else max(1, round(every * self._rng.uniform(0.75, 1.25)))
             spread = (0.0, 0.25) if first else (0.75, 1.25)
             seconds = math.inf if interval is None else interval * self._rng.uniform(*spread)
-            with trio.move_on_after(seconds):
+            with trio.move_on_at(at + seconds):
                 if steps is None:
                     await trio.sleep_forever()
-                await self._local_steps(self.replica.local_steps + steps)
+                await self._local_steps(since + steps)
             first = False
+            since, at = self.replica.local_steps, trio.current_time()
             await self.round()
 
     async def _local_steps(self, target: int) -> None:
@@ -507,9 +511,13 @@ class Averaging:
         if verdict.state.scale > 0:  # else a newcomer's: it learns from us, we take nothing
             weight = (merged_weight(self._my_weight(mine), bid.weight) if self.config.by_samples
                       else None)
-            move = step_move(mine.step, bid.step, swarm_step(
-                self._roster.alive(ready=True), self.replica.counters().step,
-                self._roster.announced_step))
+            if rank is Standing.CHOSEN:
+                self._offsets.add(mine.step, bid.step)
+            swarm = self._offsets.swarm(mine.step)
+            if swarm is None:  # too few rounds of our own yet: the members' announcements
+                swarm = swarm_step(self._roster.alive(ready=True), mine.step,
+                                   self._roster.announced_step)
+            move = step_move(mine.step, bid.step, swarm)
             self.replica.queue(theirs, scale=verdict.state.scale,
                                correction=verdict.correction.scale if verdict.correction else 0.0,
                                step_move=move, weight=weight,

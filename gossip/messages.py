@@ -7,7 +7,9 @@ caller's bug); decoded from the network, :func:`gossip.wire.decode` turns that i
 
 On the wire a message is the CBOR array ``[tag, field1, field2, ...]`` with the fields in
 declaration order (see docs/PROTOCOL.md). ``TAGS`` maps tags to classes; it is append-only:
-a tag once shipped keeps its meaning forever, and a changed message gets a new tag.
+a tag once shipped keeps its meaning forever, and a changed message gets a new tag (before the
+first release the protocol is a draft, and a field was appended to ``Offer`` and ``Accept``:
+docs/PROTOCOL.md section 11).
 """
 
 from __future__ import annotations

@@ -238,8 +238,7 @@ class Replica:
         weight, merged at commit, goes with it); returns the counters at that instant.
 
         With ``parts`` 2 (the default when the replica keeps a correction) the second part
-        gets the correction's estimate ``z``, which starts the next gradient sum; a download
-        asks for 1.
+        gets the correction's estimate ``z``; a download asks for 1.
         """
         parts = self.parts if parts is None else parts
         n = self.schema.numel

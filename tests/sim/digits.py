@@ -66,10 +66,15 @@ class Trainer:
         self._generator = torch.Generator().manual_seed(seed)
         self._order = torch.empty(0, dtype=torch.long)
 
-    def step(self) -> None:
+    def batch(self) -> torch.Tensor:
+        """The indices of the next batch (each epoch reshuffled)."""
         if len(self._order) < BATCH:
             self._order = torch.randperm(len(self.y), generator=self._generator)
         batch, self._order = self._order[:BATCH], self._order[BATCH:]
+        return batch
+
+    def step(self) -> None:
+        batch = self.batch()
         for group in self.optimizer.param_groups:
             group["lr"] = LR * (1 - self.done / self.steps)
         loss = F.cross_entropy(self.model(self.x[batch]), self.y[batch])

@@ -16,6 +16,7 @@ import socket
 import struct
 
 import cbor2
+import pytest
 import torch
 import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -38,7 +39,7 @@ MAX_RECORD = 1 << 20
 MAX_MESSAGE = 65536
 FIELD_COUNTS = {1: 4, 2: 2, 3: 2, 4: 5,  # section 6.3 tag table
                 5: 2, 6: 2, 7: 3, 8: 1, 9: 1, 10: 6, 11: 3, 12: 3, 13: 2, 14: 7, 15: 3,
-                16: 5, 17: 3, 18: 0, 19: 4}
+                16: 6, 17: 4, 18: 0, 19: 4}
 CODEC_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}  # section 7.3
 
 
@@ -260,6 +261,32 @@ def test_cbor_and_fingerprint_vectors():
     assert schema_fingerprint([]).hex() == "76be8b528d0075f7aae98d6fa57a6d3c"
     fp = bytes.fromhex("9679fd51f362229c65de22dd47d2b393")
     assert encode_message(4, fp, "bf16", 1000, 64000, 12).hex() == "8604" "50" + fp.hex() + "6462663136" "1903e8" "19fa00" "0c"
+
+
+OFFER, ACCEPT = 16, 17  # section 6.3
+
+
+def test_offer_and_accept_vectors():  # section 6.4
+    fp = bytes.fromhex("9679fd51f362229c65de22dd47d2b393")
+    offer = "8710" "50" + fp.hex() + "6466703332" "1903e8" "19fa00" "f90000"
+    assert encode_message(OFFER, fp, "fp32", 1000, 64000, 0.0, False).hex() == offer + "f4"
+    assert encode_message(OFFER, fp, "fp32", 1000, 64000, 0.0, True).hex() == offer + "f5"
+    assert len(bytes.fromhex(offer + "f4")) == 34
+    push_sum = "8710" "50" + fp.hex() + "6462663136" "1903e8" "19fa00" "fa477a0100"
+    assert encode_message(OFFER, fp, "bf16", 1000, 64000, 64001.0, False).hex() == push_sum + "f4"
+    assert encode_message(OFFER, fp, "bf16", 1000, 64000, 64001.0, True).hex() == push_sum + "f5"
+    assert len(bytes.fromhex(push_sum + "f4")) == 36
+    accept = "8511" "1904b0" "1a00012c00"
+    assert encode_message(ACCEPT, 1200, 76800, 0.0, False).hex() == accept + "f90000" "f4"
+    assert encode_message(ACCEPT, 1200, 76800, 0.0, True).hex() == accept + "f90000" "f5"
+    assert encode_message(ACCEPT, 1200, 76800, 76801.0, False).hex() == accept + "fa47960080" "f4"
+    assert encode_message(ACCEPT, 1200, 76800, 76801.0, True).hex() == accept + "fa47960080" "f5"
+    assert len(bytes.fromhex(accept + "f90000f4")) == 14 and len(bytes.fromhex(accept + "fa47960080f4")) == 16
+    assert decode_message(bytes.fromhex(offer + "f5")) == [OFFER, fp, "fp32", 1000, 64000, 0.0, True]
+    assert decode_message(bytes.fromhex(accept + "f90000f4")) == [ACCEPT, 1200, 76800, 0.0, False]
+    for old_arity in (encode_message(OFFER, fp, "fp32", 1000, 64000, 0.0), encode_message(ACCEPT, 1200, 76800, 0.0)):
+        with pytest.raises(AssertionError):  # section 6.2: exactly 1 + the number of fields
+            decode_message(old_arity)
 
 
 def test_appendix_a_initiator_messages():

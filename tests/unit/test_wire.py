@@ -31,8 +31,8 @@ EXAMPLES = [
     m.MemberState(peer=PEER, incarnation=1, state=m.MemberState.DEAD, address="a:1", version=1,
                   step=0, ready=False),
     m.PushPull(join=True, last=False, records=(b"x" * 100,)),
-    m.Offer(fingerprint=FP, codec="fp32", step=12, samples=768, weight=0.0),
-    m.Accept(step=13, samples=2**50, weight=1234.5),
+    m.Offer(fingerprint=FP, codec="fp32", step=12, samples=768, weight=0.0, correction=True),
+    m.Accept(step=13, samples=2**50, weight=1234.5, correction=False),
     m.Commit(),
     m.StateInfo(step=7, samples=0, weight=1.0, meta=b"\xa0"),
 ]
@@ -80,6 +80,11 @@ def test_round_trip(message):
         ([10, "a" * 26, 0, "not an address", 1, 0, True], "Alive.address"),
         ([10, "a" * 26, 0, "host:0", 1, 0, True], "Alive.address"),
         ([7, 1, "a" * 26, "::1:80"], "PingReq.address"),
+        ([16, FP, "fp32", 0, 0, 0.0], "Offer: expected 6 fields, got 5"),  # before correction
+        ([16, FP, "fp32", 0, 0, 0.0, 1], "Offer.correction: expected a boolean"),
+        ([16, FP, "fp32", 0, 0, 0, False], "Offer.weight: expected a float"),
+        ([17, 0, 0, 0.0], "Accept: expected 4 fields, got 3"),
+        ([17, 0, 0, 0.0, None], "Accept.correction: expected a boolean"),
     ],
 )
 def test_bad_fields_name_the_problem(obj, match):
@@ -105,6 +110,28 @@ def test_bad_fields_name_the_problem(obj, match):
 def test_malformed_bytes_are_refused(data, match):
     with pytest.raises(WireError, match=f"(?i){match}"):
         decode(data)
+
+
+@pytest.mark.parametrize(
+    "message, spelled",
+    [  # docs/PROTOCOL.md section 6.4
+        (m.Offer(bytes.fromhex("9679fd51f362229c65de22dd47d2b393"), "fp32", 1000, 64000, 0.0, False),
+         "87 10 50 96 79 fd 51 f3 62 22 9c 65 de 22 dd 47 d2 b3 93 64 66 70 33 32 19 03 e8 19 fa 00 f9 00 00 f4"),
+        (m.Offer(bytes.fromhex("9679fd51f362229c65de22dd47d2b393"), "fp32", 1000, 64000, 0.0, True),
+         "87 10 50 96 79 fd 51 f3 62 22 9c 65 de 22 dd 47 d2 b3 93 64 66 70 33 32 19 03 e8 19 fa 00 f9 00 00 f5"),
+        (m.Offer(bytes.fromhex("9679fd51f362229c65de22dd47d2b393"), "bf16", 1000, 64000, 64001.0, False),
+         "87 10 50 96 79 fd 51 f3 62 22 9c 65 de 22 dd 47 d2 b3 93 64 62 66 31 36 19 03 e8 19 fa 00 fa 47 7a 01 00 f4"),
+        (m.Accept(1200, 76800, 0.0, False), "85 11 19 04 b0 1a 00 01 2c 00 f9 00 00 f4"),
+        (m.Accept(1200, 76800, 0.0, True), "85 11 19 04 b0 1a 00 01 2c 00 f9 00 00 f5"),
+        (m.Accept(1200, 76800, 76801.0, False), "85 11 19 04 b0 1a 00 01 2c 00 fa 47 96 00 80 f4"),
+    ],
+    ids=["offer", "offer-correction", "offer-push-sum", "accept", "accept-correction",
+         "accept-push-sum"],
+)
+def test_averaging_messages_match_the_spec(message, spelled):
+    data = bytes.fromhex(spelled)
+    assert encode(message) == data
+    assert decode(data) == message
 
 
 def test_an_unknown_codec_is_valid_on_the_wire():
