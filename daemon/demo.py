@@ -5,11 +5,12 @@ one swarm key, training the same task on its own shard of the data (non-IID: wit
 digits task each shard holds mostly a few classes, so no node could learn all ten alone).
 The first node starts the swarm; the others bootstrap from it, and the last one joins a
 quarter of the way in, downloading the swarm's weights. The demo follows the nodes'
-JSON-lines metrics logs to show progress, stops them with SIGTERM, then prints each node's
-test accuracy (from the evaluation each daemon runs as it stops), the spread between nodes,
-and writes a plot of loss over time per node.
+JSON-lines metrics logs to show progress, stops them with SIGTERM, then scores them against
+what the same samples give without a swarm: it trains one model centrally on all the data
+with as many samples as the nodes trained together (the *central baseline*), and evaluates
+the average of the nodes' final weights. It prints each node's test result beside the
+baseline's, and plots each node's held-out result over time with the baseline as a line.
 """
-
 from __future__ import annotations
 
 import secrets
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Sequence
 
-from .config import from_dict, render
+from .config import from_dict, load, render
 from .keys import write_swarm_key
 from .metrics import MetricsLogReader
 
@@ -31,12 +32,12 @@ __all__ = ["DemoError", "run_demo"]
 START_TIMEOUT = 120.0  # s for a daemon to import torch, load its task and listen
 STOP_TIMEOUT = 60.0  # s for a stopped daemon to exit
 REFRESH = 2.0  # s between progress displays
-# Settings for every node, before the user's --set. Averaging twice a second: the nodes step
-# thousands of times a second on this small task, and non-IID shards pull replicas apart
-# between exchanges (a lower learning rate for the digits task does the rest).
-PRESETS = ["averaging.interval=0.5", "checkpoint.interval=30", "metrics.every=2",
-           "task.progress_every=50", "task.threads=1"]
-TASK_PRESETS = {"daemon.tasks.digits:task": ["task.options.lr=0.001"]}
+# Settings for every node, before the user's --set: the averaging is the defaults'; each
+# node evaluates every EVAL_EVERY seconds, for the plot.
+EVAL_EVERY = 2.0
+PRESETS = ["checkpoint.interval=30", "metrics.every=2", "task.progress_every=50",
+           "task.threads=1", f"task.eval_every={EVAL_EVERY:g}"]
+POINTS = 2.0  # the demo's verdict: every node within this many points of the central baseline
 
 
 class DemoError(Exception):
@@ -137,7 +138,7 @@ def run_demo(*, nodes: int = 3, seconds: float = 60.0, directory: str | None = N
     if root.exists() and any(root.iterdir()):
         raise DemoError(f"{root} is not empty")
     key, name = secrets.token_bytes(32), f"demo-{secrets.token_hex(3)}"
-    overrides = [*PRESETS, *TASK_PRESETS.get(entry, []), *overrides]
+    overrides = [*PRESETS, *overrides]
     swarm = [_Node(i, root / f"node{i}") for i in range(nodes)]
     print(f"gossipd demo: {nodes} daemons on 127.0.0.1 training {entry} for {seconds:g} s; "
           f"files in {root}")
@@ -176,7 +177,8 @@ def run_demo(*, nodes: int = 3, seconds: float = 60.0, directory: str | None = N
         codes = _stop(swarm)
     for node in swarm:
         node.poll()
-    return _report(swarm, codes, root)
+    scores = _score(swarm, overrides)
+    return _report(swarm, codes, root, scores)
 
 
 def _stop(swarm: list[_Node]) -> list[int | None]:
@@ -198,53 +200,134 @@ def _stop(swarm: list[_Node]) -> list[int | None]:
     return codes
 
 
-def _report(swarm: list[_Node], codes: list[int | None], root: Path) -> int:
-    print(f"{'node':<6} {'exit':>4} {'steps':>7} {'exchanges':>9} {'source':<10} {'test result'}")
-    scores: list[float] = []
+@dataclass
+class _Scores:
+    """What the swarm is compared with: the central baseline's evaluation and the averaged
+    weights', each a task's ``evaluate()``, and the samples the nodes trained together."""
+
+    central: dict[str, float]
+    averaged: dict[str, float]
+    samples: int
+
+
+def _score(swarm: list[_Node], overrides: Sequence[str]) -> _Scores | None:
+    """Train the central baseline and evaluate the nodes' averaged weights (None, said once,
+    if the task has no evaluation or no node left a checkpoint)."""
+    import torch
+
+    from . import checkpoint
+    from .merge import average, read_state_dict
+    from .task import Context, Shard, load_entry
+
+    states, samples = [], 0
+    for node in swarm:
+        config = load(node.directory / "gossipd.toml", overrides)
+        found = checkpoint.load_latest(config.path(config.checkpoint.dir))
+        if found is not None:
+            states.append(read_state_dict(found[0]))
+            samples += int(found[1]["counters"]["samples"])
+    config = load(swarm[0].directory / "gossipd.toml", overrides)
+    torch.set_num_threads(1)
+
+    def build() -> Any:
+        context = Context(config.task.seed, torch.device("cpu"), dict(config.task.options),
+                          config.data_dir() / "cache")
+        return load_entry(config.task.entry)(context)
+
+    task = build()
+    if task.evaluate is None or not states:
+        print("no scores: the task has no evaluate()" if task.evaluate is None else
+              "no scores: no node left a checkpoint")
+        return None
+    task.model.load_state_dict(average(states))
+    averaged = dict(task.evaluate())
+    central = build()  # the same initial weights, optimizer and options
+    steps = samples // central.batch_size
+    print(f"training the central baseline: one model on all the data, {samples:,} samples "
+          f"({steps:,} steps), as many as the nodes trained together")
+    batches, started, shown = central.batches(Shard(0, 1)), time.monotonic(), time.monotonic()
+    for step in range(steps):
+        central.step(next(batches))
+        if time.monotonic() - shown >= 5 * REFRESH:
+            shown = time.monotonic()
+            print(f"  {step:,} of {steps:,} steps, {time.monotonic() - started:.0f} s", flush=True)
+    return _Scores({k: float(v) for k, v in central.evaluate().items()},
+                   {k: float(v) for k, v in averaged.items()}, samples)
+
+
+def _report(swarm: list[_Node], codes: list[int | None], root: Path,
+            scores: _Scores | None) -> int:
+    metric = _metric(scores.central) if scores else None
+    print(f"{'node':<6} {'exit':>4} {'steps':>7} {'exchanges':>9} {'source':<10} "
+          f"{'test result':<30}{f'  vs central ({metric})' if metric else ''}")
+    gaps: list[float] = []
     for node, code in zip(swarm, codes):
         evaluation = node.last("eval") or {}
         progress = node.last("progress") or {}
         source = "download" if node.last("download") else "own init"
         metrics = {k: v for k, v in evaluation.items() if k not in ("time", "event", "step")}
-        if "accuracy" in metrics:
-            scores.append(metrics["accuracy"])
         shown = "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()) or "-"
+        versus = ""
+        if scores and metric in metrics:
+            gap = 100 * (scores.central[metric] - metrics[metric])
+            gaps.append(gap)
+            versus = f"  {-gap:+.1f} points"
         print(f"{node.name:<6} {code if code is not None else '-':>4} "
               f"{evaluation.get('step', progress.get('step', 0)):>7} "
-              f"{progress.get('exchanges', 0):>9} {source:<10} {shown}")
-    if len(scores) >= 2:
-        print(f"test accuracy: mean {sum(scores) / len(scores):.4f}, spread between nodes "
-              f"{max(scores) - min(scores):.4f}")
-    plot = _plot(swarm, root / "loss.png")
-    print(f"loss plot: {plot}" if plot else "loss plot: skipped (pip install matplotlib)")
+              f"{progress.get('exchanges', 0):>9} {source:<10} {shown:<30}{versus}")
+    if scores:
+        print(f"{'central baseline':<28}          " + "  ".join(
+            f"{k} {v:.4f}" for k, v in scores.central.items())
+            + f"   (one model, all the data, {scores.samples:,} samples)")
+        print(f"{'nodes averaged':<28}          " + "  ".join(
+            f"{k} {v:.4f}" for k, v in scores.averaged.items())
+            + "   (the mean of the nodes' final weights)")
+        if gaps:
+            verdict = "yes" if max(gaps) <= POINTS else "NO"
+            print(f"every node within {POINTS:g} points of the central baseline: {verdict} "
+                  f"(worst {max(gaps):.1f} points below it)")
+    plot = _plot(swarm, root / "accuracy.png", scores)
+    print(f"plot: {plot}" if plot else "plot: skipped (pip install matplotlib)")
     ok = all(code == 0 for code in codes) and all(node.last("eval") for node in swarm)
     if not ok:
         print(f"some nodes did not stop cleanly: see {root}/node*/daemon.log")
     return 0 if ok else 1
 
 
-def _plot(swarm: list[_Node], path: Path) -> Path | None:
+def _metric(evaluation: dict[str, float]) -> str | None:
+    """The metric to compare and plot: accuracy if the task reports it, else its first."""
+    if "accuracy" in evaluation:
+        return "accuracy"
+    return next(iter(evaluation), None)
+
+
+def _plot(swarm: list[_Node], path: Path, scores: _Scores | None) -> Path | None:
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    times = [e["time"] for n in swarm for e in n.events if e["event"] == "progress"]
-    if not times:
+    evals = [e for n in swarm for e in n.events if e["event"] == "eval"]
+    metric = _metric(scores.central) if scores else _metric(
+        {k: v for k, v in (evals[0] if evals else {}).items()
+         if k not in ("time", "event", "step")})
+    if not evals or metric is None:
         return None
-    t0 = min(times)
+    t0 = min(e["time"] for e in evals)
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
     for node in swarm:
-        points = [(e["time"] - t0, e["loss"]) for e in node.events
-                  if e["event"] == "progress" and e["loss"] is not None]
+        points = [(e["time"] - t0, e[metric]) for e in node.events
+                  if e["event"] == "eval" and e.get(metric) is not None]
         if points:
             xs, ys = zip(*points)
-            ax.plot(xs, ys, label=node.name, linewidth=1.2)
+            ax.plot(xs, ys, label=node.name, linewidth=1.2, marker=".")
+    if scores and metric in scores.central:
+        ax.axhline(scores.central[metric], color="black", linestyle="--", linewidth=1,
+                   label=f"central baseline ({scores.central[metric]:.4f})")
     ax.set_xlabel("seconds")
-    ax.set_ylabel("training loss (own shard)")
-    ax.set_yscale("log")
-    ax.set_title("gossipd demo: loss per node")
+    ax.set_ylabel(f"held-out {metric}")
+    ax.set_title(f"gossipd demo: each node's held-out {metric}, every {EVAL_EVERY:g} s")
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()

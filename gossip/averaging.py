@@ -489,7 +489,7 @@ class Averaging:
             c = coefficient(config.weight, config.by_samples, self._my_weight(mine), peer.weight)
             return await offload(self.replica, judge, theirs, own, parts, c, self._histories,
                                  clip=config.clip, max_norm_ratio=config.max_norm_ratio,
-                                 standing=rank)
+                                 standing=rank, gradient_scale=self.replica.gradient_scale)
 
         return check
 

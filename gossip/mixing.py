@@ -212,6 +212,7 @@ def make_delta(
     max_norm_ratio: float,
     standing: Standing = Standing.CHOSEN,
     record: bool = True,
+    floor: float = 0.0,
 ) -> Delta:
     """Check a received flat state and turn it, in place, into the difference to queue.
 
@@ -220,7 +221,8 @@ def make_delta(
     newcomer. A ``CHOSEN`` exchange's distance, clipped, has entered ``history`` (unless
     ``record`` is false: then the caller records it with :meth:`DeltaHistory.record` once
     it takes the delta). On refusal ``received`` holds garbage and ``history`` is unchanged.
-    ``own`` is never modified.
+    ``own`` is never modified. ``floor``: the norm check's reference is at least this (for
+    a vector whose own norm may legitimately be near zero).
     """
     distance_sq, own_sq, finite = _subtract(received, own)
     if not finite:
@@ -228,7 +230,7 @@ def make_delta(
     distance, own_norm = math.sqrt(distance_sq), math.sqrt(own_sq)
     if not math.isfinite(distance):
         return Delta(distance, "difference overflows float32")
-    reference = history.norm_reference(own_norm)
+    reference = max(history.norm_reference(own_norm), floor)
     if reference > 0 and distance > max_norm_ratio * reference:
         return Delta(distance, f"distance {distance:.3g} is over {max_norm_ratio:g}x "
                                f"our norm {reference:.3g}")
@@ -254,20 +256,28 @@ def judge(
     clip: float,
     max_norm_ratio: float,
     standing: Standing = Standing.CHOSEN,
+    gradient_scale: float = 0.0,
 ) -> Verdict:
     """:func:`make_delta` for each part of a payload: the state, then (``parts`` 2) the
     correction's estimate, each against its own history, so that neither bound is driven by
     the other's scale. The estimate's fraction is ``coefficient`` times
     :data:`~gossip.correction.CORRECTION_RATE`. A ``CHOSEN`` exchange's distances enter the
-    histories only if every part passes."""
+    histories only if every part passes.
+
+    The estimate's norm check needs a floor: a node whose own data it has learned has a
+    gradient near zero, and the swarm's, which its correction must take on, may be a hundred
+    times that. Its reference is therefore at least ``gradient_scale`` (the node's own
+    gradients as it started: :attr:`~gossip.correction.Correction.scale`) and the median
+    distance of the estimates it accepted; neither can be driven by what a peer sends."""
     n = received.numel() // parts
     state = make_delta(received[:n], own[:n], coefficient, histories[0], clip=clip,
                        max_norm_ratio=max_norm_ratio, standing=standing, record=False)
     correction = None
     if parts == 2 and state.refused is None:
+        floor = max(gradient_scale, histories[1].median() or 0.0)
         correction = make_delta(received[n:], own[n:2 * n], coefficient * CORRECTION_RATE,
                                 histories[1], clip=clip, max_norm_ratio=max_norm_ratio,
-                                standing=standing, record=False)
+                                standing=standing, record=False, floor=floor)
     verdict = Verdict(state, correction)
     if standing is Standing.CHOSEN and verdict.refused is None:
         histories[0].record(state)

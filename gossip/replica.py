@@ -115,6 +115,12 @@ class Replica:
             return self.correction is not None and self.correction.measured
 
     @property
+    def gradient_scale(self) -> float:
+        """The correction's :attr:`~gossip.correction.Correction.scale` (0 without one)."""
+        with self.lock:
+            return 0.0 if self.correction is None else self.correction.scale
+
+    @property
     def parts(self) -> int:
         """Parts of the schema's size in each flat buffer: 2 with a correction, else 1."""
         return 1 if self.correction is None else 2

@@ -1,0 +1,152 @@
+"""Tests for gossip.correction: what the optimizer's pre-hook does to the gradients, the
+estimate a node sends, how the correction's strength follows how often it is updated, and
+its checkpoint form. Pure: a replica and an optimizer, no network."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gossip.correction import (FULL_SPACING, GRADIENT_AVERAGE, SCALE_STEPS, check_state,
+                               corrected)
+from gossip.mixing import DeltaHistory, judge
+from gossip.replica import Replica
+
+
+class Pair(torch.nn.Module):
+    """Two parameters (one frozen) and a float buffer, to see what gets a correction."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.zeros(3))
+        self.frozen = torch.nn.Parameter(torch.zeros(2), requires_grad=False)
+        self.register_buffer("stat", torch.zeros(2))
+
+
+def replica_with(model: torch.nn.Module) -> tuple[Replica, torch.optim.Optimizer]:
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    return Replica(model, optimizer=optimizer), optimizer
+
+
+def set_correction(replica: Replica, values: torch.Tensor) -> None:
+    """c := values (a flat vector of the schema), through the replica's own queue."""
+    n = replica.schema.numel
+    delta = torch.cat([torch.zeros(n), values])
+    replica.queue(delta, scale=1e-9, correction=1.0, weight=None, sent_weight=0.0)
+    replica.leak = 0.0
+    replica.apply_pending()
+
+
+def step_with_grad(model: Pair, optimizer: torch.optim.Optimizer, grad: list[float]) -> torch.Tensor:
+    """One optimizer step whose raw gradient for ``a`` is ``grad``; returns what the
+    optimizer saw."""
+    model.a.grad = torch.tensor(grad)
+    seen = {}
+
+    def look(opt: object, args: object, kwargs: object) -> None:
+        seen["grad"] = model.a.grad.clone()
+
+    handle = optimizer.register_step_pre_hook(look)
+    optimizer.step()  # the replica's hook was registered first: ``seen`` is after it
+    handle.remove()
+    return seen["grad"]
+
+
+def test_the_hook_adds_the_correction_and_averages_the_raw_gradient() -> None:
+    model = Pair()
+    replica, optimizer = replica_with(model)
+    replica.leak = 0.0
+    assert replica.correction is not None and not replica.estimating
+    place = replica.schema.places()
+    c = torch.zeros(replica.schema.numel)
+    c[place["a"]] = torch.tensor([1.0, 2.0, 3.0])
+    set_correction(replica, c)
+    seen = step_with_grad(model, optimizer, [10.0, 0.0, -10.0])
+    assert torch.allclose(seen, torch.tensor([11.0, 2.0, -7.0]))  # g + c
+    assert replica.estimating
+    out = torch.zeros(2 * replica.schema.numel)
+    replica.snapshot(out)
+    z = out[replica.schema.numel:]
+    # z = ĝ + c, ĝ the raw gradient's running average (started from zero)
+    assert torch.allclose(z[place["a"]], GRADIENT_AVERAGE * torch.tensor([10.0, 0.0, -10.0])
+                          + torch.tensor([1.0, 2.0, 3.0]))
+    assert torch.equal(z[place["frozen"]], torch.zeros(2))  # no gradient, no correction
+    assert torch.equal(z[place["stat"]], torch.zeros(2))  # a buffer has none either
+    assert set(replica.correction_state()) == {"a"}
+
+
+def test_a_step_adds_less_of_the_correction_when_updates_of_it_are_rare() -> None:
+    model = Pair()
+    replica, optimizer = replica_with(model)
+    c = torch.zeros(replica.schema.numel)
+    c[replica.schema.places()["a"]] = 1.0
+    set_correction(replica, c)  # an update: the count of steps since starts again
+    for k in range(1, 3 * FULL_SPACING):
+        seen = step_with_grad(model, optimizer, [0.0, 0.0, 0.0])
+        want = min(1.0, FULL_SPACING / k)  # the steps since the update, once they are many
+        assert seen[0].item() == pytest.approx(want, rel=1e-6), k
+
+
+def test_the_scale_is_the_largest_gradient_of_the_first_steps_and_a_reset_forgets() -> None:
+    model = Pair()
+    replica, optimizer = replica_with(model)
+    norms = [3.0, 5.0, 4.0] + [0.5] * SCALE_STEPS + [100.0]  # the last comes too late
+    for norm in norms:
+        step_with_grad(model, optimizer, [norm, 0.0, 0.0])
+    assert replica.gradient_scale == 5.0
+    replica.load(torch.zeros(replica.schema.numel), step=0, buffers={})  # a download
+    assert replica.gradient_scale == 0.0 and not replica.estimating
+    assert all(float(v.abs().max()) == 0 for v in replica.correction_state().values())
+
+
+def test_a_queued_correction_leaks_at_each_commit() -> None:
+    model = Pair()
+    replica, _ = replica_with(model)
+    n = replica.schema.numel
+    place = replica.schema.places()["a"]
+    c = torch.zeros(n)
+    c[place] = 1.0
+    set_correction(replica, c)
+    replica.leak = 0.25
+    for _ in range(2):  # two commits, one apply: c x 0.75^2 + the second's 0.5
+        delta = torch.zeros(2 * n)
+        delta[n:][place] = 1.0
+        replica.queue(delta, scale=1e-9, correction=0.5 if _ else 0.0, weight=None,
+                      sent_weight=0.0)
+    replica.apply_pending()
+    assert torch.allclose(replica.correction_state()["a"], torch.full((3,), 0.75**2 + 0.5))
+
+
+def test_a_checkpointed_correction_must_be_this_models() -> None:
+    shapes = corrected(Pair())
+    assert shapes == {"a": torch.Size([3])}
+    check_state(shapes, {"a": torch.ones(3)})
+    for bad, why in [({}, "missing"), ({"a": torch.ones(3), "b": torch.ones(1)}, "unknown"),
+                     ({"a": torch.ones(4)}, "shape"), ({"a": torch.tensor([1.0, math.inf, 0])},
+                                                        "finite"),
+                     ({"a": torch.ones(3, dtype=torch.int64)}, "finite"), ([], "table")]:
+        with pytest.raises(ValueError, match=why):
+            check_state(shapes, bad)
+
+
+# --- the estimate's norm check --------------------------------------------------------------
+
+def test_a_node_that_learned_its_own_data_still_takes_the_swarms_estimate() -> None:
+    # Our estimate is near zero (our own loss is), the peer's is the swarm's gradient: a
+    # check against our own norm alone would refuse every honest peer.
+    n = 8
+    own = torch.cat([torch.zeros(n), torch.full((n,), 1e-4)])
+    theirs = torch.cat([torch.zeros(n), torch.full((n,), 0.5)])
+
+    def verdict(scale: float):
+        return judge(theirs.clone(), own, 2, 0.5, (DeltaHistory(), DeltaHistory()), clip=5.0,
+                     max_norm_ratio=100.0, gradient_scale=scale)
+
+    assert "correction" in verdict(0.0).refused
+    assert verdict(2.0).refused is None  # our gradients' scale as we started
+    assert verdict(2.0).correction.scale == pytest.approx(0.25)  # κ x ½
+    huge = torch.cat([torch.zeros(n), torch.full((n,), 1e6)])
+    assert "correction" in judge(huge, own, 2, 0.5, (DeltaHistory(), DeltaHistory()), clip=5.0,
+                                 max_norm_ratio=100.0, gradient_scale=2.0).refused
