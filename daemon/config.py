@@ -313,10 +313,10 @@ class AveragingSection(_Section):
     every: int = _field(1, "local steps between the rounds we start (x U(0.75, 1.25)); a "
                         "round on a slow link is followed at once by the next; 0: by interval "
                         "only (see docs/DAEMON.md, Choosing averaging.every)", COUNT)
-    interval: float = _field(10.0, "s, longest time between the rounds we start, for a node "
-                             "that steps slower than every (or not at all); 0: by steps only "
-                             "(every and interval both 0: never start one; still answers "
-                             "peers)", NON_NEGATIVE)
+    interval: float = _field(10.0, "s after our last round ends before we start another "
+                             "anyway, for a node that steps slower than every (or not at "
+                             "all); 0: by steps only (every and interval both 0: never start "
+                             "one; still answers peers)", NON_NEGATIVE)
     correction: bool = _field(True, "keep a drift correction (added to the gradients; its "
                               "estimate travels with the weights): what keeps nodes on skewed "
                               "data from drifting apart. Costs two model-sized buffers on the "

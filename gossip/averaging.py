@@ -4,7 +4,7 @@ Theory of operation
 -------------------
 A node starts a *round* once it has taken ``every`` local optimizer steps (x U(0.75, 1.25),
 so a swarm that steps in lockstep does not offer in lockstep) since it started its last one,
-or after ``interval`` seconds (likewise jittered) without a round, whichever comes first: the
+or ``interval`` seconds (likewise jittered) after its last one ended, whichever comes first: the
 period is counted in steps, because a second is thousands of steps of a small model and a
 fraction of one of a large model, and the time bound keeps an idle node mixing. A round that
 takes longer than ``every`` steps (a slow link) is followed at once by the next; training never
@@ -95,9 +95,9 @@ class AveragingConfig:
     """
 
     every: int | None = 1  # local steps between our rounds (x U(0.75, 1.25)); None: by time only
-    interval: float | None = 10.0  # longest time between our rounds (x U(0.75, 1.25)), for a
-    # node that steps slower than `every` or not at all; None: by steps only (both None:
-    # only average_now())
+    interval: float | None = 10.0  # s after our last round ends (x U(0.75, 1.25)) before we
+    # start one anyway, for a node that steps slower than `every` or not at all; None: by
+    # steps only (both None: only average_now())
     weight: float = 0.5  # fixed mode: delta = weight * (peer - own); 1/2 keeps the swarm's mean
     by_samples: bool = False  # push-sum: weigh each side by the samples it trained on
     codec: str = "fp32"  # wire codec of the exchanged states: fp32 (exact), bf16 or fp16
@@ -294,8 +294,9 @@ class Averaging:
         )
 
     async def run(self) -> None:
-        """Start a round every ``every`` local steps or ``interval`` seconds, whichever comes
-        first (each jittered), counted from the start of the last round, until cancelled.
+        """Start a round every ``every`` local steps, counted from the start of the last
+        round, or once ``interval`` seconds pass after the last round's end, whichever comes
+        first (each jittered), until cancelled.
 
         The first round's time bound is a quarter interval, so that a node that just joined
         (or a misconfigured one) learns at once whether it can exchange.
@@ -305,17 +306,17 @@ class Averaging:
             await trio.sleep_forever()
         await self.ready.wait()
         first = True
-        since, at = self.replica.local_steps, trio.current_time()  # the last round's start
+        since = self.replica.local_steps  # at the last round's start
         while True:
             steps = None if every is None else max(1, round(every * self._rng.uniform(0.75, 1.25)))
             spread = (0.0, 0.25) if first else (0.75, 1.25)
             seconds = math.inf if interval is None else interval * self._rng.uniform(*spread)
-            with trio.move_on_at(at + seconds):
+            with trio.move_on_after(seconds):  # an idle node pauses between its rounds
                 if steps is None:
                     await trio.sleep_forever()
                 await self._local_steps(since + steps)
             first = False
-            since, at = self.replica.local_steps, trio.current_time()
+            since = self.replica.local_steps
             await self.round()
 
     async def _local_steps(self, target: int) -> None:

@@ -70,7 +70,7 @@ if sys.version_info < (3, 11):
 __all__ = ["open_sim_swarm", "SimSwarm", "SimNode", "SimExchange", "SIM_CONFIG"]
 
 PORT = 7000
-SIM_CONFIG = AveragingConfig(interval=1.0, start="own")  # a round a second; own initial state
+SIM_CONFIG = AveragingConfig(interval=1.0, start="own")  # a round a step, or a second idle
 
 
 @dataclass(frozen=True)
