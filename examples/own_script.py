@@ -7,9 +7,11 @@ Start a node; it prints the command that starts the next one into the same swarm
 
 Each node trains a small MLP on its shard of scikit-learn's digits. The shards are cut from
 the training set sorted by label, so shard 0/2 sees only the zeros to the fives and, alone,
-scores about 50% on the test set's ten classes; averaging with shard 1/2's node lifts both to
-80-95% within a thousand steps. The MLP steps in well under a millisecond, far quicker than
-averaging rounds come, so each step also sleeps --step-time to stand in for a real model.
+scores about 50% on the test set's ten classes; averaging with shard 1/2's node, and the
+drift correction the node keeps through the optimizer it is given, lift both to 90% and more
+while they train together (one that trains on alone drifts back towards its own classes). The
+MLP steps in well under a millisecond, quicker than an exchange on most links, so each step
+also sleeps --step-time to stand in for a real model.
 """
 
 from __future__ import annotations
@@ -65,10 +67,11 @@ def main() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
     swarm = gossip.Swarm(name="example", key=bytes.fromhex(key_hex))
-    config = gossip.AveragingConfig(interval=1.0)  # seconds between this node's rounds
+    config = gossip.AveragingConfig(every=1)  # a round each local step, or when the last ends
     # Returns once the node is ready: a joiner has downloaded the swarm's weights by then.
+    # The optimizer is for the drift correction, added to its gradients before each step.
     with gossip.Averager(model, swarm, listen=args.listen, bootstrap=args.bootstrap,
-                         config=config) as avg:
+                         config=config, optimizer=opt) as avg:
         print(f"node {avg.node.peer_id.short} at {avg.node.address}, shard {index}/{count} "
               f"({len(y)} samples, classes {sorted(set(y.tolist()))})")
         print(f"start another node with:\n  {sys.executable} {sys.argv[0]} "
@@ -84,8 +87,8 @@ def main() -> None:
             avg.step(samples=len(batch))  # adds the deltas exchanges queued; never blocks
             time.sleep(args.step_time)
             if step % 100 == 0:
-                print(f"step {step:5d} loss {loss.item():.3f} "
-                      f"test accuracy {accuracy(model, x_test, y_test):.2f} "
+                print(f"step {step:5d} (swarm's step {avg.global_step:5d}) loss "
+                      f"{loss.item():.3f} test accuracy {accuracy(model, x_test, y_test):.2f} "
                       f"exchanges {avg.statistics().committed}")
 
         stats = avg.statistics()
