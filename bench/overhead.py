@@ -5,18 +5,20 @@ identity and copy of one swarm key, on 127.0.0.1; the bench reads only their JSO
 metrics logs (``metrics.jsonl``), never their log text.
 
 * Overhead. The trainer is one daemon training ``bench/tasks.py:mlp10m`` (a 10.5M-parameter
-  MLP on synthetic batches, SGD, one torch thread) with ``averaging.interval = 5``. After a
-  warm-up it alternates phases of ``--seconds``: A, alone (its rounds find no peer, so no
-  exchange happens); B, with a peer: a fresh daemon bootstrapping to it, also with
-  ``averaging.interval = 5`` (each side starts a round every 5 s, so the pair exchanges about
-  every 2.5 s), from its first exchange on; then the peer is stopped (SIGTERM) and, once it
+  MLP on synthetic batches, SGD, one torch thread) with rounds by time alone
+  (``averaging.every = 0``, ``averaging.interval = 5``), so that exchanges come at a known
+  pace. After a warm-up it alternates phases of ``--seconds``: A, alone (its rounds find no
+  peer, so no exchange happens); B, with a peer: a fresh daemon bootstrapping to it, likewise
+  (each side starts a round 5 s after its last, so the pair exchanges about every 2.5 s; each
+  exchange carries the state and the drift correction's estimate, the defaults), from its
+  first exchange on; then the peer is stopped (SIGTERM) and, once it
   has exited, the next A starts. ``--rounds`` rounds, and a last A, so that every B has an A
   on each side: the overhead ratio is the median over rounds of B's steps/s over the mean of
   its two A's, which cancels a slow drift in the machine's speed. Steps/s come from the
   trainer's ``progress`` events, one per chunk of steps (``task.progress_every = 1``). Their
-  ``step`` is raised to a peer's (up to the members' median), but the idle peer steps slower
-  than the trainer so it stays the trainer's own; the bench checks this (each ``metrics`` event's
-  step x batch size must equal its local ``samples``) and else counts those samples.
+  ``step`` is the one the swarm agrees on, which the idle peer holds back (the trainer pays a
+  debt of steps it does not count); the bench checks (each ``metrics`` event's step x batch
+  size against its local ``samples``) and counts samples when they differ.
   Training time lost per exchange is (1 - ratio) x the B phases' length / their exchanges;
   the bench also compares the trainer's chunks (0.25 s each) that overlap an exchange with
   the others.
@@ -98,7 +100,7 @@ class Daemon:
             "task": {"entry": ENTRY, "device": "cpu", "threads": 1, "progress_every": 1,
                      "options": {"width": WIDTH, "depth": DEPTH, "batch_size": BATCH,
                                  "idle": idle}},
-            "averaging": {"interval": INTERVAL},
+            "averaging": {"every": 0, "interval": INTERVAL},
             "checkpoint": {"interval": 3600.0},  # none while measuring; one at exit
             "metrics": {"every": 1.0},
         }

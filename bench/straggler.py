@@ -8,8 +8,8 @@ same stream. Three methods, each run without and with a straggler, in one run of
 on 127.0.0.1, the six runs repeated ``--repeats`` times (3; the tables show medians):
 
 * gossip: four real daemons (``python -m daemon run``) with the default averaging settings:
-  each starts an exchange with a random peer every ``averaging.every`` = 2 local steps (or as
-  soon as the last one ends, when an exchange takes longer than two steps), and keeps the
+  each starts an exchange with a random peer every local step (``averaging.every`` = 1), or as
+  soon as the last one ends when an exchange takes longer than a step, and keeps the
   drift correction (on IID data, as here, it has next to nothing to correct).
 * DDP: ``torch.distributed`` over gloo with ``DistributedDataParallel``: the gradients are
   all-reduced (averaged) at every step, so every step waits for the slowest worker. The same

@@ -15,8 +15,7 @@ machine has no core to spare for a second trainer. Its ``step()`` only sleeps (`
 and returns a constant loss, never touching the model; everything else is a real daemon:
 it joins, downloads the swarm's state, and its exchanges serialize, encrypt, check and mix
 40 MB each way as any peer's would. It sleeps longer than a trainer's step lasts, so its
-step counter stays behind the trainer's, and the swarm's step (raised to peers', up to their
-median) stays the trainer's own.
+step counter stays behind the trainer's.
 
 Options (``[task.options]``):
     width: width of the input and hidden layers (default 1024).

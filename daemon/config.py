@@ -320,7 +320,8 @@ class AveragingSection(_Section):
     correction: bool = _field(True, "keep a drift correction (added to the gradients; its "
                               "estimate travels with the weights): what keeps nodes on skewed "
                               "data from drifting apart. Costs two model-sized buffers on the "
-                              "device and doubles the bytes of an exchange")
+                              "device, doubles the host's exchange buffers and the bytes of an "
+                              "exchange")
     leak: float = _field(0.01, "fraction of the drift correction that fades at each exchange, "
                          "so that departures leave no lasting bias; in [0, 1)",
                          _want(lambda v: 0 <= v < 1, "a number in [0, 1)"))

@@ -229,9 +229,11 @@ def _score(swarm: list[_Node], overrides: Sequence[str]) -> _Scores | None:
     config = load(swarm[0].directory / "gossipd.toml", overrides)
     torch.set_num_threads(1)
 
+    steps_taken = [0]  # the central baseline's step, for a task that schedules by it
+
     def build() -> Any:
         context = Context(config.task.seed, torch.device("cpu"), dict(config.task.options),
-                          config.data_dir() / "cache")
+                          config.data_dir() / "cache", lambda: steps_taken[0])
         return load_entry(config.task.entry)(context)
 
     task = build()
@@ -248,6 +250,7 @@ def _score(swarm: list[_Node], overrides: Sequence[str]) -> _Scores | None:
     batches, started, shown = central.batches(Shard(0, 1)), time.monotonic(), time.monotonic()
     for step in range(steps):
         central.step(next(batches))
+        steps_taken[0] = step + 1
         if time.monotonic() - shown >= 5 * REFRESH:
             shown = time.monotonic()
             print(f"  {step:,} of {steps:,} steps, {time.monotonic() - started:.0f} s", flush=True)
@@ -268,10 +271,12 @@ def _report(swarm: list[_Node], codes: list[int | None], root: Path,
         metrics = {k: v for k, v in evaluation.items() if k not in ("time", "event", "step")}
         shown = "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()) or "-"
         versus = ""
-        if scores and metric in metrics:
+        if scores and metric == "accuracy" and metric in metrics:
             gap = 100 * (scores.central[metric] - metrics[metric])
             gaps.append(gap)
             versus = f"  {-gap:+.1f} points"
+        elif scores and metric in metrics:  # a loss, say: lower is better, no points
+            versus = f"  {metrics[metric] - scores.central[metric]:+.4f}"
         print(f"{node.name:<6} {code if code is not None else '-':>4} "
               f"{evaluation.get('step', progress.get('step', 0)):>7} "
               f"{progress.get('exchanges', 0):>9} {source:<10} {shown:<30}{versus}")

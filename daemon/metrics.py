@@ -47,8 +47,8 @@ class Metrics:
         self.loss = Gauge("gossip_loss", "Mean training loss of the last chunk of steps", registry=r)
         self.rate = Gauge("gossip_samples_per_second", f"Training samples per second over the "
                           f"last {RATE_WINDOW:g} s", registry=r)
-        self.step = Gauge("gossip_step", "Training step, raised to peers' up to the median the "
-                          "members announce", registry=r)
+        self.step = Gauge("gossip_step", "The training step the swarm agrees on: this node's "
+                          "steps, moved towards its peers' at each exchange", registry=r)
         self.exchanges = Counter("gossip_exchanges", "Averaging exchanges by result",
                                  ["result"], registry=r)
         self.rounds_without_peer = Counter("gossip_rounds_without_peer",

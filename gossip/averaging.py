@@ -38,8 +38,9 @@ newcomer's offer commits but moves us by nothing, and the newcomers behind one s
 share a budget of one exchange per round of ours.
 
 On a commit a node moves its step half way towards the peer's, counting the peer's only as
-far as it lies between our step and the swarm's (the median offset of the peers of our last
-rounds: :class:`~gossip.standing.StepOffsets`, :func:`~gossip.standing.step_move`), and a
+far as it lies between our step and the swarm's (the median step of the peers of our last
+rounds, aged by our own steps since: :class:`~gossip.standing.PeerSteps`,
+:func:`~gossip.standing.step_move`), and a
 download takes the sender's step up to the members' median: nodes agree on the step their
 learning-rate schedules follow, and a liar cannot move it.
 
@@ -64,7 +65,7 @@ import trio
 
 from . import exchange
 from .channel import SecureChannel, Timeouts, connect
-from .correction import DEFAULT_LEAK
+from .correction import CORRECTION_RATE, DEFAULT_LEAK
 from .download import CODEC as DOWNLOAD_CODEC
 from .download import Download, download, serve_download
 from .errors import GossipError, PeerGone, PeerTimeout
@@ -77,8 +78,8 @@ from .mixing import DeltaHistory, Quarantine, Verdict, coefficient, judge, merge
 from .network import Network
 from .replica import Counters, Replica, offload
 from .roster import Roster
-from .standing import (NewcomerBudget, Records, Standing, StepOffsets, pick, standing,
-                       step_move, swarm_step)
+from .standing import (NewcomerBudget, Records, Standing, PeerSteps, pick, standing,
+                       step_ceiling, step_move)
 from .tensors import CODECS
 
 __all__ = ["AveragingConfig", "AveragingStatistics", "Averaging", "Exchange", "Result"]
@@ -270,7 +271,7 @@ class Averaging:
         self._quarantine = Quarantine(config.strikes, config.quarantine)
         self._newcomers = NewcomerBudget()
         self._records = Records()
-        self._offsets = StepOffsets(config.clip_window)
+        self._peer_steps = PeerSteps(config.clip_window)
         self._tally = _Tally()
         self.ready = trio.Event()
         self._deadlines = config.deadlines()
@@ -396,26 +397,27 @@ class Averaging:
             return
         self._busy = True
         started = trio.current_time()
-        own, theirs = self.replica.buffer(), self.replica.buffer()
         # A newcomer's payload moves us by nothing (gossip.standing), and a correction that
         # moved on its side only would leave the swarm's sum of corrections off for good
         # (gossip.correction): with a newcomer, or before we have a gradient estimate of our
         # own, only the state is swapped.
         corrected = (offer.correction and rank is not Standing.NEWCOMER
                      and self.replica.estimating)
+        own = theirs = None
         try:
+            own, theirs = self.replica.buffer(), self.replica.buffer()
             mine = await offload(self.replica, self.replica.snapshot, own, 1 + corrected)
             accept = Accept(mine.step, mine.samples, self._my_weight(mine), corrected)
             outcome = await exchange.respond(channel, offer, accept, own, theirs,
                                              self.replica.schema,
                                              self._checker(own, mine, rank), self._deadlines)
             result = self._settle(peer, outcome, mine, rank, theirs, started, initiated=False)
+            theirs = None  # handed over
         except (GossipError, trio.TooSlowError) as exc:
-            self.replica.release(theirs)
             result = self._failure(peer, "accept", exc)
         finally:
             self._busy = False
-            self.replica.release(own)
+            self._release(own, theirs)
             self._count(channel)
         self._ended(peer, False, result, started)
 
@@ -451,11 +453,12 @@ class Averaging:
         assert not self._busy, "round() checks, with no checkpoint in between"
         self._busy = True
         peer, started = member.peer, trio.current_time()
-        own, theirs = self.replica.buffer(), self.replica.buffer()
         channel: SecureChannel | None = None
         phase = "connect"
         corrected = self.replica.estimating  # decided before the snapshot that holds it
+        own = theirs = None
         try:
+            own, theirs = self.replica.buffer(), self.replica.buffer()
             mine = await offload(self.replica, self.replica.snapshot, own, 1 + corrected)
             channel = await connect(self._network, member.address, identity=self._identity,
                                     swarm=self._swarm, allow=frozenset({peer}),
@@ -469,14 +472,14 @@ class Averaging:
                     self._checker(own, mine, Standing.CHOSEN), self._deadlines)
             result = self._settle(peer, outcome, mine, Standing.CHOSEN, theirs, started,
                                   initiated=True)
+            theirs = None  # handed over
         except (GossipError, trio.TooSlowError) as exc:
-            self.replica.release(theirs)
             result = self._failure(peer, phase, exc)
             if isinstance(exc, (PeerGone, PeerTimeout)) and phase == "connect":
                 self._roster.report_failure(peer)
         finally:
             self._busy = False
-            self.replica.release(own)
+            self._release(own, theirs)
             if channel is not None:
                 self._count(channel)
         self._ended(peer, True, result, started)
@@ -488,9 +491,13 @@ class Averaging:
 
         async def check(theirs: torch.Tensor, parts: int, peer: Offer | Accept) -> Verdict:
             c = coefficient(config.weight, config.by_samples, self._my_weight(mine), peer.weight)
+            if parts == 2:
+                n = self.replica.schema.numel
+                self.replica.clear_uncovered(theirs[n:])
             return await offload(self.replica, judge, theirs, own, parts, c, self._histories,
                                  clip=config.clip, max_norm_ratio=config.max_norm_ratio,
-                                 standing=rank, gradient_scale=self.replica.gradient_scale)
+                                 standing=rank, correction=CORRECTION_RATE * config.weight,
+                                 gradient_scale=self.replica.gradient_scale)
 
         return check
 
@@ -513,12 +520,12 @@ class Averaging:
             weight = (merged_weight(self._my_weight(mine), bid.weight) if self.config.by_samples
                       else None)
             if rank is Standing.CHOSEN:
-                self._offsets.add(mine.step, bid.step)
-            swarm = self._offsets.swarm(mine.step)
+                self._peer_steps.add(bid.step, mine.local)
+            swarm = self._peer_steps.swarm(mine.local)
             if swarm is None:  # too few rounds of our own yet: the members' announcements
-                swarm = swarm_step(self._roster.alive(ready=True), mine.step,
-                                   self._roster.announced_step)
-            move = step_move(mine.step, bid.step, swarm)
+                members = self._roster.alive(ready=True)
+                swarm = step_ceiling(members) if members else None
+            move = step_move(mine.heading, bid.step, swarm)
             self.replica.queue(theirs, scale=verdict.state.scale,
                                correction=verdict.correction.scale if verdict.correction else 0.0,
                                step_move=move, weight=weight,
@@ -541,6 +548,11 @@ class Averaging:
         return Result.COMMITTED
 
     # ---- helpers ----------------------------------------------------------------------
+
+    def _release(self, *buffers: torch.Tensor | None) -> None:
+        for buffer in buffers:
+            if buffer is not None:
+                self.replica.release(buffer)
 
     def _ended(self, peer: PeerId, initiated: bool, result: Result, started: float) -> None:
         log.debug("averaging %s peer=%s result=%s", "round" if initiated else "answered",

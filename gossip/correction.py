@@ -94,7 +94,7 @@ from collections.abc import Mapping
 
 import torch
 
-from .tensors import StateSchema
+from .tensors import StateSchema, all_finite
 
 __all__ = ["Correction", "CORRECTION_RATE", "DEFAULT_LEAK", "FULL_SPACING", "GRADIENT_AVERAGE",
            "check_state", "corrected"]
@@ -156,18 +156,27 @@ class Correction:
         self._c = [torch.zeros(p.shape, dtype=torch.float32, device=p.device)
                    for p, _ in self._slots]
         self._average = [torch.zeros_like(c) for c in self._c]  # ĝ
-        self.measured = False  # whether ĝ holds a gradient yet: only then is z an estimate
         self.scale = 0.0  # the largest gradient norm of the first SCALE_STEPS steps
-        self._scaled = 0  # steps measured for it
+        self._scaled = 0  # steps taken since the start (or a reset), up to SCALE_STEPS
         self._since = 0  # steps since c was last updated by an exchange
         self._spacing = 1.0  # the steps between its updates, on average (recent ones weigh most)
-        self._host = torch.zeros(schema.numel, dtype=torch.float32)  # ĝ copied off the device
+        self._uncovered = _gaps([where for _, where in self._slots], schema.numel)
+
+    @property
+    def measured(self) -> bool:
+        """Whether ``ĝ`` holds a gradient yet: only then is ``z`` an estimate."""
+        return self._scaled > 0
 
     # ---- the trainer's side ---------------------------------------------------------------
 
-    def before_step(self) -> None:
+    def before_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Fold every parameter's raw gradient into ``ĝ``, then add ``c`` to it (called by
-        the optimizer's step pre-hook)."""
+        the optimizer's step pre-hook).
+
+        A fused optimizer stepped by a mixed-precision ``GradScaler`` gets its gradients
+        still scaled, with the scale as ``optimizer.grad_scale`` (it unscales inside its
+        kernel): ``ĝ`` takes them unscaled, and ``c`` is added scaled to match.
+        """
         grads, averages, cs = [], [], []
         for (param, _), average, c in zip(self._slots, self._average, self._c):
             grad = param.grad
@@ -178,16 +187,19 @@ class Correction:
             cs.append(c)
         if not grads:
             return
-        torch._foreach_mul_(averages, 1.0 - GRADIENT_AVERAGE)
-        torch._foreach_add_(averages, grads, alpha=GRADIENT_AVERAGE)
+        loss_scale = getattr(optimizer, "grad_scale", None)
+        raw = grads if loss_scale is None else torch._foreach_div(grads, loss_scale)
         if self._scaled < SCALE_STEPS:  # a few reductions at the start, then no more syncs
-            self._scaled += 1
-            norm = math.sqrt(sum(float(n) ** 2 for n in torch._foreach_norm(grads)))
+            norm = math.sqrt(sum(float(n) ** 2 for n in torch._foreach_norm(raw)))
             if math.isfinite(norm):
                 self.scale = max(self.scale, norm)
+        self._scaled = min(self._scaled + 1, SCALE_STEPS)
+        torch._foreach_mul_(averages, 1.0 - GRADIENT_AVERAGE)
+        torch._foreach_add_(averages, raw, alpha=GRADIENT_AVERAGE)
         self._since += 1
+        if loss_scale is not None:
+            cs = torch._foreach_mul(cs, loss_scale)
         torch._foreach_add_(grads, cs, alpha=self.strength())
-        self.measured = True
 
     def strength(self) -> float:
         """The fraction of ``c`` a step adds: 1 while the node updates ``c`` at least every
@@ -196,35 +208,51 @@ class Correction:
         return min(1.0, FULL_SPACING / max(self._spacing, self._since))
 
     def apply(self, delta: torch.Tensor, scale: float, decay: float) -> None:
-        """``c ← decay·c + scale·delta`` (``delta`` a flat host vector of the schema)."""
+        """``c ← decay·c + scale·delta`` (``delta`` a flat host vector of the schema; copied
+        to the device before this returns, so its buffer may be reused at once)."""
         if scale:
             self._spacing += 0.2 * (self._since - self._spacing)
             self._since = 0
         with torch.no_grad():
             for (_, where), c in zip(self._slots, self._c):
-                c.mul_(decay)
+                if decay != 1.0:
+                    c.mul_(decay)
                 if scale:
-                    c.add_(delta[where].view(c.shape).to(c.device, non_blocking=True),
-                           alpha=scale)
+                    c.add_(delta[where].view(c.shape).to(c.device), alpha=scale)
 
     # ---- the network's side ---------------------------------------------------------------
 
     def estimate_into(self, out: torch.Tensor, decay: float = 1.0) -> None:
-        """Write ``z = ĝ + decay·c`` into the flat host vector ``out``."""
-        out.zero_()
+        """Write ``z = ĝ + decay·c`` into the flat host vector ``out`` (0 where no parameter
+        is corrected).
+
+        A gradient that was not finite (a loss that blew up, a mixed-precision step that
+        overflowed) would leave ``ĝ`` so for good, and with it every exchange: it is
+        forgotten instead, and ``z`` is ``c`` alone until the next step measures again.
+        """
+        self.clear_uncovered(out)
         for (_, where), c, average in zip(self._slots, self._c, self._average):
-            out[where].copy_(c.view(-1))
-            self._host[where].copy_(average.view(-1))
-        if decay != 1.0:
-            out.mul_(decay)
-        out.add_(self._host)
+            part = out[where]
+            part.copy_(average.view(-1))
+            part.add_(c.view(-1).to(part.device), alpha=decay)
+        if not all_finite(out):
+            for average in self._average:
+                average.zero_()
+            self._scaled = 0
+            for (_, where), c in zip(self._slots, self._c):
+                out[where].copy_(c.view(-1)).mul_(decay)
+
+    def clear_uncovered(self, estimate: torch.Tensor) -> None:
+        """Zero what a flat estimate holds outside the corrected parameters (a peer's
+        estimate may hold anything there; ours holds zeros)."""
+        for start, stop in self._uncovered:
+            estimate[start:stop].zero_()
 
     def reset(self) -> None:
         """Forget everything: a node that just took another model's state (a download)."""
         for c, average in zip(self._c, self._average):
             c.zero_()
             average.zero_()
-        self.measured = False
         self.scale, self._scaled = 0.0, 0
 
     # ---- checkpoints ----------------------------------------------------------------------
@@ -244,6 +272,14 @@ class Correction:
             for name, c in zip(self._names, self._c):
                 c.copy_(state[name])
 
-    def norm(self) -> float:
-        """``‖c‖`` (for statistics and tests)."""
-        return float(sum(float(c.double().pow(2).sum()) for c in self._c) ** 0.5)
+
+def _gaps(covered: list[slice], total: int) -> list[tuple[int, int]]:
+    """The ranges of ``[0, total)`` that no slice of ``covered`` holds."""
+    gaps, at = [], 0
+    for where in sorted(covered, key=lambda w: w.start):
+        if where.start > at:
+            gaps.append((at, where.start))
+        at = max(at, where.stop)
+    if at < total:
+        gaps.append((at, total))
+    return gaps

@@ -223,11 +223,6 @@ class Membership(Probing):
         """Every member we know of, ourselves excluded, in any state."""
         return [r.view() for r in self._members.values()]
 
-    @property
-    def announced_step(self) -> int:
-        """The step the swarm last heard from us."""
-        return self._announcement.step
-
     def alive_count(self) -> int:
         """N: members believed up, ourselves included."""
         return 1 + len(self._up)

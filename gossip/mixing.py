@@ -65,7 +65,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .correction import CORRECTION_RATE
 from .standing import Standing
 from .tensors import REDUCE_CHUNK, sum_of_squares
 
@@ -256,13 +255,15 @@ def judge(
     clip: float,
     max_norm_ratio: float,
     standing: Standing = Standing.CHOSEN,
+    correction: float = 0.0,
     gradient_scale: float = 0.0,
 ) -> Verdict:
     """:func:`make_delta` for each part of a payload: the state, then (``parts`` 2) the
     correction's estimate, each against its own history, so that neither bound is driven by
-    the other's scale. The estimate's fraction is ``coefficient`` times
-    :data:`~gossip.correction.CORRECTION_RATE`. A ``CHOSEN`` exchange's distances enter the
-    histories only if every part passes.
+    the other's scale. The estimate's fraction is ``correction``, the same on both sides
+    whatever the mixing mode, so that the pair's corrections keep their sum
+    (:mod:`gossip.correction`). A ``CHOSEN`` exchange's distances enter the histories only if
+    every part passes.
 
     The estimate's norm check needs a floor: a node whose own data it has learned has a
     gradient near zero, and the swarm's, which its correction must take on, may be a hundred
@@ -272,17 +273,17 @@ def judge(
     n = received.numel() // parts
     state = make_delta(received[:n], own[:n], coefficient, histories[0], clip=clip,
                        max_norm_ratio=max_norm_ratio, standing=standing, record=False)
-    correction = None
+    estimate = None
     if parts == 2 and state.refused is None:
         floor = max(gradient_scale, histories[1].median() or 0.0)
-        correction = make_delta(received[n:], own[n:2 * n], coefficient * CORRECTION_RATE,
-                                histories[1], clip=clip, max_norm_ratio=max_norm_ratio,
-                                standing=standing, record=False, floor=floor)
-    verdict = Verdict(state, correction)
+        estimate = make_delta(received[n:], own[n:2 * n], correction, histories[1],
+                              clip=clip, max_norm_ratio=max_norm_ratio, standing=standing,
+                              record=False, floor=floor)
+    verdict = Verdict(state, estimate)
     if standing is Standing.CHOSEN and verdict.refused is None:
         histories[0].record(state)
-        if correction is not None:
-            histories[1].record(correction)
+        if estimate is not None:
+            histories[1].record(estimate)
     return verdict
 
 

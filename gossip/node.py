@@ -89,9 +89,9 @@ class SwarmNode:
 
     @property
     def global_step(self) -> int:
-        """This node's step, raised to its peers' up to the median step the members announce
-        (:func:`~gossip.standing.step_ceiling`): use it for learning-rate schedules, so that
-        the swarm's schedules line up."""
+        """The step the swarm agrees on: this node's optimizer steps, moved towards its
+        peers' at each exchange and never back (:func:`~gossip.standing.step_move`). Use it
+        for learning-rate schedules, so that the swarm's schedules line up."""
         return self.replica.counters().step
 
     def step(self, samples: int = 0) -> int:

@@ -36,14 +36,15 @@ starts a round every so many of them (:meth:`Replica.watch`).
 
 Threads: any thread may call any method; each takes :attr:`lock` for as long as it touches the
 model or the buffers. A trainer that wants snapshots that never straddle an optimizer step
-holds :attr:`lock` around ``optimizer.step()`` too.
+holds :attr:`lock` around ``optimizer.step()`` too: the lock is re-entrant, since the drift
+correction's optimizer hook takes it inside that step.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -61,11 +62,19 @@ OFFLOAD_NUMEL = 1 << 18  # models this large (1 MiB of float32) copy and mix in 
 
 @dataclass(frozen=True)
 class Counters:
-    """A replica's counters, read together."""
+    """A replica's counters, read together. ``debt`` and ``local`` are this process's (not
+    checkpointed): the steps still to take without counting, and the optimizer steps taken."""
 
     step: int
     samples: int
     weight: float
+    debt: int = field(default=0, compare=False)
+    local: int = field(default=0, compare=False)
+
+    @property
+    def heading(self) -> int:
+        """Where the step is headed: ``step`` less the debt still to pay."""
+        return self.step - self.debt
 
 
 class Replica:
@@ -85,7 +94,7 @@ class Replica:
                  leak: float = DEFAULT_LEAK) -> None:
         self.model = model
         self.schema = StateSchema.from_module(model)
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # re-entrant: the optimizer hook runs under a held lock
         self.by_samples = by_samples
         self.leak = leak
         self._step = 0
@@ -114,6 +123,12 @@ class Replica:
         with self.lock:
             return self.correction is not None and self.correction.measured
 
+    def clear_uncovered(self, estimate: torch.Tensor) -> None:
+        """Zero a received estimate outside the corrected parameters (no lock: the ranges
+        never change)."""
+        if self.correction is not None:
+            self.correction.clear_uncovered(estimate)
+
     @property
     def gradient_scale(self) -> float:
         """The correction's :attr:`~gossip.correction.Correction.scale` (0 without one)."""
@@ -136,7 +151,7 @@ class Replica:
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         with self.lock:
             if self.correction is not None:
-                self.correction.before_step()
+                self.correction.before_step(optimizer)
 
     def advance(self, steps: int = 1, samples: int = 0) -> None:
         """Count ``steps`` optimizer steps over ``samples`` training samples."""
@@ -202,7 +217,7 @@ class Replica:
 
     def counters(self) -> Counters:
         with self.lock:
-            return Counters(self._step, self._samples, self._weight)
+            return Counters(self._step, self._samples, self._weight, self._debt, self._local)
 
     def correction_state(self) -> dict[str, torch.Tensor] | None:
         """The correction, by parameter name on the CPU, for a checkpoint (None: none kept).
@@ -259,7 +274,7 @@ class Replica:
                 self.correction.estimate_into(estimate, self._decay if pending else 1.0)
                 if pending and self._scales[1]:
                     estimate.add_(self._pending[n:], alpha=self._scales[1])
-            return Counters(self._step, self._samples, self._weight)
+            return Counters(self._step, self._samples, self._weight, self._debt, self._local)
 
     def queue(self, delta: torch.Tensor, *, scale: float = 1.0, correction: float = 0.0,
               step_move: int = 0, weight: float | None, sent_weight: float) -> None:
@@ -285,15 +300,19 @@ class Replica:
             if weight is not None:
                 self._weight = min(self._weight + weight - sent_weight, MAX_WEIGHT)
             self._pending_count += 1
-            self._decay *= decay
             if self._pending is None:
                 self._pending, self._scales, self._decay = delta, [scale, correction], decay
                 return
+            self._decay *= decay
             # pending = s1·p + s2·d = s1·(p + (s2/s1)·d): one pass, s1 stays. The
-            # correction's pending part leaks with the correction (its scale shrinks).
+            # correction's pending part leaks with the correction (its scale shrinks, and is
+            # folded in before 1/s could overflow when the trainer applies nothing for long).
             self._pending[:n].add_(delta[:n], alpha=scale / self._scales[0])
             if self.correction is not None:
                 self._scales[1] *= decay
+                if 0 < self._scales[1] < 1e-6:
+                    self._pending[n:].mul_(self._scales[1])
+                    self._scales[1] = 1.0
                 if correction and self._scales[1]:
                     self._pending[n:].add_(delta[n:], alpha=correction / self._scales[1])
                 elif correction:

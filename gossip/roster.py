@@ -145,11 +145,6 @@ class Roster:
     def address(self) -> str:
         return self._m.myself().address
 
-    @property
-    def announced_step(self) -> int:
-        """The step the swarm last heard from us (see :meth:`set_meta`)."""
-        return self._m.announced_step
-
     def members(self) -> list[Member]:
         """Every member known, in any state, ourselves excluded."""
         return self._m.members()

@@ -54,8 +54,8 @@ from .address import parse_address
 from .member import Member
 from .messages import MAX_COUNT as MAX_STEP
 
-__all__ = ["Standing", "standing", "Records", "pick", "step_ceiling", "StepOffsets",
-           "swarm_step", "step_move", "NewcomerBudget",
+__all__ = ["Standing", "standing", "Records", "pick", "step_ceiling", "PeerSteps",
+           "step_move", "NewcomerBudget",
            "NEWCOMER_BURST", "MAX_HOSTS", "MAX_RECORDS"]
 
 NEWCOMER_BURST = 2  # newcomer exchanges one host may have saved up
@@ -144,48 +144,42 @@ def step_ceiling(members: Iterable[Member]) -> int:
     return _lower_median([_lower_median([m.step for m in group]) for group in by_host(members)])
 
 
-class StepOffsets:
-    """How far ahead of ours (or behind) the peers we picked for our last ``window`` rounds
-    were, in steps: the median of these is our estimate of where the swarm's step is.
+class PeerSteps:
+    """Where the swarm's step is, from the peers we picked for our last ``window`` rounds:
+    each one's step, aged by the optimizer steps we have taken since we saw it, and the
+    median of those.
 
     Only exchanges we initiated count, to a peer we picked at random, so an attacker's share
     of the window is its share of the member table's hosts, and the median stays among the
-    honest offsets while that share is under half. Fresher than the members' announcements
-    (:func:`step_ceiling`), which may be ``meta_interval`` old: nodes that step at different
-    speeds would disagree by that much.
+    honest values while that share is under half. Aged by our own optimizer steps, not by our
+    step, which exchanges move: an estimate that moved with our step would let a peer that
+    offers again and again ratchet it (and us) upwards. Fresher than the members'
+    announcements (:func:`step_ceiling`), which may be ``meta_interval`` old.
     """
 
     def __init__(self, window: int = 32, least: int = 4) -> None:
-        self._offsets: deque[int] = deque(maxlen=window)
+        self._seen: deque[tuple[int, int]] = deque(maxlen=window)  # (peer's step, our local)
         self._least = least
 
-    def add(self, own: int, peer: int) -> None:
-        """A committed round of ours: our step and the peer's, at the two snapshots."""
-        self._offsets.append(peer - own)
+    def add(self, peer: int, local: int) -> None:
+        """A committed round of ours: the peer's step, and our optimizer steps then."""
+        self._seen.append((peer, local))
 
-    def swarm(self, own: int) -> int | None:
-        """Our step moved by the median offset, once ``least`` rounds are known; else None."""
-        if len(self._offsets) < self._least:
+    def swarm(self, local: int) -> int | None:
+        """The swarm's step now, given our optimizer steps now; None until ``least`` rounds
+        are known."""
+        if len(self._seen) < self._least:
             return None
-        return min(max(own + _lower_median(list(self._offsets)), 0), MAX_STEP)
-
-
-def swarm_step(members: Iterable[Member], own: int, announced: int) -> int | None:
-    """Our estimate of the swarm's step now from the members' announcements, for a node that
-    has not yet made enough rounds for :class:`StepOffsets`: their median
-    (:func:`step_ceiling`) aged by how far our own step has moved since we last announced it
-    (the others' announcements are about as old as ours); None if there are no members.
-    """
-    members = list(members)
-    if not members:
-        return None
-    return min(step_ceiling(members) + max(0, own - announced), MAX_STEP)
+        aged = [peer + local - then for peer, then in self._seen]
+        return min(max(_lower_median(aged), 0), MAX_STEP)
 
 
 def step_move(own: int, peer: int, swarm: int | None) -> int:
     """How far one committed exchange moves our step: half way to the peer's, where the
     peer's counts only as far as it lies between our step and the swarm's (``swarm``, from
-    :class:`StepOffsets` or :func:`swarm_step`; None: no move). Every honest pair therefore
+    :class:`PeerSteps` or :func:`step_ceiling`; None: no move). ``own`` is where our step
+    is headed (less the debt still to pay: :attr:`~gossip.replica.Counters.heading`), so that
+    repeated exchanges do not count one gap twice. Every honest pair therefore
     moves towards the other and towards the swarm's median, so nodes that train at different
     speeds agree on a step that advances at the pace of the swarm's median node; a liar
     moves nobody past the median, up or down. A negative move is a debt the replica pays

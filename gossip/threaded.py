@@ -92,15 +92,16 @@ class Averager:
 
     @property
     def global_step(self) -> int:
-        """The swarm's step: this node's, raised to its peers' up to the median step the
-        members announce (for learning-rate schedules)."""
+        """The step the swarm agrees on, for learning-rate schedules: this node's optimizer
+        steps, moved towards its peers' at each exchange (never back)."""
         assert self._node is not None
         return self._node.global_step
 
     @property
-    def lock(self) -> threading.Lock:
+    def lock(self) -> threading.RLock:
         """Held by the background side while it copies the model. Hold it around
-        ``optimizer.step()`` if snapshots must never straddle an optimizer step."""
+        ``optimizer.step()`` if snapshots must never straddle an optimizer step (it is
+        re-entrant: the drift correction's hook takes it inside the step)."""
         assert self._node is not None
         return self._node.replica.lock
 

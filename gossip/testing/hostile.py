@@ -273,6 +273,7 @@ class HostilePeer(Outsider):
         self.honest = (new_flat(self.schema).fill_(1.0) if isinstance(model, StateSchema)
                        else snapshot(model, self.schema))
         self._offer_message = Offer(self.schema.fingerprint, codec, step, 0, weight, correction)
+        self.seen: dict[str, torch.Tensor] = {}  # by address: the state it sent us last
 
     def renew(self) -> None:
         """Take a fresh identity: no strikes, no quarantine, no standing with anyone."""
@@ -291,12 +292,16 @@ class HostilePeer(Outsider):
         return await self._exchange(address, f"{factor:g} x norm", self.honest * factor)
 
     async def send_noise(self, address: str, ratio: float = 30.0) -> Outcome:
-        """Random noise ``ratio`` times as long as the honest state (a fresh draw from
+        """Random noise ``ratio`` times as long as the target's state (a fresh draw from
         ``rng`` each time): finite and within a 100 x norm check, the poison that only a
-        bound on each step, and on the steps' influence, can stop."""
+        bound on each step, and on the steps' influence, can stop. The target's norm is the
+        one of the state it sent us in our last exchange with it (the honest state's before
+        the first), so the noise grows with whatever it did to the target: the attack that
+        a bound measured against the target's own norm cannot stop."""
+        reference = self.seen.get(address, self.honest)
         noise = torch.randn(self.honest.numel(), generator=torch.Generator().manual_seed(
             self.rng.getrandbits(63)))
-        noise *= ratio * float(torch.linalg.vector_norm(self.honest)) / float(
+        noise *= ratio * float(torch.linalg.vector_norm(reference)) / float(
             torch.linalg.vector_norm(noise))
         return await self._exchange(address, f"noise at {ratio:g} x norm", noise)
 
@@ -425,7 +430,9 @@ class HostilePeer(Outsider):
                     with first_error():
                         async with trio.open_nursery() as nursery:
                             nursery.start_soon(send_state, channel, flat, self.schema, self.codec)
-                            await receive_state(channel, self.schema, self.codec, parts=parts)
+                            _, theirs = await receive_state(channel, self.schema, self.codec,
+                                                            parts=parts)
+                    self.seen[address] = theirs[:self.schema.numel]
                     answer = await channel.receive_message()
                     if isinstance(answer, Commit):
                         await channel.send_message(Commit())  # an attacker wants it applied

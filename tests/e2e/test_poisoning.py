@@ -5,8 +5,10 @@ Two swarms of two ``gossipd`` daemons each train the digits task side by side on
 swarm is attacked, the other is the unattacked run it is compared with. Once every node has
 learned (an evaluation above 90%), a :class:`~gossip.testing.hostile.HostilePeer` offers
 exchanges to the attacked pair as fast as it is answered, each offer under a new identity, its
-payload noise 30 times the model's norm (inside the 100x norm check, so never refused), for
-:data:`SECONDS` (the issue's two minutes with ``POISONING_SECONDS=120``).
+payload noise 30 times the norm of the state that target sent it last (inside the 100x norm
+check, so never refused; and growing with whatever it did to the target, as in the attack that
+took a node's norm from 30 to 587,225), for :data:`SECONDS` (the issue's two minutes with
+``POISONING_SECONDS=120``).
 
 The claims: the attacked nodes took the poison (they committed exchanges with the attacker),
 and it moved nothing: each attacked node's accuracy (the mean of its last five evaluations)

@@ -6,7 +6,8 @@ shard of one or two classes, the learning rate decayed to zero over the run) for
 :data:`STEP_TIME` virtual seconds. One attacker, on a host of its own, offers exchanges as
 fast as it is answered: each offer under a new identity (no strikes, no quarantine, no
 standing), to an honest node picked at random, its payload noise :data:`RATIO` times the
-model's norm (within the 100x norm check, so never refused). The same swarm, from the same
+norm of the state that node sent it last (within the 100x norm check, so never refused, and
+growing with whatever it did to the node). The same swarm, from the same
 seeds, also runs without the attacker, in the same test.
 
 The claims (issue: fresh identities must not poison a model): every honest node's accuracy

@@ -432,6 +432,13 @@ async def test_a_liars_step_moves_nobody_past_the_median_the_members_announce() 
             while {b.peer_id, c.peer_id} - set(peers):
                 assert await a.average_now() is Result.COMMITTED
         assert 20 <= a.global_step < 40 and b.global_step == MAX_COUNT
+        # The liar offering again and again (A answers, and takes its state: B is a member)
+        # moves A only towards the median, never past it, however often it comes.
+        answered = a.statistics().committed
+        with trio.fail_after(DEADLINE):
+            while a.statistics().committed < answered + 10:
+                await b.average_now()  # B picks A or C: until A has answered ten
+        assert a.global_step <= 40
         joiner = await stack.enter_async_context(open_swarm(
             mlp(25), SWARM, listen="127.0.0.1:0", network=TcpNetwork(), bootstrap=[a.address],
             config=dataclasses.replace(config, start="download"), membership=MEMBERSHIP,

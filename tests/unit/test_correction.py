@@ -140,13 +140,60 @@ def test_a_node_that_learned_its_own_data_still_takes_the_swarms_estimate() -> N
     own = torch.cat([torch.zeros(n), torch.full((n,), 1e-4)])
     theirs = torch.cat([torch.zeros(n), torch.full((n,), 0.5)])
 
-    def verdict(scale: float):
-        return judge(theirs.clone(), own, 2, 0.5, (DeltaHistory(), DeltaHistory()), clip=5.0,
-                     max_norm_ratio=100.0, gradient_scale=scale)
+    def verdict(received: torch.Tensor, scale: float):
+        return judge(received.clone(), own, 2, 0.5, (DeltaHistory(), DeltaHistory()), clip=5.0,
+                     max_norm_ratio=100.0, correction=0.25, gradient_scale=scale)
 
-    assert "correction" in verdict(0.0).refused
-    assert verdict(2.0).refused is None  # our gradients' scale as we started
-    assert verdict(2.0).correction.scale == pytest.approx(0.25)  # κ x ½
+    assert "correction" in verdict(theirs, 0.0).refused
+    assert verdict(theirs, 2.0).refused is None  # our gradients' scale as we started
+    assert verdict(theirs, 2.0).correction.scale == 0.25
     huge = torch.cat([torch.zeros(n), torch.full((n,), 1e6)])
-    assert "correction" in judge(huge, own, 2, 0.5, (DeltaHistory(), DeltaHistory()), clip=5.0,
-                                 max_norm_ratio=100.0, gradient_scale=2.0).refused
+    assert "correction" in verdict(huge, 2.0).refused
+
+
+def test_a_gradient_that_is_not_finite_is_forgotten_not_sent() -> None:
+    model = Pair()
+    replica, optimizer = replica_with(model)
+    step_with_grad(model, optimizer, [1.0, 2.0, 3.0])
+    step_with_grad(model, optimizer, [math.nan, 0.0, 0.0])  # a step that blew up
+    out = torch.zeros(2 * replica.schema.numel)
+    replica.snapshot(out)
+    estimate = out[replica.schema.numel:]  # (the state itself took the NaN step: our test's)
+    assert bool(estimate.isfinite().all())  # z is c alone (zero here), never a NaN
+    assert not replica.estimating  # until the next step measures again
+    step_with_grad(model, optimizer, [1.0, 1.0, 1.0])
+    replica.snapshot(out)
+    assert replica.estimating and bool(estimate.isfinite().all())
+
+
+def test_a_fused_optimizers_scaled_gradients_are_unscaled_for_the_average() -> None:
+    # Under a GradScaler a fused optimizer steps on scaled gradients and unscales inside:
+    # the hook sees optimizer.grad_scale, averages the unscaled gradient and scales c.
+    model = Pair()
+    optimizer = torch.optim.SGD([model.a], lr=0.1, fused=True)
+    replica = Replica(model, optimizer=optimizer)
+    replica.leak = 0.0
+    c = torch.zeros(replica.schema.numel)
+    c[replica.schema.places()["a"]] = 1.0
+    set_correction(replica, c)
+    optimizer.grad_scale = torch.tensor(1024.0)  # as torch.amp.GradScaler.step sets it
+    seen = step_with_grad(model, optimizer, [1024.0, 0.0, 0.0])
+    del optimizer.grad_scale
+    assert torch.allclose(seen, torch.tensor([2048.0, 1024.0, 1024.0]))  # g + 1024 c
+    assert replica.gradient_scale == pytest.approx(1.0)  # the unscaled norm
+    out = torch.zeros(2 * replica.schema.numel)
+    replica.snapshot(out)
+    a = out[replica.schema.numel:][replica.schema.places()["a"]]
+    assert torch.allclose(a, torch.tensor([GRADIENT_AVERAGE, 0.0, 0.0]) + 1.0)
+
+
+def test_the_step_may_run_under_the_replicas_lock_as_the_docs_suggest() -> None:
+    # A trainer that wants no snapshot to straddle a step holds the lock around it; the
+    # correction's hook takes the same lock inside the step (a hang here, before it was
+    # re-entrant).
+    model = Pair()
+    replica, optimizer = replica_with(model)
+    model.a.grad = torch.ones(3)
+    with replica.lock:
+        optimizer.step()
+    assert replica.estimating

@@ -33,7 +33,7 @@ from gossip.member import Member, State
 from gossip.messages import MAX_COUNT, MAX_WEIGHT, Alive, Offer, StateInfo
 from gossip.replica import Counters, Replica
 from gossip.simnet import SimNetwork
-from gossip.standing import step_ceiling, step_move, swarm_step
+from gossip.standing import step_ceiling, step_move
 from gossip.wire import decode, encode
 
 counts = st.one_of(st.integers(0, MAX_COUNT), st.sampled_from([0, 10**12, MAX_COUNT - 1, MAX_COUNT]))
@@ -102,7 +102,7 @@ def test_any_counter_the_decoder_accepts_flows_through_merge_checkpoint_metrics_
     mine = replica.counters()
     delta = torch.zeros(SCHEMA.numel)
     merged = (mine.weight + offer.weight) / 2 if by_samples else None
-    move = step_move(mine.step, offer.step, swarm_step(members, mine.step, mine.step))
+    move = step_move(mine.heading, offer.step, ceiling)
     replica.queue(delta, scale=0.5, step_move=move, weight=merged,
                   sent_weight=mine.weight if by_samples else 0.0)
     replica.load(tensors.snapshot(m, SCHEMA), step=min(info.step, ceiling), buffers={})

@@ -14,7 +14,8 @@ from gossip.identity import PeerId
 from gossip.member import Member, State
 from gossip.messages import MAX_COUNT
 from gossip.standing import (
-    NEWCOMER_BURST, NewcomerBudget, Records, Standing, pick, standing, step_ceiling,
+    NEWCOMER_BURST, NewcomerBudget, PeerSteps, Records, Standing, pick, standing, step_ceiling,
+    step_move,
 )
 
 def member(i: int, host: str, step: int = 0) -> Member:
@@ -126,3 +127,26 @@ def test_records_are_bounded_and_forget_the_oldest() -> None:
     for peer in ("a", "b", "a", "c"):  # "a" again: the newest, so "b" goes first
         records.add(peer)
     assert "a" in records and "c" in records and "b" not in records
+
+
+# --- the step -------------------------------------------------------------------------------
+
+def test_a_gap_is_closed_half_way_at_a_time_and_never_counted_twice() -> None:
+    # Ahead of the swarm by 8: each exchange takes half of what is left of the gap from the
+    # steps to come (a debt), so the step heads to the swarm's and never past it.
+    step, debt = 108, 0
+    for want in (104, 102, 101, 101):
+        debt -= step_move(step - debt, 100, 100)
+        assert step - debt == want
+    assert step_move(100, 0, 100) == 0  # at the swarm's step a liar's 0 moves nothing
+    assert step_move(90, 10**9, 100) == 5  # from below: half way to the median, no further
+
+
+def test_the_swarms_step_ages_by_our_own_training_not_by_our_step() -> None:
+    seen = PeerSteps(window=8, least=4)
+    for peer, local in [(100, 0), (110, 10), (1000, 10), (105, 5)]:
+        seen.add(peer, local)
+    # Peers' steps aged to our 20 local steps: 120, 120, 1010, 120: a liar's is outvoted.
+    assert seen.swarm(20) == 120
+    assert seen.swarm(20) == seen.swarm(20)  # asking moves nothing: only training ages it
+    assert PeerSteps(least=4).swarm(0) is None  # too few rounds: the caller falls back
