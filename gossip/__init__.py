@@ -1,50 +1,79 @@
 """gossip: decentralized averaging of PyTorch models over an authenticated peer-to-peer swarm.
 
 This module is the whole public API; everything else is an implementation detail.
+
+Each name is imported on first use (PEP 562 ``__getattr__``). Most of the API needs torch,
+whose import takes seconds, and every ``import gossip.<module>`` runs this file first: eager
+imports here would make ``gossip.address`` or ``gossip.identity`` cost as much as all of it,
+and ``gossipd status`` wait seconds for a reply that takes milliseconds. The
+``TYPE_CHECKING`` block names the same API for type checkers and readers;
+``tests/unit/test_imports.py`` checks that it and :data:`_API` agree.
 """
 
-from .averaging import AveragingConfig as AveragingConfig
-from .averaging import AveragingStatistics as AveragingStatistics
-from .averaging import Exchange as Exchange
-from .averaging import Result as Result
-from .channel import MAX_RECORD as MAX_RECORD
-from .channel import ChannelStatistics as ChannelStatistics
-from .channel import SecureChannel as SecureChannel
-from .channel import Timeouts as Timeouts
-from .channel import connect as connect
-from .channel import serve as serve
-from .download import Download as Download
-from .errors import AveragingFailed as AveragingFailed
-from .errors import ChannelClosed as ChannelClosed
-from .errors import GossipError as GossipError
-from .errors import HandshakeError as HandshakeError
-from .errors import IdentityError as IdentityError
-from .errors import LocalProtocolError as LocalProtocolError
-from .errors import PeerGone as PeerGone
-from .errors import PeerTimeout as PeerTimeout
-from .errors import RemoteProtocolError as RemoteProtocolError
-from .errors import SchemaMismatch as SchemaMismatch
-from .errors import WireError as WireError
-from .handshake import PROTOCOL_VERSION as PROTOCOL_VERSION
-from .handshake import Swarm as Swarm
-from .identity import Identity as Identity
-from .identity import PeerId as PeerId
-from .limits import Limits as Limits
-from .member import Member as Member
-from .member import MembershipConfig as MembershipConfig
-from .member import State as State
-from .network import Network as Network
-from .node import SwarmNode as SwarmNode
-from .node import open_swarm as open_swarm
-from .network import TcpNetwork as TcpNetwork
-from .replica import Counters as Counters
-from .roster import Roster as Roster
-from .roster import RosterStatistics as RosterStatistics
-from .roster import open_roster as open_roster
-from .simnet import SimNetwork as SimNetwork
-from .tensors import StateSchema as StateSchema
-from .threaded import Averager as Averager
-from .transfer import receive_state as receive_state
-from .transfer import send_state as send_state
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+# The public API: module -> the names it gives. Keep the TYPE_CHECKING block in step.
+_API: dict[str, tuple[str, ...]] = {
+    "averaging": ("AveragingConfig", "AveragingStatistics", "Exchange", "Result"),
+    "channel": ("MAX_RECORD", "ChannelStatistics", "SecureChannel", "Timeouts", "connect",
+                "serve"),
+    "download": ("Download",),
+    "errors": ("AveragingFailed", "ChannelClosed", "GossipError", "HandshakeClosed",
+               "HandshakeError", "IdentityClash", "IdentityError", "LocalProtocolError",
+               "PeerGone", "PeerTimeout", "RemoteProtocolError", "SchemaMismatch",
+               "WireError"),
+    "handshake": ("PROTOCOL_VERSION", "Swarm"),
+    "identity": ("Identity", "PeerId"),
+    "limits": ("Limits",),
+    "member": ("Member", "MembershipConfig", "State"),
+    "network": ("Network", "TcpNetwork"),
+    "node": ("SwarmNode", "open_swarm"),
+    "replica": ("Counters",),
+    "roster": ("Roster", "RosterStatistics", "open_roster"),
+    "simnet": ("SimNetwork",),
+    "tensors": ("StateSchema",),
+    "threaded": ("Averager",),
+    "transfer": ("receive_state", "send_state"),
+}
+_HOME = {name: module for module, names in _API.items() for name in names}
+__all__ = sorted(_HOME)
+
+
+def __getattr__(name: str) -> Any:
+    module = _HOME.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # asked once: the next lookup finds it here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_HOME})
+
+
+if TYPE_CHECKING:
+    from .averaging import AveragingConfig, AveragingStatistics, Exchange, Result
+    from .channel import (MAX_RECORD, ChannelStatistics, SecureChannel, Timeouts, connect,
+                          serve)
+    from .download import Download
+    from .errors import (AveragingFailed, ChannelClosed, GossipError, HandshakeClosed,
+                         HandshakeError, IdentityClash, IdentityError, LocalProtocolError,
+                         PeerGone, PeerTimeout, RemoteProtocolError, SchemaMismatch, WireError)
+    from .handshake import PROTOCOL_VERSION, Swarm
+    from .identity import Identity, PeerId
+    from .limits import Limits
+    from .member import Member, MembershipConfig, State
+    from .network import Network, TcpNetwork
+    from .node import SwarmNode, open_swarm
+    from .replica import Counters
+    from .roster import Roster, RosterStatistics, open_roster
+    from .simnet import SimNetwork
+    from .tensors import StateSchema
+    from .threaded import Averager
+    from .transfer import receive_state, send_state

@@ -67,13 +67,14 @@ from . import exchange
 from .channel import SecureChannel, Timeouts, connect
 from .correction import CORRECTION_RATE, DEFAULT_LEAK
 from .download import CODEC as DOWNLOAD_CODEC
-from .download import Download, download, serve_download
+from .download import Download, Said, download, serve_download
 from .errors import GossipError, PeerGone, PeerTimeout
 from .exchange import CLOSE_TIMEOUT, Deadlines, Ending, Outcome
 from .handshake import Swarm
 from .identity import Identity, PeerId
 from .member import Member, State
 from .messages import Accept, Close, Offer, StateRequest
+from .mismatch import describe
 from .mixing import DeltaHistory, Quarantine, Verdict, coefficient, judge, merged_weight
 from .network import Network
 from .replica import Counters, Replica, offload
@@ -199,11 +200,17 @@ class Exchange:
     result: Result
     duration: float  # seconds, from before the snapshot to the end
     distance: float | None  # ||peer - own|| when committed, else None
+    step: int | None = None  # the peer's step as its Offer or Accept said; None: unheard
 
 
 @dataclass(frozen=True)
 class AveragingStatistics:
-    """A snapshot of a node's averaging since it started. Times are ``trio.current_time()``."""
+    """A snapshot of a node's averaging since it started.
+
+    ``seconds_since_exchange`` is the figure to show or alert on; ``last_exchange`` is a time
+    on trio's clock (``trio.current_time()``, which is not ``time.time()``), for code in the
+    node's own trio run that compares it with later snapshots.
+    """
 
     committed: int  # exchanges by result, as initiator or responder
     busy: int
@@ -217,7 +224,8 @@ class AveragingStatistics:
     quarantined: int  # peers in quarantine now
     bytes_sent: int  # on the wire, over every averaging channel
     bytes_received: int
-    last_exchange: float | None  # when the last commit happened
+    last_exchange: float | None  # trio.current_time() of the last commit; None: none yet
+    seconds_since_exchange: float | None  # seconds from the last commit to this snapshot
     mean_duration: float  # of committed exchanges, seconds, from offer to commit
     last_distance: float | None  # ||peer - own|| of the last committed exchange
     step: int  # the step this node schedules by: its own, moved towards the swarm's
@@ -276,20 +284,22 @@ class Averaging:
         self.ready = trio.Event()
         self._deadlines = config.deadlines()
         self._serving = [0]  # downloads being served
+        self._said = Said()  # download failures logged so far: each once out loud
         self._download_deadline = config.offer_timeout + config.transfer_deadline(
             replica.schema.encoded_size(DOWNLOAD_CODEC))
 
     # ---- public -----------------------------------------------------------------------
 
     def statistics(self) -> AveragingStatistics:
-        t, c = self._tally, self.replica.counters()
+        t, c, now = self._tally, self.replica.counters(), trio.current_time()
         committed = t.results[Result.COMMITTED]
         return AveragingStatistics(
             committed, t.results[Result.BUSY], t.results[Result.REJECTED],
             t.results[Result.INVALID], t.results[Result.FAILED], t.results[Result.NO_PEER],
             t.clipped, t.newcomers, t.newcomers_limited,
-            self._quarantine.count(trio.current_time()), t.bytes_sent,
-            t.bytes_received, t.last_exchange, t.durations / committed if committed else 0.0,
+            self._quarantine.count(now), t.bytes_sent, t.bytes_received, t.last_exchange,
+            None if t.last_exchange is None else now - t.last_exchange,
+            t.durations / committed if committed else 0.0,
             t.last_distance, c.step, c.samples, c.weight, self.replica.pending,
             t.downloads_served, self.ready.is_set(), t.corrected,
         )
@@ -392,6 +402,8 @@ class Averaging:
                 log.info("averaging offer refused peer=%s reason=%s", peer.short, refusal)
                 close = Close(Close.REJECTED, refusal)
             with trio.move_on_after(CLOSE_TIMEOUT):
+                if offer.fingerprint != self.replica.schema.fingerprint:  # say what ours is
+                    await channel.send_message(describe(self.replica.schema))
                 await channel.send_message(close)
             self._count(channel)
             return
@@ -419,7 +431,7 @@ class Averaging:
             self._busy = False
             self._release(own, theirs)
             self._count(channel)
-        self._ended(peer, False, result, started)
+        self._ended(peer, False, result, started, offer.step)
 
     async def serve_download(self, channel: SecureChannel, request: StateRequest,
                              task: Callable[[], Mapping[str, Any]]) -> None:
@@ -428,12 +440,14 @@ class Averaging:
                                 serving=self._serving, deadline=self._download_deadline):
             self._tally.downloads_served += 1
 
-    async def download(self, candidates: list[Member]) -> Download:
+    async def download(self, candidates: list[Member],
+                       task: Callable[[], Mapping[str, Any]] | None = None) -> Download:
         """Load the state of a candidate that answers (see
-        :func:`gossip.download.download`)."""
+        :func:`gossip.download.download`); ``task`` gives our task metadata, to compare with
+        a refusing peer's."""
         return await download(self.replica, candidates, self._network, self._identity,
                               self._swarm, self._timeouts, deadline=self._download_deadline,
-                              rng=self._rng)
+                              rng=self._rng, task=task, said=self._said)
 
     # ---- the exchange -----------------------------------------------------------------
 
@@ -457,6 +471,7 @@ class Averaging:
         phase = "connect"
         corrected = self.replica.estimating  # decided before the snapshot that holds it
         own = theirs = None
+        told: int | None = None  # the peer's step, once its Accept says it
         try:
             own, theirs = self.replica.buffer(), self.replica.buffer()
             mine = await offload(self.replica, self.replica.snapshot, own, 1 + corrected)
@@ -470,6 +485,7 @@ class Averaging:
                 outcome = await exchange.initiate(
                     channel, offer, own, theirs, self.replica.schema,
                     self._checker(own, mine, Standing.CHOSEN), self._deadlines)
+            told = None if outcome.peer is None else outcome.peer.step
             result = self._settle(peer, outcome, mine, Standing.CHOSEN, theirs, started,
                                   initiated=True)
             theirs = None  # handed over
@@ -482,7 +498,7 @@ class Averaging:
             self._release(own, theirs)
             if channel is not None:
                 self._count(channel)
-        self._ended(peer, True, result, started)
+        self._ended(peer, True, result, started, told)
         return result
 
     def _checker(self, own: torch.Tensor, mine: Counters, rank: Standing) -> exchange.Check:
@@ -554,13 +570,14 @@ class Averaging:
             if buffer is not None:
                 self.replica.release(buffer)
 
-    def _ended(self, peer: PeerId, initiated: bool, result: Result, started: float) -> None:
+    def _ended(self, peer: PeerId, initiated: bool, result: Result, started: float,
+               step: int | None) -> None:
         log.debug("averaging %s peer=%s result=%s", "round" if initiated else "answered",
                   peer.short, result.value)
         if self._on_exchange is not None:
             distance = self._tally.last_distance if result is Result.COMMITTED else None
             self._on_exchange(Exchange(peer, initiated, result, trio.current_time() - started,
-                                       distance))
+                                       distance, step))
 
     def _offerer(self, peer: str) -> Standing:
         """The standing of an offer from ``peer``: a member's, or a newcomer's."""

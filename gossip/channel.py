@@ -49,6 +49,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from .errors import (
     ChannelClosed,
     GossipError,
+    HandshakeClosed,
     HandshakeError,
     LocalProtocolError,
     PeerGone,
@@ -379,7 +380,8 @@ async def _read_handshake_message(reader: _Reader) -> bytes:
     header = bytearray(_HEADER)
     if await reader.read_into(memoryview(header)) < _HEADER:
         # A responder that does not hold our swarm key closes right after message 1.
-        raise PeerGone("connection closed during the handshake (as a peer with another swarm key does)")
+        raise HandshakeClosed(
+            "connection closed during the handshake (as a peer with another swarm key does)")
     try:
         size = frame_length(header, MAX_HANDSHAKE_MESSAGE)
     except WireError as exc:

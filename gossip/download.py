@@ -9,6 +9,7 @@ A joiner asks a ready peer for its whole state on a fresh secure channel::
                                        <---  StateInfo(step, samples, weight, meta)
                                              state payload (section 7, fp32: exact)
                                        <---  or Close(BUSY | REJECTED, reason)
+                                       <---  or SchemaInfo, Close(REJECTED, reason)
 
 It tries the alive, ready members in order of their announced step, highest first (ties in
 random order), and falls back to the next on any failure; members announcing more than the
@@ -25,13 +26,19 @@ and nothing in it is ever executed or unpickled.
 
 A node serves at most :data:`MAX_SERVING` downloads at once (each holds a snapshot, one copy
 of the model); more are answered ``Close(BUSY)``.
+
+A request of another schema (another model, or other task options) is answered with the
+server's own schema and task metadata (a bounded ``SchemaInfo``) before the ``Close``, and the
+joiner logs which tensors and metadata differ (:mod:`gossip.mismatch`). It goes on asking, as
+the swarm may change, but says each refusal out loud once per peer (:class:`Said`): a joiner
+retries every second, and the same warning every second would bury everything else.
 """
 
 from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -39,11 +46,12 @@ import cbor2
 import trio
 
 from .channel import SecureChannel, Timeouts, connect
-from .errors import AveragingFailed, GossipError, PeerTimeout, RemoteProtocolError
+from .errors import AveragingFailed, GossipError, PeerTimeout, RemoteProtocolError, SchemaRefused
 from .handshake import Swarm
 from .identity import Identity, PeerId
 from .member import Member
-from .messages import MAX_META, Close, StateInfo, StateRequest
+from .messages import MAX_META, Close, SchemaInfo, StateInfo, StateRequest
+from .mismatch import describe, explain
 from .network import Network
 from .replica import Replica, offload
 from .standing import step_ceiling
@@ -51,12 +59,34 @@ from .tensors import all_finite
 from .transfer import receive_state, send_state
 from .wire import MAX_DEPTH
 
-__all__ = ["Download", "encode_meta", "decode_meta", "serve_download", "download", "MAX_SERVING"]
+__all__ = ["Download", "Said", "encode_meta", "decode_meta", "serve_download", "download",
+           "MAX_SERVING"]
 
 log = logging.getLogger(__name__)
 
 MAX_SERVING = 2  # downloads a node serves at once
 CODEC = "fp32"  # a joiner starts from the exact state
+MAX_SAID = 1024  # things a Said remembers; past that it forgets them all (and says each again)
+
+
+class Said:
+    """What a node has already said out loud: each thing once, later ones quietly."""
+
+    def __init__(self) -> None:
+        self._said: set[Hashable] = set()
+
+    def first(self, key: Hashable) -> bool:
+        """Whether ``key`` is said for the first time (and remember that it was)."""
+        if key in self._said:
+            return False
+        if len(self._said) >= MAX_SAID:
+            self._said.clear()
+        self._said.add(key)
+        return True
+
+    def level(self, key: Hashable, loud: int = logging.WARNING) -> int:
+        """``loud`` the first time ``key`` is said, DEBUG after."""
+        return loud if self.first(key) else logging.DEBUG
 
 
 @dataclass(frozen=True)
@@ -137,6 +167,10 @@ def _check_plain(value: Any, where: str) -> None:
             _check_plain(item, where)
     elif type(value) not in _PLAIN:
         raise RemoteProtocolError(f"state metadata: {where} holds a {type(value).__name__}")
+    elif type(value) is int and not -2**63 <= value < 2**64:
+        # CBOR's bignums decode to ints of any size; no metadata needs one, and a huge one
+        # makes even printing it fail (Python refuses str() of 4,300 digits and more).
+        raise RemoteProtocolError(f"state metadata: {where} holds an integer beyond 64 bits")
 
 
 async def serve_download(channel: SecureChannel, request: StateRequest, replica: Replica,
@@ -158,6 +192,8 @@ async def serve_download(channel: SecureChannel, request: StateRequest, replica:
         # says how a client computes its own); our log does.
         log.debug("state request of another schema peer=%s theirs=%s ours=%s", peer.short,
                   request.fingerprint.hex(), replica.schema.fingerprint_hex)
+        with trio.move_on_after(1.0):  # ours, for the joiner to say what differs
+            await channel.send_message(describe(replica.schema, _task_meta(task)))
         refusal = Close(Close.REJECTED, "schema differs from ours (another model, or other "
                                         "task options)")
     elif request.codec != CODEC:
@@ -195,9 +231,20 @@ async def serve_download(channel: SecureChannel, request: StateRequest, replica:
         replica.release(buffer)
 
 
+def _task_meta(task: Callable[[], Mapping[str, Any]]) -> bytes:
+    """The task metadata for a SchemaInfo; empty when the application's will not encode (it
+    cannot serve downloads then either, and says so when asked for one it could serve)."""
+    try:
+        return encode_meta({}, task())
+    except ValueError:
+        return b""
+
+
 async def download(replica: Replica, candidates: list[Member], network: Network,
                    identity: Identity, swarm: Swarm, timeouts: Timeouts, *,
-                   deadline: float, rng: random.Random) -> Download:
+                   deadline: float, rng: random.Random,
+                   task: Callable[[], Mapping[str, Any]] | None = None,
+                   said: Said | None = None) -> Download:
     """Fetch the state of the most advanced candidate (not above the median) that answers,
     and load it.
 
@@ -206,6 +253,9 @@ async def download(replica: Replica, candidates: list[Member], network: Network,
             above their median step (:func:`~gossip.standing.step_ceiling`) last. The step
             we take is bounded by that median.
         deadline: seconds one attempt may take once connected.
+        task: our task metadata, to compare with a refusing peer's.
+        said: what earlier calls logged: a peer that fails the same way again is logged at
+            DEBUG (a joiner retries every second). None: log everything.
 
     Raises:
         AveragingFailed: every candidate failed (each failure is logged).
@@ -213,12 +263,24 @@ async def download(replica: Replica, candidates: list[Member], network: Network,
     ceiling = step_ceiling(candidates)
     order = sorted(candidates, key=lambda m: (m.step > ceiling, -m.step, rng.random()))
     last: BaseException | None = None
+    said = said if said is not None else Said()
     for member in order:
+        log.log(said.level(member.peer, logging.INFO), "downloading state peer=%s address=%s "
+                "step=%d", member.peer.short, member.address, member.step)
         try:
             result = await _fetch(replica, member, network, identity, swarm, timeouts,
-                                  deadline, ceiling)
+                                  deadline, ceiling, task)
+        except SchemaRefused as exc:
+            # Keyed by peer alone: the text is the peer's to vary, and one that changed
+            # its schema every second must not get a fresh warning every second.
+            log.log(said.level((member.peer, SchemaRefused)), "state download refused peer=%s: "
+                    "its model is not ours (another model, or other task options): %s",
+                    member.peer.short, exc)
+            last = exc
+            continue
         except (GossipError, trio.TooSlowError) as exc:
-            log.info("state download failed peer=%s: %s", member.peer.short, exc)
+            log.log(said.level((member.peer, type(exc)), logging.INFO),
+                    "state download failed peer=%s: %s", member.peer.short, exc)
             last = exc
             continue
         log.info("state downloaded peer=%s step=%d", member.peer.short, result.step)
@@ -228,7 +290,8 @@ async def download(replica: Replica, candidates: list[Member], network: Network,
 
 
 async def _fetch(replica: Replica, member: Member, network: Network, identity: Identity,
-                 swarm: Swarm, timeouts: Timeouts, deadline: float, ceiling: int) -> Download:
+                 swarm: Swarm, timeouts: Timeouts, deadline: float, ceiling: int,
+                 task: Callable[[], Mapping[str, Any]] | None) -> Download:
     channel = await connect(network, member.address, identity=identity, swarm=swarm,
                             allow=frozenset({member.peer}), timeouts=timeouts)
     async with channel:
@@ -239,6 +302,8 @@ async def _fetch(replica: Replica, member: Member, network: Network, identity: I
                 with trio.fail_after(deadline):
                     await channel.send_message(StateRequest(replica.schema.fingerprint, CODEC))
                     info = await channel.receive_message()
+                    if isinstance(info, SchemaInfo):
+                        raise SchemaRefused(_differences(replica, info, task))
                     if isinstance(info, Close):
                         raise AveragingFailed(f"peer refused: code={info.code} {info.reason}")
                     if not isinstance(info, StateInfo):
@@ -255,3 +320,16 @@ async def _fetch(replica: Replica, member: Member, network: Network, identity: I
             replica.release(buffer)
     return Download(member.peer, step, info.samples, task)
 
+
+def _differences(replica: Replica, info: SchemaInfo,
+                 task: Callable[[], Mapping[str, Any]] | None) -> str:
+    """What a refusing server's SchemaInfo says differs from us. Its task metadata is
+    decoded as strictly as a StateInfo's, and left out of the text when it does not decode."""
+    theirs = None
+    if info.meta:
+        try:
+            theirs = decode_meta(info.meta)[1]
+        except RemoteProtocolError:
+            pass  # the tensors still say what differs
+    ours = None if task is None or theirs is None else dict(task())
+    return explain(replica.schema, info, ours, theirs)

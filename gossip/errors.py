@@ -17,9 +17,12 @@ __all__ = [
     "HandshakeError",
     "PeerTimeout",
     "PeerGone",
+    "HandshakeClosed",
+    "IdentityClash",
     "ChannelClosed",
     "SchemaMismatch",
     "AveragingFailed",
+    "SchemaRefused",
 ]
 
 
@@ -86,6 +89,26 @@ class PeerGone(GossipError):
     """
 
 
+class HandshakeClosed(PeerGone):
+    """The peer closed the connection right after our first handshake message.
+
+    What a node holding another swarm key does (it cannot read that message, and answers
+    nothing), so usually a configuration mismatch; or the peer crashed at that moment.
+    """
+
+
+class IdentityClash(GossipError):
+    """Another node, at another address, runs with this node's identity.
+
+    Two processes started from one identity key (a copied data directory, say). Neither
+    can take part in the swarm while both run: give one of them a new identity.
+    """
+
+    def __init__(self, address: str) -> None:
+        super().__init__(f"the node at {address} runs with this node's identity")
+        self.address = address
+
+
 class ChannelClosed(GossipError):
     """The channel was used after *we* closed it.
 
@@ -106,4 +129,13 @@ class AveragingFailed(GossipError):
     """An averaging round with a peer did not complete; the local model is untouched.
 
     Expected now and then in a real swarm: log it, count it, carry on.
+    """
+
+
+class SchemaRefused(AveragingFailed):
+    """A peer refused our state request or our offer because our model's schema is not its
+    own: another model, or other task options. Asking again will not help.
+
+    The operator's to fix (on our side, or on the peer's): the message names the tensors that
+    differ, and the task metadata, as far as the peer's answer lists them (gossip.mismatch).
     """

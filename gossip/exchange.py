@@ -10,6 +10,7 @@ Theory of operation
                                       <---  Accept(step, samples, weight, correction)
                                             | Close(BUSY)      try again later
                                             | Close(REJECTED)  never (schema, codec, ...)
+                                            | SchemaInfo, Close(REJECTED)  another schema
     payload                           <-->  payload              (both at once)
     check theirs; Commit or Close     <-->  check theirs; Commit or Close(REJECTED)
 
@@ -47,7 +48,8 @@ import trio
 from .channel import SecureChannel
 from .errors import GossipError, PeerTimeout, RemoteProtocolError, SchemaMismatch
 from .groups import first_error
-from .messages import Accept, Close, Commit, Offer
+from .messages import Accept, Close, Commit, Offer, SchemaInfo
+from .mismatch import explain
 from .tensors import StateSchema, itemsize
 from .transfer import receive_state, send_state
 
@@ -135,6 +137,8 @@ async def initiate(channel: SecureChannel, offer: Offer, own: torch.Tensor,
         raise PeerTimeout(channel.peer.short, "offer") from None
     if isinstance(answer, Close):
         return _refused(answer)
+    if isinstance(answer, SchemaInfo):  # a Close follows; what it lists says more
+        return Outcome(Ending.REJECTED, f"schema differs: {explain(schema, answer)}")
     if not isinstance(answer, Accept):
         raise RemoteProtocolError(f"expected Accept, got {type(answer).__name__}")
     if (answer.weight > 0) != (offer.weight > 0):

@@ -93,7 +93,29 @@ class Swarm:
 
     @classmethod
     def generate(cls, name: str) -> "Swarm":
+        """A new swarm named ``name`` with a fresh random key, for its first node. Hand the
+        others ``swarm.key.hex()`` as a secret (whoever holds it can join and read the
+        weights), and let them build the same swarm with :meth:`from_hex`."""
         return cls(name, secrets.token_bytes(32))
+
+    @classmethod
+    def from_hex(cls, name: str, key_hex: str) -> "Swarm":
+        """The swarm named ``name`` whose key is ``key_hex``: 64 hexadecimal characters, as
+        ``swarm.key.hex()`` gives them and as ``gossipd init`` writes its swarm key file
+        (surrounding whitespace, a final newline say, is ignored).
+
+        Raises:
+            ValueError: ``key_hex`` is not 64 hexadecimal characters, or ``name`` is not
+                1 to 64 characters.
+        """
+        text = key_hex.strip()
+        try:
+            key = bytes.fromhex(text) if len(text) == 64 else b""
+        except ValueError:
+            key = b""
+        if len(key) != 32:  # fromhex skips inner spaces: "00 00 ..." is 64 characters
+            raise ValueError("a swarm key is 64 hexadecimal characters")
+        return cls(name, key)
 
     def __repr__(self) -> str:  # never print the key
         return f"Swarm(name={self.name!r}, key=<secret>)"

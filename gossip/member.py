@@ -92,6 +92,9 @@ class Member:
     step: int  # its training step when it last announced itself
     ready: bool  # whether it takes part in averaging
     since: float  # when this node last saw its state change
+    heard: float = 0.0  # when this node took its latest announcement (``step`` is as of then)
+    shard: int = 0  # the data shard it trains on, in [0, shards)
+    shards: int = 0  # how many shards that data is cut into; 0: it announces none
 
 
 class PeerPool:
@@ -145,10 +148,13 @@ class _Record:
     step: int
     ready: bool
     since: float
+    heard: float
+    shard: int = 0
+    shards: int = 0
 
     def view(self) -> Member:
         return Member(self.peer, self.address, self.incarnation, self.state, self.version,
-                      self.step, self.ready, self.since)
+                      self.step, self.ready, self.since, self.heard, self.shard, self.shards)
 
 
 @dataclass

@@ -30,7 +30,11 @@ Updates (Alive, Suspect, Dead, Left) are piggybacked on every datagram, each sen
 member: a higher incarnation wins; at equal incarnation LEFT > DEAD > SUSPECT > ALIVE. Only
 a member raises its own incarnation: it *refutes* a suspicion or death about itself by
 announcing Alive at a higher one (a restarted node does the same when it hears of its old
-self). Full tables are merged as memberlist does: a remote DEAD becomes a local *suspicion*
+self). Two processes with one identity at two addresses refute each other for ever, each
+announcement out-bidding the other's; a restarted node refutes its old self once or twice at
+most. So :data:`CLASH_CLAIMS` claims to be us from an address that is not ours, each at or
+above our incarnation, suggest an identity clash (:meth:`Membership.take_clash`); gossip is
+not signed by the member it is about, so the driver checks the address before it believes it. Full tables are merged as memberlist does: a remote DEAD becomes a local *suspicion*
 (the sender's view may be stale; the member can still refute), a remote LEFT is final.
 
 Lifeguard's local health: a score in ``0..awareness_max`` rises when our probes fail without
@@ -73,6 +77,7 @@ from .member import Member, MembershipConfig, PeerPool, State, _Counters, _Recor
 from .messages import (
     MAX_PARTS,
     MAX_SEQUENCE,
+    MAX_SHARDS,
     MAX_COUNT,
     Ack,
     Alive,
@@ -106,6 +111,7 @@ __all__ = [
 
 MAX_MEMBERS = 16384  # members a table holds; news of more is ignored until some are reaped
 JOIN_CATCH_UP = 5  # periods after a join until a second push-pull
+CLASH_CLAIMS = 3  # claims to be us, from other addresses, that mark an identity clash
 MAX_PACKET = MAX_DATAGRAM - SEAL_OVERHEAD  # plaintext bytes of one datagram
 _PACKET_OVERHEAD = 40  # Packet's array, tag and sender id around its parts
 
@@ -166,8 +172,10 @@ class Membership(Probing):
         self.rng = rng or random.Random()
         self.leaving = False
         self.counters = _Counters()
-        self._self = _Record(self.me, address, 0, State.ALIVE, version, step, ready, now)
+        self._self = _Record(self.me, address, 0, State.ALIVE, version, step, ready, now, now)
         self._announced = now
+        self._foreign_claims = 0  # announcements of us, from elsewhere, that we had to refute
+        self._claimed: str | None = None  # where they say we are, once they are many
         self._members: dict[PeerId, _Record] = {}
         self._up = PeerPool()  # members ALIVE or SUSPECT
         self._recently_dead: list[PeerId] = []  # declared dead within gossip_to_the_dead
@@ -212,6 +220,15 @@ class Membership(Probing):
     def pending_broadcasts(self) -> int:
         return len(self._broadcasts)
 
+    def take_clash(self) -> str | None:
+        """The address that :data:`CLASH_CLAIMS` announcements of us came from, once (then
+        counting starts again), or None. A hint, not a proof: gossip is not signed by the
+        member it is about, so the driver must check it (dial it as ourselves)."""
+        claimed, self._claimed = self._claimed, None
+        if claimed is not None:
+            self._foreign_claims = 0
+        return claimed
+
     def myself(self) -> Member:
         return self._self.view()
 
@@ -229,13 +246,17 @@ class Membership(Probing):
 
     def full_state(self) -> list[MemberState]:
         """Our whole table, ourselves included, for a push-pull."""
+        return [self.own_state(), *(_member_state(r) for r in self._members.values())]
+
+    def own_state(self) -> MemberState:
+        """Our own record, as :meth:`full_state` starts with it."""
         # Ourselves as last announced (a newer step not yet announced would contradict our
         # own Alive at the same incarnation), and LEFT once leaving, or a member that missed
         # our Left takes us back.
         a = self._announcement
         state = State.LEFT if self.leaving else State.ALIVE
-        me = MemberState(a.peer, a.incarnation, int(state), a.address, a.version, a.step, a.ready)
-        return [me, *(_member_state(r) for r in self._members.values())]
+        return MemberState(a.peer, a.incarnation, int(state), a.address, a.version, a.step,
+                           a.ready, a.shard, a.shards)
 
     def next_deadline(self) -> float:
         """The latest time :meth:`tick` must be called again."""
@@ -318,7 +339,7 @@ class Membership(Probing):
         for r in records:
             if r.state == State.ALIVE:
                 self._on_alive(now, Alive(r.peer, r.incarnation, r.address, r.version, r.step,
-                                          r.ready))
+                                          r.ready, r.shard, r.shards))
             elif r.state == State.LEFT:
                 self._on_left(now, Left(r.peer, r.incarnation))
             else:  # SUSPECT or DEAD: suspect it ourselves, if we know it; it may still refute
@@ -358,15 +379,29 @@ class Membership(Probing):
             self._next_probe = min(self._next_probe, now)
         return self._drain()
 
-    def set_meta(self, now: float, *, step: int | None = None, ready: bool | None = None) -> list[Effect]:
-        """Update our metadata. A change of ``ready`` is announced at once; a new ``step``
-        rides on the next announcement, or is announced after ``meta_interval``."""
+    def set_meta(self, now: float, *, step: int | None = None, ready: bool | None = None,
+                 shard: int | None = None, shards: int | None = None) -> list[Effect]:
+        """Update our metadata. A change of ``ready`` or of the data shard (``shard`` of
+        ``shards``; ``shards`` 0: none) is announced at once; a new ``step`` rides on the next
+        announcement, or is announced after ``meta_interval``.
+
+        Raises:
+            ValueError: ``shard`` is not in ``[0, shards)`` (0 when ``shards`` is 0), or
+                ``shards`` is above MAX_SHARDS.
+        """
         me = self._self
+        shard = me.shard if shard is None else shard
+        shards = me.shards if shards is None else shards
+        if not (0 <= shards <= MAX_SHARDS and 0 <= shard < max(shards, 1)):
+            raise ValueError(f"shard {shard} of {shards}: expected 0 <= shard < shards <= "
+                             f"{MAX_SHARDS}, or 0 of 0")
         if self.leaving or me.incarnation >= MAX_COUNT:
             return []  # announcing ourselves now would undo the departure, or cannot be done
-        urgent = ready is not None and ready != me.ready
+        urgent = ((ready is not None and ready != me.ready)
+                  or (shard, shards) != (me.shard, me.shards))
         if ready is not None:
             me.ready = ready
+        me.shard, me.shards = shard, shards
         if step is not None:
             me.step = step
         stale = me.step != self._announcement.step  # what the swarm last heard is behind
@@ -417,6 +452,10 @@ class Membership(Probing):
             if m.incarnation > self.incarnation or (
                 m.incarnation == self.incarnation and m != self._announcement
             ):
+                if m.address != self._self.address:
+                    self._foreign_claims += 1
+                    if self._foreign_claims >= CLASH_CLAIMS:
+                        self._claimed = m.address
                 self._refute(m.incarnation, counts_against_health=False)
             return
         record = self._members.get(m.peer)  # type: ignore[call-overload]
@@ -425,7 +464,7 @@ class Membership(Probing):
                 return
             peer = PeerId(m.peer)
             record = _Record(peer, m.address, m.incarnation, State.ALIVE, m.version, m.step,
-                             m.ready, now)
+                             m.ready, now, now, m.shard, m.shards)
             self._members[peer] = record
             self._up.add(peer)
             # A newcomer goes to a random place in the probe order, so it is probed this round.
@@ -439,7 +478,8 @@ class Membership(Probing):
             self._up.add(record.peer)
             record.incarnation = m.incarnation
             record.address, record.version = m.address, m.version
-            record.step, record.ready = m.step, m.ready
+            record.step, record.ready, record.heard = m.step, m.ready, now
+            record.shard, record.shards = m.shard, m.shards
             self._forget_suspicion(record.peer)
         else:
             return
@@ -552,7 +592,7 @@ class Membership(Probing):
     def _broadcast_self(self) -> None:
         me = self._self
         self._announcement = Alive(self.me, me.incarnation, me.address, me.version, me.step,
-                                   me.ready)
+                                   me.ready, me.shard, me.shards)
         self._broadcasts.enqueue(self.me, encode(self._announcement))
 
     # ---- housekeeping -----------------------------------------------------------------
@@ -582,4 +622,5 @@ class Membership(Probing):
 
 
 def _member_state(r: _Record) -> MemberState:
-    return MemberState(r.peer, r.incarnation, int(r.state), r.address, r.version, r.step, r.ready)
+    return MemberState(r.peer, r.incarnation, int(r.state), r.address, r.version, r.step, r.ready,
+                       r.shard, r.shards)

@@ -8,8 +8,8 @@ caller's bug); decoded from the network, :func:`gossip.wire.decode` turns that i
 On the wire a message is the CBOR array ``[tag, field1, field2, ...]`` with the fields in
 declaration order (see docs/PROTOCOL.md). ``TAGS`` maps tags to classes; it is append-only:
 a tag once shipped keeps its meaning forever, and a changed message gets a new tag (before the
-first release the protocol is a draft, and a field was appended to ``Offer`` and ``Accept``:
-docs/PROTOCOL.md section 11).
+first release the protocol is a draft: a field was appended to ``Offer`` and ``Accept``, and
+two to ``Alive`` and ``MemberState``: docs/PROTOCOL.md section 11).
 """
 
 from __future__ import annotations
@@ -41,10 +41,12 @@ __all__ = [
     "Accept",
     "Commit",
     "StateInfo",
+    "SchemaInfo",
     "TAGS",
     "MAX_TEXT",
     "MAX_COUNT",
     "MAX_WEIGHT",
+    "MAX_SHARDS",
 ]
 
 # Limits shared by every message. Anything larger is a protocol violation.
@@ -61,6 +63,10 @@ MAX_PARTS = 64  # messages in one datagram, or member records in one push-pull p
 MAX_PART = 1400  # bytes of one part: a datagram never holds more
 MAX_WEIGHT = float(MAX_COUNT + 1)  # a push-sum weight (1 + samples) is a float in [0, 2^53]
 MAX_META = 32 * 1024  # bytes of the task metadata in a StateInfo
+MAX_SHARDS = 2**16 - 1  # parts a swarm's data may be cut into (a member's announced shard)
+MAX_SCHEMA_ENTRIES = 1024  # tensors a SchemaInfo lists at most (it lists a schema's start)
+MAX_DIMS = 32  # dimensions of one tensor a SchemaInfo lists
+SCHEMA_DTYPES = ("float16", "bfloat16", "float32", "float64")  # PROTOCOL.md section 7.1
 _BASE32 = frozenset("abcdefghijklmnopqrstuvwxyz234567")
 
 
@@ -99,6 +105,17 @@ def _weight(cls: type, name: str, value: object) -> None:
         raise ValueError(f"{cls.__name__}.{name}: expected a float, got {type(value).__name__}")
     if not 0.0 <= value <= MAX_WEIGHT:  # also refuses NaN and the infinities
         raise ValueError(f"{cls.__name__}.{name}: {value} out of range 0..{MAX_WEIGHT:g}")
+
+
+def _shard(cls: type, shard: object, shards: object) -> None:
+    """A data shard: ``shard`` of ``shards``. ``shards`` 0 announces none, and ``shard`` is 0
+    then, so that "no shard" has one encoding."""
+    _uint(cls, "shard", shard, MAX_SHARDS - 1)
+    _uint(cls, "shards", shards, MAX_SHARDS)
+    top = max(shards, 1) - 1  # type: ignore[call-overload]
+    if shard > top:  # type: ignore[operator]
+        raise ValueError(f"{cls.__name__}.shard: {shard} out of range 0..{top} "
+                         f"(shards is {shards})")
 
 
 def _peer(cls: type, name: str, value: object) -> None:
@@ -308,6 +325,8 @@ class Alive(Message):
     version: int  # the peer's protocol version
     step: int  # the peer's training step when it last announced itself
     ready: bool  # whether it will take part in averaging now
+    shard: int = 0  # the data shard it trains on, in [0, shards)
+    shards: int = 0  # how many shards that data is cut into; 0: it announces no shard
 
     def __post_init__(self) -> None:
         _peer(Alive, "peer", self.peer)
@@ -316,6 +335,7 @@ class Alive(Message):
         _uint(Alive, "version", self.version, 2**16 - 1)
         _uint(Alive, "step", self.step)
         _bool(Alive, "ready", self.ready)
+        _shard(Alive, self.shard, self.shards)
 
 
 @dataclass(frozen=True, slots=True)
@@ -378,6 +398,8 @@ class MemberState(Message):
     version: int
     step: int
     ready: bool
+    shard: int = 0  # as in Alive
+    shards: int = 0
 
     def __post_init__(self) -> None:
         _peer(MemberState, "peer", self.peer)
@@ -387,6 +409,7 @@ class MemberState(Message):
         _uint(MemberState, "version", self.version, 2**16 - 1)
         _uint(MemberState, "step", self.step)
         _bool(MemberState, "ready", self.ready)
+        _shard(MemberState, self.shard, self.shards)
 
 
 @dataclass(frozen=True, slots=True)
@@ -479,6 +502,55 @@ class StateInfo(Message):
         _bytes(StateInfo, "meta", self.meta, maximum=MAX_META)
 
 
+@dataclass(frozen=True, slots=True)
+class SchemaInfo(Message):
+    """Sent just before ``Close(REJECTED)`` to a peer whose ``StateRequest`` or ``Offer``
+    names another schema: the sender's own schema, so that the peer can say which tensors
+    differ (a fingerprint says only that they do; see gossip.mismatch).
+
+    ``count`` is how many entries the schema has, ``entries`` its first entries (all of them
+    when they fit in one message) as ``(name, shape, dtype)``, and ``meta`` the task's
+    metadata as in ``StateInfo`` (empty: none given). Each name is printable text, unique;
+    each shape at most ``MAX_DIMS`` counters; each dtype one of ``SCHEMA_DTYPES``.
+    """
+
+    TAG: ClassVar[int] = 20
+    count: int
+    entries: tuple[tuple[str, tuple[int, ...], str], ...]
+    meta: bytes
+
+    def __post_init__(self) -> None:
+        _uint(SchemaInfo, "count", self.count)
+        entries = self.entries
+        if type(entries) not in (list, tuple):
+            raise ValueError(f"SchemaInfo.entries: expected an array, got {type(entries).__name__}")
+        if len(entries) > min(MAX_SCHEMA_ENTRIES, self.count):
+            raise ValueError(f"SchemaInfo.entries: {len(entries)} entries, more than "
+                             f"{min(MAX_SCHEMA_ENTRIES, self.count)} (count is {self.count})")
+        names: set[str] = set()
+        checked = []
+        for entry in entries:
+            if type(entry) not in (list, tuple) or len(entry) != 3:
+                raise ValueError("SchemaInfo.entries: an entry is not [name, shape, dtype]")
+            name, shape, dtype = entry
+            _text(SchemaInfo, "entries", name)
+            if not name or not name.isprintable() or name in names:
+                raise ValueError(f"SchemaInfo.entries: name {name!r} is empty, not printable "
+                                 "or given twice")
+            names.add(name)
+            if type(shape) not in (list, tuple) or len(shape) > MAX_DIMS:
+                raise ValueError(f"SchemaInfo.entries: the shape of {name!r} is not an array "
+                                 f"of at most {MAX_DIMS} dimensions")
+            for size in shape:
+                _uint(SchemaInfo, "entries", size)
+            if dtype not in SCHEMA_DTYPES:  # also refuses non-text: it is never equal
+                raise ValueError(f"SchemaInfo.entries: dtype of {name!r} is not one of "
+                                 f"{', '.join(SCHEMA_DTYPES)}")
+            checked.append((name, tuple(shape), dtype))
+        object.__setattr__(self, "entries", tuple(checked))
+        _bytes(SchemaInfo, "meta", self.meta, maximum=MAX_META)
+
+
 # The tag table. ONLY APPEND: never reuse or renumber a tag.
 TAGS: dict[int, type[Message]] = {
     1: Hello,
@@ -500,6 +572,7 @@ TAGS: dict[int, type[Message]] = {
     17: Accept,
     18: Commit,
     19: StateInfo,
+    20: SchemaInfo,
 }
 
 for _tag, _cls in TAGS.items():

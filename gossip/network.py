@@ -23,6 +23,7 @@ and raise ``trio.BrokenResourceError`` on a reset, as trio's own streams do.
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import socket
 from typing import Awaitable, Callable, Protocol, runtime_checkable
@@ -45,6 +46,8 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+RESERVE_ATTEMPTS = 8  # ports tried by TcpNetwork.reserve for port 0 when the stream port is taken
 
 
 Handler = Callable[[trio.abc.Stream], Awaitable[None]]
@@ -125,7 +128,8 @@ async def run_handler(handler: Handler, stream: trio.abc.Stream, peer: str) -> N
 
 
 class TcpNetwork:
-    """Real TCP and UDP through trio. Stateless: one instance serves any number of nodes.
+    """Real TCP and UDP through trio. One instance serves any number of nodes; its only state
+    is the sockets :meth:`reserve` bound ahead of time.
 
     Args:
         source: the local IP address dials come from (None: the system's choice). Set it to
@@ -135,6 +139,51 @@ class TcpNetwork:
 
     def __init__(self, source: str | None = None) -> None:
         self.source = source
+        self._datagrams: dict[str, socket.socket] = {}  # reserved, by the address asked for
+        self._listeners: dict[str, list[socket.socket]] = {}  # reserved, by the bound address
+
+    def reserve(self, address: str) -> str:
+        """Bind ``address`` now, without trio, for the node that will listen there: the
+        datagram socket the first ``open_datagram(address)`` takes, and the stream listeners
+        that ``serve`` of the bound address takes (what :func:`gossip.open_swarm` asks for).
+
+        A program calls it before its slow start-up work, so that an address in use is
+        reported at once, not after that work, and nothing can take the address in between.
+
+        Returns:
+            The bound address; for port 0, a port free for both datagrams and streams.
+
+        Raises:
+            OSError: the address cannot be bound (``errno.EADDRINUSE``,
+                ``errno.EADDRNOTAVAIL``, ``socket.gaierror`` for a host name that does not
+                resolve, ...). Nothing stays bound.
+        """
+        host, port = parse_address(address)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        for attempt in range(1, RESERVE_ATTEMPTS + 1):
+            datagram = socket.socket(family, socket.SOCK_DGRAM)  # as open_datagram binds it
+            try:
+                datagram.bind((host, port))
+                bound = format_address(*datagram.getsockname()[:2])
+                listeners = _bind_listeners(*parse_address(bound))
+            except OSError as exc:
+                datagram.close()
+                # Port 0: the system picked a datagram port that a stream socket holds.
+                if port == 0 and exc.errno == errno.EADDRINUSE and attempt < RESERVE_ATTEMPTS:
+                    continue
+                raise
+            break
+        self._datagrams[address] = datagram
+        self._listeners[bound] = listeners
+        return bound
+
+    def release(self) -> None:
+        """Close the reserved sockets that no node has taken (a program that stops before
+        its node opens)."""
+        for sock in [*self._datagrams.values(), *itertools.chain(*self._listeners.values())]:
+            sock.close()
+        self._datagrams.clear()
+        self._listeners.clear()
 
     async def dial(self, address: str) -> trio.abc.Stream:
         try:
@@ -159,7 +208,12 @@ class TcpNetwork:
         task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         host, port = parse_address(address)
-        listeners = await trio.open_tcp_listeners(port, host=host or None)
+        reserved = self._listeners.pop(address, [])
+        if reserved:
+            listeners = [trio.SocketListener(trio.socket.from_stdlib_socket(sock))
+                         for sock in reserved]
+        else:
+            listeners = await trio.open_tcp_listeners(port, host=host or None)
         if port == 0 and len(listeners) > 1:
             # Port 0 gives each address family its own random port, and only one address can
             # be reported: listen on that one alone rather than on ports nobody knows.
@@ -182,6 +236,10 @@ class TcpNetwork:
                 listener.socket.close()
 
     async def open_datagram(self, address: str) -> DatagramEndpoint:
+        reserved = self._datagrams.pop(address, None)
+        if reserved is not None:
+            await trio.lowlevel.checkpoint()
+            return _UdpEndpoint(trio.socket.from_stdlib_socket(reserved))
         host, port = parse_address(address)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = trio.socket.socket(family, socket.SOCK_DGRAM)
@@ -222,6 +280,27 @@ async def _accept(listener: trio.SocketListener) -> trio.SocketStream:
                 await trio.sleep(0.1)
             else:
                 raise
+
+
+def _bind_listeners(host: str, port: int) -> list[socket.socket]:
+    """Listening stream sockets on every address ``host`` resolves to, bound as
+    ``trio.open_tcp_listeners`` binds them (synchronously: for :meth:`TcpNetwork.reserve`)."""
+    listeners: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, sockaddr in socket.getaddrinfo(
+                host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE):
+            sock = socket.socket(family, kind, proto)
+            listeners.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(sockaddr)
+            sock.listen(socket.SOMAXCONN)
+    except OSError:
+        for sock in listeners:
+            sock.close()
+        raise
+    return listeners
 
 
 def _tune(sock: trio.socket.SocketType) -> None:

@@ -142,18 +142,28 @@ class SwarmNode:
             await self.roster.wait_joined()
             give_up = trio.current_time() + config.download_wait
             attempts = 0
+            last = ""  # the last failure logged
+            said = False
             while True:
                 candidates = averaging.allowed(self.roster.alive(ready=True))
+                if not candidates and not said:  # said once: what start-up waits for
+                    said = True
+                    log.info("waiting for a ready peer to download the swarm's state from%s",
+                             f" (up to {config.download_wait:g} s, then our own initialization)"
+                             if config.start == "auto" else "")
                 if candidates:
                     try:
-                        self.downloaded = await averaging.download(candidates)
+                        self.downloaded = await averaging.download(candidates, self._task)
                         break
                     except AveragingFailed as exc:
                         # Said once out loud: a refusal may mean this node's model is not the
-                        # swarm's (another task or options), which retrying will not fix.
+                        # swarm's (another task or options), which retrying will not fix;
+                        # then again only when it changes, not every second.
                         attempts += 1
-                        log.log(logging.WARNING if attempts == 1 else logging.INFO,
-                                "%s; retrying every %g s", exc, RETRY)
+                        level = (logging.WARNING if attempts == 1 else
+                                 logging.DEBUG if str(exc) == last else logging.INFO)
+                        last = str(exc)
+                        log.log(level, "%s; retrying every %g s", exc, RETRY)
                 elif config.start == "auto" and trio.current_time() >= give_up:
                     log.info("no ready peer %.1f s after joining; starting from our own "
                              "initialization", config.download_wait)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import errno
 import functools
 import logging
+import math
 import random
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -38,7 +39,15 @@ import trio
 
 from .address import parse_address
 from .channel import SecureChannel, Timeouts, connect, serve
-from .errors import GossipError, PeerGone, RemoteProtocolError
+from .errors import (
+    GossipError,
+    HandshakeClosed,
+    HandshakeError,
+    IdentityClash,
+    PeerGone,
+    PeerTimeout,
+    RemoteProtocolError,
+)
 from .groups import one_error
 from .handshake import PROTOCOL_VERSION, Swarm
 from .identity import Identity, PeerId
@@ -59,12 +68,14 @@ from .network import Network
 from .seal import Sealer
 from .wire import decode, encode
 
-__all__ = ["Roster", "RosterStatistics", "open_roster", "MAX_PUSH_PULLS"]
+__all__ = ["JoinTrouble", "Roster", "RosterStatistics", "open_roster", "MAX_PUSH_PULLS"]
 
 log = logging.getLogger(__name__)
 
 PORT_ATTEMPTS = 8  # ports tried for listen port 0 when the stream port is taken
 MAX_PUSH_PULLS = 2  # outgoing push-pulls in flight at once; more are skipped, not queued
+FIRST_WARNING_GAP = 30.0  # s from the first "cannot join" warning to the next
+MAX_WARNING_GAP = 600.0  # s: the warnings' gap doubles up to this
 SEND_TIMEOUT = 0.1  # s one datagram send may take (a host name's lookup included)
 PAGE_RECORDS = 256  # member records per PushPull page, at most (the message allows 256)
 PAGE_BYTES = 48 * 1024  # and at most this many bytes of them: a page stays under MAX_MESSAGE
@@ -134,6 +145,11 @@ class Roster:
         self._rate = RateLimit(limits.peer_rate, limits.peer_burst)
         self._over_limit = {"max_connections": 0, "max_handshakes_per_host": 0}  # by serve
         self._channels_limited = 0
+        self._clash: str | None = None  # proven: a channel with our identity from there
+        self._watching_clash = False  # a task checks the clash now (_watch_clash)
+        self._trouble: JoinTrouble | None = None  # bootstrap attempts failing since
+        self._warned_at = -math.inf  # when the last join warning was logged
+        self._warning_gap = FIRST_WARNING_GAP  # until the next one; doubles each time
 
     # ---- the averager's API -----------------------------------------------------------
 
@@ -168,6 +184,21 @@ class Roster:
         await self._changed.wait()
 
     @property
+    def clash(self) -> str | None:
+        """The address of another node that runs with our identity: a copied identity key,
+        which the operator must resolve (:class:`IdentityClash`). Only ever set by a
+        channel from that address authenticated with our own identity key, which no other
+        key holder can forge: claims in gossip only make us dial the address to check (see
+        :meth:`_watch_clash`). Cleared once that address no longer proves our identity."""
+        return self._clash
+
+    @property
+    def trouble(self) -> JoinTrouble | None:
+        """Why no bootstrap address has let us in, while that lasts: set after a round of
+        failed attempts, cleared when one answers."""
+        return self._trouble
+
+    @property
     def joined(self) -> bool:
         """Whether a bootstrap address has answered (always, if there were none)."""
         return self._joined.is_set()
@@ -181,9 +212,16 @@ class Roster:
         of turn. Never a verdict: only the probe can lead to a suspicion."""
         self._queue(self._m.report_failure(trio.current_time(), peer))
 
-    def set_meta(self, *, step: int | None = None, ready: bool | None = None) -> None:
-        """Update what we announce: our training step, whether we average now."""
-        self._queue(self._m.set_meta(trio.current_time(), step=step, ready=ready))
+    def set_meta(self, *, step: int | None = None, ready: bool | None = None,
+                 shard: int | None = None, shards: int | None = None) -> None:
+        """Update what we announce: our training step, whether we average now, and the data
+        shard we train on (``shard`` of ``shards``; ``shards`` 0: none).
+
+        Raises:
+            ValueError: not a shard (see :meth:`Membership.set_meta`).
+        """
+        self._queue(self._m.set_meta(trio.current_time(), step=step, ready=ready, shard=shard,
+                                     shards=shards))
 
     def statistics(self) -> RosterStatistics:
         counts = {state: 0 for state in State}
@@ -250,6 +288,9 @@ class Roster:
                 self._drained.set()
 
     async def _execute(self, effects: list[Effect]) -> None:
+        claimed = self._m.take_clash()
+        if claimed is not None:
+            self._check_clash(claimed)
         # Changes first, before any await: effects from other tasks must not overtake them,
         # so on_change sees the changes in the order the machine made them.
         changes = [e.member for e in effects if isinstance(e, Changed)]
@@ -298,7 +339,7 @@ class Roster:
                                     swarm=self._swarm, allow=allow, timeouts=self._timeouts)
             async with channel:
                 if channel.peer == self._identity.peer_id:
-                    raise _Myself(f"{address} is this node itself")
+                    await self._meet_myself(channel, address, join=join)
                 await _send_table(channel, self._m.full_state(), join=join)
                 first = await channel.receive_message()
                 records = await _receive_table(channel, first)
@@ -306,6 +347,24 @@ class Roster:
                 await _send_table(channel, [self._m.full_state()[0]], join=False)
         self._push_pulls_done += 1
         return channel.peer
+
+    async def _meet_myself(self, channel: SecureChannel, address: str, *, join: bool) -> None:
+        """``address`` answered with our own identity: this very node (a bootstrap list
+        that names us), or another process with our identity key. Swap our own records to
+        tell which; always raises.
+
+        Raises:
+            _Myself: it is this node.
+            IdentityClash: another node runs with our identity (both sides log it).
+        """
+        mine = self._m.own_state()
+        await _send_table(channel, [mine], join=join)
+        records = await _receive_table(channel, await channel.receive_message())
+        other = _other_address(records, mine)
+        if other is None:
+            raise _Myself(f"{address} is this node itself")
+        self._found_clash(other)
+        raise IdentityClash(other)
 
     async def _on_channel(self, channel: SecureChannel, handler: ChannelHandler | None) -> None:
         if not self._rate.allow(str(channel.peer), trio.current_time()):
@@ -323,6 +382,13 @@ class Roster:
             return
         with trio.fail_after(self._config.push_pull_timeout):
             records = await _receive_table(channel, first)
+            if channel.peer == self._identity.peer_id:  # see _meet_myself
+                mine = self._m.own_state()
+                await _send_table(channel, [mine], join=False)
+                other = _other_address(records, mine)
+                if other is not None:
+                    self._found_clash(other)
+                return
             if first.join:
                 log.info("join request peer=%s", channel.peer.short)
             await self._execute(self._m.merge(trio.current_time(), records, channel.peer))
@@ -340,21 +406,27 @@ class Roster:
         while not self._left:
             if self._joined.is_set() and self._m.alive_count() > 1:
                 delay = config.join_retry_min
+                self._trouble = None  # company came back, through others' push-pulls
+                self._warning_gap = FIRST_WARNING_GAP
                 await trio.sleep(config.reconnect_interval)
             elif await self._try_bootstrap(bootstrap):
                 self._joined.set()
+                self._trouble = None
+                self._warning_gap = FIRST_WARNING_GAP
                 # Alone even so (the bootstrap list named only us, or its members have
                 # nobody else): look again later, not in a loop.
                 await trio.sleep(config.reconnect_interval)
             else:
-                log.info("no bootstrap address answered; retrying in about %.1f s", delay)
+                self._warn_join(delay)
                 await trio.sleep(delay * (0.5 + self._m.rng.random()))
                 delay = min(delay * 2, config.join_retry_max)
 
     async def _try_bootstrap(self, bootstrap: Sequence[str]) -> bool:
         """Push-pull with the bootstrap addresses in random order until one answers. True
-        if one did, or if every one of them is this very node (we are the first)."""
+        if one did, or if every one of them is this very node (we are the first). Each
+        failure's reason goes into :attr:`trouble`."""
         myself = 0
+        reasons: dict[str, str] = {}
         for address in self._m.rng.sample(list(bootstrap), len(bootstrap)):
             try:
                 peer = await self._push_pull(address, None, join=True)
@@ -362,18 +434,125 @@ class Roster:
                 myself += 1
                 continue
             except (GossipError, trio.TooSlowError) as exc:
-                log.info("bootstrap did not answer address=%s: %s", address, exc)
+                reasons[address] = _why_not(exc, self._config.push_pull_timeout)
+                log.info("bootstrap did not answer address=%s: %s", address, reasons[address])
                 continue
             log.info("joined swarm via=%s peer=%s members=%d", address, peer.short,
                      self._m.alive_count())
             self._m.joined(trio.current_time())
             self._wake.set()  # the next push-pull moved earlier
             return True
-        return myself == len(bootstrap)
+        if myself == len(bootstrap):
+            return True
+        now = trio.current_time()
+        since, attempts = (now, 0) if self._trouble is None else (self._trouble.since,
+                                                                 self._trouble.attempts)
+        self._trouble = JoinTrouble(since, attempts + 1, reasons)
+        return False
+
+    def _warn_join(self, delay: float) -> None:
+        """Say why we cannot join, at WARNING: at once, then at a slowing pace (the gap
+        doubles from FIRST_WARNING_GAP up to MAX_WARNING_GAP); INFO in between."""
+        trouble, now = self._trouble, trio.current_time()
+        assert trouble is not None
+        where = "; ".join(f"{address}: {why}" for address, why in trouble.reasons.items())
+        if now - self._warned_at < self._warning_gap:
+            log.info("no bootstrap address answered; retrying in about %.1f s", delay)
+            return
+        self._warned_at = now
+        self._warning_gap = min(self._warning_gap * 2, MAX_WARNING_GAP)
+        state = ("cannot join the swarm" if not self._joined.is_set()
+                 else "alone: every member is gone, and no bootstrap address answers")
+        log.warning("%s: %d attempt(s) in %.0f s failed; %s; retrying in about %.0f s",
+                    state, trouble.attempts, now - trouble.since, where, delay)
+
+    def _found_clash(self, address: str) -> None:
+        """A channel from ``address`` proved our own identity: another process holds our
+        identity key. Say so once, and keep checking until it stops."""
+        if self._clash is None:
+            log.error("identity clash: the node at %s runs with this node's identity (peer "
+                      "%s); two processes started from one identity key, as a copied data "
+                      "directory has. Neither can average until one of them gets a new "
+                      "identity: stop it, delete its identity key and start it again",
+                      address, self._identity.peer_id.short)
+            self._changed.set()
+            self._changed = trio.Event()
+        self._clash = address
+        self._check_clash(address)
+
+    def _check_clash(self, address: str) -> None:
+        if not self._watching_clash and self._nursery is not None:
+            self._watching_clash = True
+            self._nursery.start_soon(self._watch_clash, address)
+
+    async def _watch_clash(self, address: str) -> None:
+        """Dial ``address`` as our own identity (only a holder of our key can answer so)
+        until it no longer proves it: at once for a claim heard in gossip, then every
+        push-pull interval while the clash stands."""
+        try:
+            while True:
+                try:
+                    with trio.fail_after(self._config.push_pull_timeout):
+                        channel = await connect(self._network, address,
+                                                identity=self._identity, swarm=self._swarm,
+                                                allow=frozenset({self._identity.peer_id}),
+                                                timeouts=self._timeouts)
+                        async with channel:
+                            await self._meet_myself(channel, address, join=False)
+                except IdentityClash:
+                    pass  # it stands; _meet_myself recorded it
+                except (GossipError, trio.TooSlowError) as exc:  # _Myself, gone, or renamed
+                    if self._clash == address:
+                        log.warning("identity clash over: %s no longer runs with this node's "
+                                    "identity (%s)", address, exc)
+                        self._clash = None
+                        self._changed.set()
+                        self._changed = trio.Event()
+                    else:
+                        log.info("a claim to be this node from %s did not hold: %s",
+                                 address, exc)
+                    return
+                await trio.sleep(self._config.push_pull_interval)
+        finally:
+            self._watching_clash = False
 
 
 class _Myself(PeerGone):
     """A bootstrap address that leads back to this node."""
+
+
+@dataclass(frozen=True)
+class JoinTrouble:
+    """Bootstrap attempts that have failed since ``since`` (trio time), and why each
+    address failed the last time: what to tell the operator."""
+
+    since: float
+    attempts: int  # rounds over the bootstrap list
+    reasons: dict[str, str]  # address -> what went wrong, and what to check
+
+
+def _why_not(exc: BaseException, timeout: float) -> str:
+    """What a failed bootstrap attempt means, and what the operator should check."""
+    if isinstance(exc, IdentityClash):
+        return f"{exc} (a copied identity key?)"
+    if isinstance(exc, HandshakeClosed):
+        return f"{exc}: check that our swarm key is this swarm's, and the address"
+    if isinstance(exc, HandshakeError):
+        return f"{exc}: check swarm.name and the address"
+    if isinstance(exc, (trio.TooSlowError, PeerTimeout)):
+        return (f"no answer within {timeout:g} s: a firewall that drops packets, a wrong "
+                "address, or an overloaded node?")
+    if isinstance(exc, PeerGone):
+        return f"{exc}: is the node there running, the address and port right, the port open?"
+    return str(exc)
+
+
+def _other_address(records: list[MemberState], mine: MemberState) -> str | None:
+    """The address another process gives for our identity in ``records``, if any."""
+    for record in records:
+        if record.peer == mine.peer and record.address != mine.address:
+            return record.address
+    return None
 
 
 @asynccontextmanager

@@ -598,3 +598,24 @@ async def test_a_stopping_node_starts_and_accepts_no_exchange(autojump_clock: Mo
             assert await a.swarm_node.average_now() is Result.NO_PEER  # tries nobody
             assert await b.swarm_node.average_now() is Result.BUSY  # a answers "leaving"
         assert a.swarm_node.statistics().committed == 0 == b.swarm_node.statistics().committed
+
+
+async def test_seconds_since_exchange_counts_up_from_the_last_commit(
+    autojump_clock: MockClock,
+) -> None:
+    torch.manual_seed(0)
+    async with open_averaging_swarm(latency=0.005) as swarm:
+        a, b = await start_all(swarm, [torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)])
+        node = a.swarm_node
+        before = node.statistics()
+        assert before.last_exchange is None and before.seconds_since_exchange is None
+        with trio.fail_after(30):
+            assert await node.average_now() is Result.COMMITTED
+        committed = node.statistics()
+        assert committed.last_exchange is not None
+        assert 0 <= committed.seconds_since_exchange < 1
+        autojump_clock.jump(5)
+        later = node.statistics()
+        assert later.last_exchange == committed.last_exchange  # a time on trio's clock
+        assert later.seconds_since_exchange == pytest.approx(
+            committed.seconds_since_exchange + 5)

@@ -312,6 +312,10 @@ async def test_every_exchange_is_reported_at_both_ends_as_it_ends() -> None:
     async with AsyncExitStack() as stack:
         a = await enter_node(stack, model_a, own, [], "a", record("a"))
         b = await enter_node(stack, model_b, own, [a.address], "b", record("b"))
+        for _ in range(3):
+            a.step()
+        for _ in range(5):
+            b.step()
         with trio.fail_after(DEADLINE):
             await until(lambda: sees_ready(a, b), a)
             assert await a.average_now() is Result.COMMITTED
@@ -320,6 +324,8 @@ async def test_every_exchange_is_reported_at_both_ends_as_it_ends() -> None:
         assert (mine.peer, mine.initiated, mine.result) == (b.peer_id, True, Result.COMMITTED)
         assert (theirs.peer, theirs.initiated, theirs.result) == (a.peer_id, False,
                                                                  Result.COMMITTED)
+        # Each is told the other's step as its Accept or Offer said it.
+        assert (mine.step, theirs.step) == (5, 3)
         for exchange in (mine, theirs):
             assert exchange.distance == pytest.approx(distance, rel=1e-5)
             assert exchange.duration > 0
@@ -335,7 +341,7 @@ async def test_every_exchange_is_reported_at_both_ends_as_it_ends() -> None:
         assert {e.peer for e in seen["c"]} == {a.peer_id, b.peer_id}
         for refused in seen["c"]:
             assert refused.initiated and refused.result is Result.REJECTED
-            assert refused.distance is None
+            assert refused.distance is None and refused.step is None  # no Accept came
         assert len(seen["a"]) == len(seen["b"]) == 1
 
 

@@ -56,8 +56,9 @@ def test_round_trip_of_arbitrary_metadata(buffers: dict, task: dict) -> None:
     try:
         data = encode_meta(buffers, task)
     except ValueError:
-        # Only metadata that a joiner would refuse: nested deeper than the decoder allows.
-        with pytest.raises(RemoteProtocolError, match="depth"):
+        # Only metadata that a joiner would refuse: nested deeper than the decoder allows, or
+        # an integer beyond 64 bits.
+        with pytest.raises(RemoteProtocolError, match="depth|beyond 64 bits"):
             decode_meta(canonical({"buffers": buffers, "task": task}))
         return
     assert len(data) <= MAX_META
@@ -230,3 +231,12 @@ def test_random_bytes_raise_only_remote_protocol_error(data: bytes) -> None:
         decode_meta(data)
     except RemoteProtocolError:
         pass
+
+
+def test_an_integer_beyond_64_bits_is_refused_and_never_printed() -> None:
+    # A bignum in a peer's metadata: refused at decode (printing 10**20000 raises in Python).
+    data = canonical({"buffers": {}, "task": {"seed": 10**20000}})
+    with pytest.raises(RemoteProtocolError, match="task.seed holds an integer beyond 64 bits"):
+        decode_meta(data)
+    with pytest.raises(ValueError):
+        encode_meta({}, {"seed": 2**64})

@@ -146,3 +146,18 @@ def test_garbage_payload_is_a_handshake_error():
 def test_swarm_key_is_never_printed():
     swarm = Swarm(name="s", key=b"\xab" * 32)
     assert "ab" not in repr(swarm).lower().replace("swarm", "")
+
+
+def test_a_generated_swarm_is_rebuilt_from_its_hex_key():
+    swarm = Swarm.generate("s")
+    assert swarm.key != Swarm.generate("s").key  # a fresh key each time
+    assert Swarm.from_hex("s", swarm.key.hex()) == swarm
+    assert Swarm.from_hex("s", f"  {swarm.key.hex().upper()}\n") == swarm  # a key file's text
+
+
+@pytest.mark.parametrize("text", ["", "ab" * 31, "ab" * 33, "zz" * 32, "ab " * 21 + "a",
+                                  "ab" * 16 + " " * 32])
+def test_a_malformed_hex_key_is_refused_without_echoing_it(text):
+    with pytest.raises(ValueError, match="64 hexadecimal characters") as caught:
+        Swarm.from_hex("s", text)
+    assert text.strip() == "" or text.strip() not in str(caught.value)

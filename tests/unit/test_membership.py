@@ -29,6 +29,7 @@ from gossip.membership import (
 from gossip.messages import (
     MAX_PARTS,
     MAX_COUNT,
+    MAX_SHARDS,
     Ack,
     Alive,
     Dead,
@@ -197,6 +198,7 @@ def test_transition_table(kind, current, i, new):
         assert message in [x for _, x in sent(m.tick(2.0), kind)]  # passed on
     if kind is Alive and new is not None:
         assert m.get(X).step == 7 and m.get(X).address == ADDR[X]
+        assert m.get(X).heard == 2.0  # the step is as of the announcement just taken
 
 
 def lifeguard_timeout(n_alive, confirmations):
@@ -245,7 +247,7 @@ OUR_INC = 1  # after set_meta(ready=True) below
 
 def announced(m, inc):
     me = m.myself()
-    return Alive(ME, inc, me.address, me.version, me.step, me.ready)
+    return Alive(ME, inc, me.address, me.version, me.step, me.ready, me.shard, me.shards)
 
 
 @pytest.mark.parametrize(
@@ -309,6 +311,16 @@ def test_an_echo_of_our_announcement_after_a_quiet_step_change_is_not_refuted():
     assert m.incarnation == 0
     feed(m, 1.5, A, alive(ME, 0))  # our own Alive(0), relayed back by A
     assert m.incarnation == 0 and m.counters.refutations == 0
+
+
+def test_a_members_step_is_dated_by_the_announcement_that_brought_it():
+    m = machine(2)  # A announced Alive(0) at 0.0
+    assert (m.get(A).step, m.get(A).heard) == (0, 0.0)
+    feed(m, 3.0, B, alive(A, 1, step=40))  # relayed: when we took it is what dates it
+    assert (m.get(A).step, m.get(A).heard) == (40, 3.0)
+    feed(m, 5.0, B, alive(A, 1, step=40))  # the same announcement again is no news
+    feed(m, 6.0, A, Suspect(A, 1, B))  # nor is a suspicion: it says nothing of the step
+    assert (m.get(A).step, m.get(A).heard) == (40, 3.0)
 
 
 @pytest.mark.parametrize("message", [Suspect(ME, MAX_COUNT, A), Dead(ME, MAX_COUNT, A),
@@ -704,6 +716,32 @@ def test_a_ready_change_bumps_the_incarnation_and_is_announced_at_once():
     assert m.incarnation == 1
 
 
+def test_a_shard_change_is_announced_at_once_and_crosses_push_pulls():
+    m = machine(2)
+    m.set_meta(1.0, shard=2, shards=4)
+    assert m.incarnation == 1 and (m.myself().shard, m.myself().shards) == (2, 4)
+    alive_sent = announced(m, 1)
+    assert (alive_sent.shard, alive_sent.shards) == (2, 4)
+    assert alive_sent in [x for _, x in sent(m.tick(1.0), Alive)]
+    m.set_meta(1.5, shards=4)  # no change
+    assert m.incarnation == 1
+    other = Membership(F, ADDR[F], 0.0, CFG, random.Random(1))
+    feed(other, 1.0, ME, alive_sent)
+    assert (other.get(ME).shard, other.get(ME).shards) == (2, 4)
+    fresh = Membership(F, ADDR[F], 0.0, CFG, random.Random(1))
+    fresh.merge(2.0, m.full_state(), ME)
+    assert (fresh.get(ME).shard, fresh.get(ME).shards) == (2, 4)
+    assert fresh.get(A).shards == 0  # announces none
+
+
+@pytest.mark.parametrize("shard, shards", [(4, 4), (1, 0), (-1, 4), (0, MAX_SHARDS + 1)])
+def test_a_shard_that_could_not_be_announced_is_refused(shard, shards):
+    m = machine(2)
+    with pytest.raises(ValueError, match="shard"):
+        m.set_meta(1.0, shard=shard, shards=shards)
+    assert m.incarnation == 0 and (m.myself().shard, m.myself().shards) == (0, 0)
+
+
 def test_a_step_alone_is_announced_only_after_meta_interval():
     m = machine(2, now=10.0)
     m.set_meta(10.0 + CFG.meta_interval - 1, step=5)
@@ -890,3 +928,23 @@ def test_at_the_largest_incarnation_metadata_changes_raise_nothing():
     assert m.incarnation == MAX_COUNT
     m.set_meta(2.0, ready=True, step=5)  # cannot be announced: ignored, nothing raised
     assert m.incarnation == MAX_COUNT and m.full_state()[0].incarnation == MAX_COUNT
+
+
+def test_claims_to_be_us_from_elsewhere_suggest_a_clash_only_when_they_persist():
+    m = machine(2)
+    other = ADDR[PEERS[1]]
+    # A restarted node hears its old self once (and refutes it): no clash.
+    feed(m, 1.0, PEERS[1], alive(ME, 5, address=other))
+    assert m.incarnation == 6 and m.take_clash() is None
+    # A stale copy at a lower incarnation changes nothing.
+    feed(m, 2.0, PEERS[1], alive(ME, 3, address=other))
+    assert m.take_clash() is None
+    # Two processes out-bid each other: the third claim at or above us suggests a clash,
+    # handed out once, and counting starts again.
+    feed(m, 3.0, PEERS[1], alive(ME, m.incarnation, address=other))
+    feed(m, 4.0, PEERS[1], alive(ME, m.incarnation, address=other))
+    assert m.take_clash() == other
+    assert m.take_clash() is None
+    # Our own announcement coming back is never a claim.
+    feed(m, 5.0, PEERS[1], alive(ME, m.incarnation, address=ADDR[ME]))
+    assert m.take_clash() is None

@@ -12,7 +12,7 @@ from trio.testing import MockClock
 from gossip.channel import connect
 from gossip.handshake import Swarm
 from gossip.identity import Identity
-from gossip.membership import MembershipConfig, State
+from gossip.membership import CLASH_CLAIMS, MembershipConfig, State
 from gossip.messages import Alive, Close, Ping, StateRequest
 from gossip.network import TcpNetwork
 from gossip.roster import open_roster
@@ -174,6 +174,7 @@ class PortTakenFirst(TcpNetwork):
     socket already holds: what the system's pick of a free datagram port can give."""
 
     def __init__(self, port: int) -> None:
+        super().__init__()
         self.port = port
         self.datagram_ports: list[int] = []
 
@@ -214,3 +215,97 @@ async def test_a_fixed_port_that_is_taken_is_an_error() -> None:
     finally:
         for listener in listeners:
             await listener.aclose()
+
+
+async def test_a_node_that_cannot_join_says_why_at_a_slowing_pace(
+        autojump_clock: MockClock, caplog: pytest.LogCaptureFixture) -> None:
+    net = SimNetwork(seed=1)
+    stranger = Swarm(SWARM.name, bytes(32))  # the right name, another key
+    net.host("nobody")  # a host with nothing listening
+    caplog.set_level("INFO", logger="gossip.roster")
+    async with open_roster(net.host("a"), Identity.generate(), SWARM, "a:7000"):
+        async with open_roster(net.host("x"), Identity.generate(), stranger, "x:7000",
+                               bootstrap=["a:7000", "nobody:7000"]) as x:
+            start = trio.current_time()
+            await trio.sleep(3600)
+            assert not x.joined
+            trouble = x.trouble
+            assert trouble is not None and trouble.since - start < 5
+            assert "another swarm key" in trouble.reasons["a:7000"]
+            assert "check that our swarm key is this swarm's" in trouble.reasons["a:7000"]
+            assert "connection refused" in trouble.reasons["nobody:7000"]
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    # At once, then with gaps doubling from 30 s to 10 minutes: about 8 in the hour, not
+    # one per attempt (backoff alone makes some 60 attempts an hour).
+    assert warnings and "cannot join the swarm" in warnings[0].getMessage()
+    assert "another swarm key" in warnings[0].getMessage()
+    assert 5 <= len(warnings) <= 10
+    assert trouble.attempts > 2 * len(warnings)
+
+
+async def test_a_swarm_name_mismatch_is_named(autojump_clock: MockClock) -> None:
+    net = SimNetwork(seed=1)
+    async with open_roster(net.host("a"), Identity.generate(), SWARM, "a:7000"):
+        async with open_roster(net.host("x"), Identity.generate(), Swarm("other", SWARM.key),
+                               "x:7000", bootstrap=["a:7000"]) as x:
+            await trio.sleep(5)
+            assert x.trouble is not None
+            assert "check swarm.name" in x.trouble.reasons["a:7000"]
+            assert not x.joined
+
+
+async def test_two_nodes_with_one_identity_both_report_the_clash(
+        autojump_clock: MockClock, caplog: pytest.LogCaptureFixture) -> None:
+    # A copied data directory: the same identity key at two addresses.
+    net = SimNetwork(seed=1)
+    twin = Identity.generate()
+    async with open_roster(net.host("a"), twin, SWARM, "a:7000") as a:
+        async with open_roster(net.host("b"), twin, SWARM, "b:7000", bootstrap=["a:7000"]) as b:
+            await trio.sleep(10)
+            assert not b.joined  # the copy does not take itself for the first node
+            assert b.clash == "a:7000" and a.clash == "b:7000"
+            assert "identity" in b.trouble.reasons["a:7000"]
+            assert a.alive() == [] and b.alive() == []
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert any("identity clash: the node at a:7000" in e for e in errors)
+    assert any("identity clash: the node at b:7000" in e for e in errors)
+
+
+async def test_a_clone_that_joins_through_a_third_node_is_found_by_both(
+        autojump_clock: MockClock) -> None:
+    net = SimNetwork(seed=1)
+    twin = Identity.generate()
+    async with open_roster(net.host("c"), Identity.generate(), SWARM, "c:7000") as c:
+        async with open_roster(net.host("a"), twin, SWARM, "a:7000", bootstrap=["c:7000"]) as a:
+            await a.wait_joined()
+            async with open_roster(net.host("b"), twin, SWARM, "b:7000",
+                                   bootstrap=["c:7000"]) as b:
+                # Each side refutes the other's claims, which travel through c: the first
+                # claims come at once, the third within a few push-pull intervals; then it
+                # dials the address as itself, which only the clone can answer.
+                with trio.fail_after(4 * MembershipConfig().push_pull_interval):
+                    await wait_for(a, lambda: a.clash is not None)
+                    await wait_for(b, lambda: b.clash is not None)
+                assert (a.clash, b.clash) == ("b:7000", "a:7000")
+                assert c.clash is None
+            # The clone stops: the next check finds nobody with our identity there.
+            with trio.fail_after(2 * MembershipConfig().push_pull_interval):
+                await wait_for(a, lambda: a.clash is None)
+
+
+async def test_claims_in_gossip_alone_prove_no_clash(autojump_clock: MockClock) -> None:
+    # Any key holder can gossip "this node is at x:7000": the node dials x:7000 as itself,
+    # where an honest node (another identity) answers, and nothing is flagged.
+    net = SimNetwork(seed=1)
+    victim = Identity.generate()
+    async with open_roster(net.host("x"), Identity.generate(), SWARM, "x:7000") as x:
+        async with open_roster(net.host("v"), victim, SWARM, "v:7000",
+                               bootstrap=["x:7000"]) as v:
+            await v.wait_joined()
+            for incarnation in range(100, 100 + 2 * CLASH_CLAIMS):
+                v._m._on_alive(trio.current_time(),
+                               Alive(victim.peer_id, incarnation, "x:7000", 1, 0, True))
+            await v._execute([])
+            await trio.sleep(MembershipConfig().push_pull_interval)
+            assert v.clash is None and x.clash is None
+            assert len(v.alive()) == 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import socket
 import struct
 
@@ -66,3 +67,58 @@ async def test_dials_come_from_the_source_address() -> None:
                 await stream.aclose()
         nursery.cancel_scope.cancel()
     assert seen == ["127.0.0.2", "127.0.0.1"]
+
+
+# ---- reserve: bind at start-up, serve later ------------------------------------------------
+
+def taken(port: int, kind: int) -> bool:
+    with socket.socket(socket.AF_INET, kind) as other:
+        try:
+            other.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+        return False
+
+
+async def test_a_reserved_address_is_held_and_then_served() -> None:
+    net = TcpNetwork()
+    address = net.reserve("127.0.0.1:0")
+    port = int(address.rsplit(":", 1)[1])
+    assert port != 0 and taken(port, socket.SOCK_STREAM) and taken(port, socket.SOCK_DGRAM)
+    endpoint = await net.open_datagram("127.0.0.1:0")  # the address asked for takes it
+    assert endpoint.local_address == address
+    async with trio.open_nursery() as nursery:
+        served = await nursery.start(net.serve, address, echo)
+        assert served == address
+        with trio.fail_after(10):
+            stream = await TcpNetwork().dial(address)
+            await stream.send_all(b"ping")
+            assert await receive_exactly(stream, 4) == b"ping"
+            await stream.aclose()
+            sender = await TcpNetwork().open_datagram("127.0.0.1:0")
+            await sender.send(b"hello", address)
+            assert (await endpoint.receive())[0] == b"hello"
+            await sender.aclose()
+        nursery.cancel_scope.cancel()
+    await endpoint.aclose()
+    net.release()
+    assert not taken(port, socket.SOCK_STREAM) and not taken(port, socket.SOCK_DGRAM)
+
+
+def test_reserving_an_address_in_use_fails_at_once_and_holds_nothing() -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        net = TcpNetwork()
+        with pytest.raises(OSError) as caught:
+            net.reserve(f"127.0.0.1:{port}")
+        assert caught.value.errno == errno.EADDRINUSE
+    assert not taken(port, socket.SOCK_DGRAM)  # the datagram socket bound first was closed
+
+
+def test_release_frees_what_no_node_took() -> None:
+    net = TcpNetwork()
+    port = int(net.reserve("127.0.0.1:0").rsplit(":", 1)[1])
+    net.release()
+    assert not taken(port, socket.SOCK_STREAM) and not taken(port, socket.SOCK_DGRAM)

@@ -24,7 +24,8 @@ EXAMPLES = [
     m.PingReq(seq=2**32 - 1, target=PEER, address="10.0.0.2:7070"),
     m.Ack(seq=0),
     m.Nack(seq=1),
-    m.Alive(peer=PEER, incarnation=3, address="[::1]:7070", version=1, step=10, ready=True),
+    m.Alive(peer=PEER, incarnation=3, address="[::1]:7070", version=1, step=10, ready=True,
+            shard=3, shards=8),
     m.Suspect(peer=PEER, incarnation=3, by=OTHER),
     m.Dead(peer=PEER, incarnation=4, by=OTHER),
     m.Left(peer=PEER, incarnation=5),
@@ -35,6 +36,8 @@ EXAMPLES = [
     m.Accept(step=13, samples=2**50, weight=1234.5, correction=False),
     m.Commit(),
     m.StateInfo(step=7, samples=0, weight=1.0, meta=b"\xa0"),
+    m.SchemaInfo(count=3, entries=(("fc.weight", (4, 8), "float32"), ("fc.bias", (4,), "float32")),
+                 meta=b""),
 ]
 
 
@@ -71,14 +74,21 @@ def test_round_trip(message):
         ([1, 1, "s", b"k" * 31, b"s" * 64], "Hello.identity_key"),
         ([6, 1, "A" * 26], "Ping.target"),  # peer ids are lowercase
         ([6, 2**32, "a" * 26], "Ping.seq"),
-        ([10, "a" * 26, 0, "a:1", 1, 0, 1], "Alive.ready"),  # 1 is not a boolean
-        ([14, "a" * 26, 0, 4, "a:1", 1, 0, False], "MemberState.state"),
+        ([10, "a" * 26, 0, "a:1", 1, 0, 1, 0, 0], "Alive.ready"),  # 1 is not a boolean
+        ([14, "a" * 26, 0, 4, "a:1", 1, 0, False, 0, 0], "MemberState.state"),
+        ([10, "a" * 26, 0, "a:1", 1, 0, True], "Alive: expected 8 fields, got 6"),  # no shard
+        ([10, "a" * 26, 0, "a:1", 1, 0, True, 8, 8], "Alive.shard: 8 out of range 0..7"),
+        ([10, "a" * 26, 0, "a:1", 1, 0, True, 1, 0], "Alive.shard: 1 out of range 0..0"),
+        ([10, "a" * 26, 0, "a:1", 1, 0, True, 0, 2**16], "Alive.shards"),
+        ([10, "a" * 26, 0, "a:1", 1, 0, True, -1, 8], "Alive.shard"),
+        ([14, "a" * 26, 0, 0, "a:1", 1, 0, False, 2, 2], "MemberState.shard: 2 out of range"),
+        ([14, "a" * 26, 0, 0, "a:1", 1, 0, False, 0, True], "MemberState.shards: expected an"),
         ([5, "a" * 26, [b""] * 65], "Packet.parts"),
         ([5, "a" * 26, ["text"]], "Packet.parts"),
         ([5, "a" * 26, [b"x" * 1401]], "Packet.parts"),
         ([15, False, True, [b""] * 257], "PushPull.records"),
-        ([10, "a" * 26, 0, "not an address", 1, 0, True], "Alive.address"),
-        ([10, "a" * 26, 0, "host:0", 1, 0, True], "Alive.address"),
+        ([10, "a" * 26, 0, "not an address", 1, 0, True, 0, 0], "Alive.address"),
+        ([10, "a" * 26, 0, "host:0", 1, 0, True, 0, 0], "Alive.address"),
         ([7, 1, "a" * 26, "::1:80"], "PingReq.address"),
         ([16, FP, "fp32", 0, 0, 0.0], "Offer: expected 6 fields, got 5"),  # before correction
         ([16, FP, "fp32", 0, 0, 0.0, 1], "Offer.correction: expected a boolean"),
@@ -134,6 +144,32 @@ def test_averaging_messages_match_the_spec(message, spelled):
     assert decode(data) == message
 
 
+def test_member_state_matches_the_spec():
+    # docs/PROTOCOL.md section 6.4: shard 3 of 8 are the last two bytes.
+    record = m.MemberState("hh3rhufgiqst6bcssqq3t5i3tm", 3, m.MemberState.ALIVE, "10.0.0.2:7070",
+                           1, 1200, True, 3, 8)
+    data = encode(record)
+    assert len(data) == 53
+    assert data[:2] == bytes.fromhex("8a0e") and data[-6:] == bytes.fromhex("1904b0f50308")
+    assert decode(data) == record
+
+
+def test_the_largest_member_records_fit_their_limits():
+    # The longest address (hosts are ASCII: letters, digits, '.', '-', '_'; a 4-byte
+    # character would be larger still, and is refused) and every number at its maximum: an
+    # Alive still fits one datagram beside the Packet around it, a MemberState
+    # MAX_RECORD_BYTES.
+    from gossip.broadcast import PART_OVERHEAD
+    from gossip.membership import _PACKET_OVERHEAD, MAX_PACKET
+    from gossip.roster import MAX_RECORD_BYTES
+    address, top = "h" * 250 + ":65535", 2**53 - 1
+    alive = m.Alive(PEER, top, address, 2**16 - 1, top, True, m.MAX_SHARDS - 1, m.MAX_SHARDS)
+    record = m.MemberState(PEER, top, m.MemberState.LEFT, address, 2**16 - 1, top, True,
+                           m.MAX_SHARDS - 1, m.MAX_SHARDS)
+    assert len(encode(alive)) + PART_OVERHEAD <= MAX_PACKET - _PACKET_OVERHEAD
+    assert len(encode(record)) <= MAX_RECORD_BYTES
+
+
 def test_an_unknown_codec_is_valid_on_the_wire():
     # So that a peer asking for a codec we lack gets a polite refusal, not a disconnect.
     assert decode(encode(m.StateRequest(FP, "int8"))).codec == "int8"
@@ -144,6 +180,10 @@ def test_invalid_messages_cannot_be_built():
         m.Close(code=0, reason=7)
     with pytest.raises(ValueError, match="StateHeader.step"):
         m.StateHeader(fingerprint=FP, codec="fp32", step=-1, samples=0, nbytes=0)
+    with pytest.raises(ValueError, match="Alive.shard: 4 out of range 0..3"):
+        m.Alive(PEER, 0, "a:1", 1, 0, True, shard=4, shards=4)
+    with pytest.raises(ValueError, match="MemberState.shards"):
+        m.MemberState(PEER, 0, 0, "a:1", 1, 0, True, shard=0, shards=m.MAX_SHARDS + 1)
 
 
 def test_tag_table_is_append_only_so_far():
@@ -152,7 +192,7 @@ def test_tag_table_is_append_only_so_far():
         1: "Hello", 2: "Close", 3: "StateRequest", 4: "StateHeader", 5: "Packet", 6: "Ping",
         7: "PingReq", 8: "Ack", 9: "Nack", 10: "Alive", 11: "Suspect", 12: "Dead", 13: "Left",
         14: "MemberState", 15: "PushPull", 16: "Offer", 17: "Accept", 18: "Commit",
-        19: "StateInfo",
+        19: "StateInfo", 20: "SchemaInfo",
     }
 
 
@@ -194,3 +234,15 @@ def test_frame_length_never_exceeds_limit(header, limit):
         assert frame_length(header, limit) <= limit
     except WireError:
         assert int.from_bytes(header, "big") > limit
+
+
+@pytest.mark.parametrize("address", ["x\nERROR forged:7000", "a b:1", "\x1b[31mred:1",
+                                     "[::1\n]:1", "caf\u00e9.example:1"])
+def test_an_address_that_could_forge_a_log_line_is_refused_at_decode(address):
+    # Peers' addresses reach logs and the operator's terminal (gossipd status): a host may
+    # hold only what a host name or an IP address holds.
+    with pytest.raises(ValueError, match="Alive.address"):
+        m.Alive(PEER, 0, address, 1, 0, True)
+    forged = cbor2.dumps([10, PEER, 0, address, 1, 0, True, 0, 0])
+    with pytest.raises(WireError):
+        decode(forged)
