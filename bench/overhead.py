@@ -15,7 +15,7 @@ metrics logs (``metrics.jsonl``), never their log text.
   has exited, the next A starts. ``--rounds`` rounds, and a last A, so that every B has an A
   on each side: the overhead ratio is the median over rounds of B's steps/s over the mean of
   its two A's, which cancels a slow drift in the machine's speed. Steps/s come from the
-  trainer's ``progress`` events, one per chunk of steps (``task.progress_every = 1``). Their
+  trainer's ``progress`` events, one per chunk of steps (``task.progress_interval = 0``). Their
   ``step`` is the one the swarm agrees on, which the idle peer holds back (the trainer pays a
   debt of steps it does not count); the bench checks (each ``metrics`` event's step x batch
   size against its local ``samples``) and counts samples when they differ.
@@ -97,7 +97,7 @@ class Daemon:
         data = {
             "node": {"listen": "127.0.0.1:0"},
             "swarm": {"name": name, "bootstrap": bootstrap},
-            "task": {"entry": ENTRY, "device": "cpu", "threads": 1, "progress_every": 1,
+            "task": {"entry": ENTRY, "device": "cpu", "threads": 1, "progress_interval": 0,
                      "options": {"width": WIDTH, "depth": DEPTH, "batch_size": BATCH,
                                  "idle": idle}},
             "averaging": {"every": 0, "interval": INTERVAL},

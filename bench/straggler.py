@@ -102,7 +102,7 @@ def run_gossip(root: Path, delay: float, target: float, budget: float,
     go = root / "go"
     settings = ["task.threads=1", f"task.eval_every={EVAL_EVERY}", "metrics.every=0.5",
                 "averaging.start=own",
-                "checkpoint.interval=3600", "task.progress_every=1000000",
+                "checkpoint.interval=3600", "task.progress_interval=3600",
                 f"task.options.start_file={go}", *extra]
 
     def add(swarm: DaemonSwarm, i: int, bootstrap: list) -> Any:

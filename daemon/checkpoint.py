@@ -297,6 +297,7 @@ def load_latest(directory: Path) -> tuple[Path, dict[str, Any]] | None:
         ``(path, state)``, or None if the directory is missing or holds no valid checkpoint.
     """
     for path in reversed(checkpoints(directory)):
+        log.info("loading checkpoint path=%s", path)  # a large one takes a while: say so
         try:
             return path, load(path)
         except CheckpointError as exc:

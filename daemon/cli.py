@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import socket
 import sys
 from pathlib import Path
@@ -40,13 +41,26 @@ def _version() -> str:
         return "unknown"
 
 
+class _Version(argparse.Action):
+    """``--version``, which reads the installed package's metadata only when asked: reading
+    it costs every other command tens of milliseconds (``status`` must stay quick)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, help="show the version and exit",
+                         **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any) -> None:
+        print(f"gossipd {_version()}")
+        parser.exit()
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="gossipd", description="Peer-to-peer training daemon: train locally, average "
         "weights with random peers.", epilog="Exit codes: 0 ok, 1 failed while running, 2 bad "
         "usage/config/file/key or address in use, 3 no daemon running (status), 4 not ready "
         "(status --ready).")
-    p.add_argument("--version", action="version", version=f"gossipd {_version()}")
+    p.add_argument("--version", action=_Version)
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     def with_config(sp: argparse.ArgumentParser, overrides: bool = True) -> None:
@@ -69,6 +83,13 @@ def _parser() -> argparse.ArgumentParser:
                     "address on the listen port)")
     sp.add_argument("--task", help=f"task entry point module:function (default "
                     f"{NEW_SWARM_TASK}; a join line names its own)")
+    sp.add_argument("--shards", type=int, metavar="N", help="how many shards the swarm's data "
+                    "is cut into (default 1; a join line names its own); each node takes one "
+                    "with task.shard = \"auto\"")
+
+    sp = sub.add_parser("join-line", help="print the join line of this node's swarm as its "
+                        "config stands (after editing [task.options], say)")
+    with_config(sp, overrides=False)
 
     sp = sub.add_parser("run", help="run the daemon")
     with_config(sp)
@@ -93,6 +114,11 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("-o", "--output", required=True, metavar="OUT")
     sp.add_argument("--weights", metavar="W1,W2,...", help="relative weights (default equal)")
 
+    sp = sub.add_parser("export", help="write a checkpoint's model as a plain state-dict file "
+                        "(for torch.load and load_state_dict)")
+    sp.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint-<step>.ckpt file")
+    sp.add_argument("output", metavar="OUT", help="the state-dict file to write")
+
     sp = sub.add_parser("demo", help="run a swarm of real daemons on 127.0.0.1 and report")
     sp.add_argument("--nodes", type=int, default=3)
     sp.add_argument("--seconds", type=float, default=60.0, help="how long they train")
@@ -112,6 +138,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = EXIT_USAGE
     except KeyboardInterrupt:
         code = 130
+    except BrokenPipeError:  # `gossipd status | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+        code = EXIT_OK
     return code
 
 
@@ -129,6 +158,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     from . import logs
     from .service import StartupError, prepare, run
+    from .task import TaskError
     live = logs.setup(args.log_level)
     try:
         prepared = prepare(config)
@@ -137,6 +167,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         trio.run(lambda: run(prepared, live=live))
     except StartupError as exc:
         raise UsageError(str(exc)) from None
+    except TaskError as exc:  # the task broke its contract while training: one line says how
+        log.error("the daemon failed: %s", exc)
+        return EXIT_FAILED
     except Exception:
         log.exception("the daemon failed")
         return EXIT_FAILED
@@ -172,23 +205,43 @@ def not_ready(s: dict[str, Any]) -> str:
     """What the node in status reply ``s`` is waiting for, or "" once it has joined the swarm
     (a bootstrap address answered, or it has none) and has its weights (resumed, downloaded
     or its own)."""
+    if s.get("clash"):
+        return (f"identity clash: the node at {s['clash']} runs with this node's identity key "
+                "(a copied data directory?): see the log")
     if not s.get("joined", True):
-        return "joining the swarm: no bootstrap address has answered yet"
+        trouble = s.get("join_trouble")
+        if not trouble:
+            return "joining the swarm: no bootstrap address has answered yet"
+        reasons = "; ".join(f"{address}: {why}" for address, why in trouble["reasons"].items())
+        return (f"cannot join the swarm: {trouble['attempts']} attempt(s) in "
+                f"{trouble['seconds']:.0f} s failed; {reasons}")
     if not s["ready"]:
         return "fetching the swarm's state"
     return ""
 
 
 def format_status(s: dict[str, Any]) -> str:
-    """The human-readable ``gossipd status``."""
+    """The human-readable ``gossipd status``. Keys a daemon of an older version does not send
+    are left out, not guessed."""
     loss = "-" if s.get("loss") is None else f"{s['loss']:.4f}"
     ex = s["exchanges"]
     ckpt = s.get("last_checkpoint")
+    own, total = s.get("own_steps"), s.get("own_steps_total")
+    training = [f"{s['samples']} samples", f"loss {loss}", f"{s['samples_per_s']:.0f} samples/s"]
+    if own is not None:
+        training.insert(0, f"{own} own steps since start"
+                        + (f" ({total} in all)" if total is not None and total != own else ""))
     lines = [
         f"peer      {s['peer']}  {s['address']}  swarm {s['swarm']}",
         f"task      {s['task']} on {s['device']}, up {s['uptime_s']:.0f} s"
-        + (f"  ({not_ready(s)})" if not_ready(s) else ""),
-        f"training  step {s['step']}  loss {loss}  {s['samples_per_s']:.0f} samples/s",
+        + _shard(s),
+        *([f"NOT READY {not_ready(s)}"] if not_ready(s) else []),
+        f"training  {', '.join(training)}",
+        f"step      {s['step']} (the swarm's: the step the task's schedule follows)",
+    ]
+    if "evaluation" in s:
+        lines.append(f"eval      {_evaluation(s['evaluation'], s.get('eval_every', 0))}")
+    lines += [
         f"averaging {ex['committed']} committed, {ex['busy']} busy, {ex['failed']} failed, "
         f"{ex['invalid']} invalid, {ex['rejected']} rejected; {s['pending']} pending",
         f"traffic   {s['bytes']['sent'] / 1e6:.1f} MB out, {s['bytes']['received'] / 1e6:.1f} MB in",
@@ -196,9 +249,25 @@ def format_status(s: dict[str, Any]) -> str:
         f"peers     {len(s['members'])}",
     ]
     for m in sorted(s["members"], key=lambda m: (m["state"], m["peer"])):
+        age = f" ({m['step_age_s']:.0f} s ago)" if m.get("step_age_s") is not None else ""
         lines.append(f"  {m['peer'][:8]}  {m['address']:<22} {m['state']:<8} step {m['step']}"
-                     + ("" if m["ready"] else "  not ready"))
+                     + age + ("" if m["ready"] else "  not ready"))
     return "\n".join(lines)
+
+
+def _shard(s: dict[str, Any]) -> str:
+    if s.get("shards", 1) == 1:
+        return ""
+    return (f", data shard {s['shard']} of {s['shards']}" if s.get("shard") is not None
+            else f", data shard of {s['shards']} not chosen yet")
+
+
+def _evaluation(e: dict[str, Any] | None, every: float) -> str:
+    if e is None:
+        return (f"none yet (every {every:g} s)" if every
+                else "none yet (task.eval_every is 0: once, when stopping)")
+    metrics = "  ".join(f"{k} {v:.4f}" for k, v in e["metrics"].items())
+    return f"{metrics}  at step {e['step']}, {e['age_s']:.0f} s ago"
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
@@ -209,7 +278,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     try:
         read_swarm_key(config.path(config.swarm.key_file))
         pick_device(config.task.device)
-        load_entry(config.task.entry)
+        load_entry(config.task.entry, config.data_dir())
     except (KeyFileError, TaskError) as exc:
         raise UsageError(str(exc)) from None
     print(render(config), end="")
@@ -257,6 +326,20 @@ def cmd_average(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from .merge import MergeError, export_file
+    try:
+        state = export_file(Path(args.checkpoint), Path(args.output))
+    except MergeError as exc:
+        raise UsageError(str(exc)) from None
+    counters = state.get("counters")
+    step = counters.get("step") if isinstance(counters, dict) else None
+    print(f"wrote {args.output}: the model of {args.checkpoint}"
+          + (f" at step {step}" if step is not None else "")
+          + f", {len(state['model'])} tensors (a state dict: torch.load, then load_state_dict)")
+    return EXIT_OK
+
+
 def guess_address() -> str:
     """This machine's address on its default route (no packet is sent), else 127.0.0.1."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
@@ -272,6 +355,7 @@ def cmd_init(args: argparse.Namespace) -> int:
 
     from .config import ConfigError, from_dict, render
     from .keys import JoinLine, KeyFileError, write_new, write_swarm_key
+    from .entry import entry_file
     from gossip.address import format_address, parse_address
     directory = Path(args.dir)
     config_path = directory / "gossipd.toml"
@@ -290,13 +374,16 @@ def cmd_init(args: argparse.Namespace) -> int:
         except KeyFileError as exc:
             raise UsageError(str(exc)) from None
         name, key, bootstrap = line.name, line.key, list(line.bootstrap)
-        entry, seed = args.task or line.task, line.seed
+        entry, seed, options = args.task or line.task, line.seed, dict(line.options)
+        shards = line.shards if args.shards is None else args.shards
     else:
         name, key, bootstrap = args.swarm, secrets.token_bytes(32), []
-        entry, seed = args.task or NEW_SWARM_TASK, 0
+        entry, seed, options = args.task or NEW_SWARM_TASK, 0, {}
+        shards = 1 if args.shards is None else args.shards
     data = {"node": {"listen": args.listen, "advertise": advertise},
             "swarm": {"name": name, "bootstrap": bootstrap},
-            "task": {"entry": entry, "seed": seed}}
+            "task": {"entry": entry, "seed": seed, "shard": "auto", "shards": shards,
+                     "options": options}}
     try:
         config = from_dict(data, directory.resolve(), str(config_path))
     except ConfigError as exc:
@@ -321,12 +408,74 @@ def cmd_init(args: argparse.Namespace) -> int:
     if not args.join and not args.advertise and host in ("0.0.0.0", "::"):
         print(f"node.advertise = {advertise} (guessed: edit it if peers reach this machine by "
               "another address)")
-    join = JoinLine(name, key, (advertise,) if not args.join else tuple(bootstrap), entry, seed)
-    if entry.partition(":")[0].endswith(".py"):
-        print(f"note: task.entry {entry} runs the code in that file: read it before you start")
+    if options:
+        print(f"task.options from the join line: {json.dumps(options, sort_keys=True)}")
+    task_file = entry_file(entry, config.data_dir())
+    if task_file is not None:
+        missing = ("" if task_file.is_file() else " (not there yet)"
+                   if Path(entry.rpartition(":")[0]).is_absolute() else
+                   " (not there yet: a relative path starts from node.data_dir)")
+        print(f"note: task.entry {entry} runs the code in {task_file}{missing}: read it before "
+              "you start")
+        if args.join and not args.task and Path(line.task.rpartition(":")[0]).is_absolute():
+            print(f"warning: the join line names its task file by a path on the machine that "
+                  f"wrote it: check that {task_file} holds the swarm's task, or put the file "
+                  f"in {config.data_dir()} and set task.entry to its name (\"{task_file.name}:"
+                  f"{entry.rpartition(':')[2]}\")", file=sys.stderr)
+    shared, warning = shareable_entry(entry)
+    if warning and not args.join:
+        print(warning, file=sys.stderr)
+    join = JoinLine(name, key, (advertise,) if not args.join else tuple(bootstrap), shared, seed,
+                    shards, options)
     print("start it:   gossipd run -c", config_path)
     print("a volunteer joins with (this line holds the swarm key: share it privately):")
     print(f"  gossipd init --join '{join}'")
+    print(f"after editing the config's [task.options]: gossipd join-line -c {config_path}")
+    return EXIT_OK
+
+
+def shareable_entry(entry: str) -> tuple[str, str]:
+    """The task entry a join line carries, and a warning when it is not ``entry`` ("" else).
+
+    A task file named by an absolute path is a path on this machine, which a volunteer's
+    machine rarely has: the line carries the file's name alone, which a volunteer's node looks
+    for in its own node.data_dir (where a relative task.entry starts), and the warning says to
+    send the file along. Refusing the line instead would leave the operator with no line at
+    all, and the file has to reach the volunteer whichever way."""
+    from .entry import is_file_entry, parse_entry
+    try:
+        target, function = parse_entry(entry)
+    except ValueError:
+        return entry, ""
+    if not (is_file_entry(target) and Path(target).is_absolute()):
+        return entry, ""
+    name = Path(target).name
+    return f"{name}:{function}", (
+        f"warning: task.entry {entry} is a path on this machine; the join line names the file "
+        f"alone, {name}:{function}, which a volunteer's node looks for in its own data "
+        f"directory: send {name} with the line, or make the task a module volunteers install "
+        f"(package.module:{function})")
+
+
+def cmd_join_line(args: argparse.Namespace) -> int:
+    config = _load(args)
+    from .keys import JoinLine, KeyFileError, read_swarm_key
+    from gossip.address import parse_address
+    address = config.node.advertise or config.node.listen
+    if parse_address(address)[1] == 0:
+        raise UsageError(f"node.listen {address} has port 0, which nobody can dial: set "
+                         "node.advertise")
+    entry, warning = shareable_entry(config.task.entry)
+    try:
+        key = read_swarm_key(config.path(config.swarm.key_file))
+        line = JoinLine(config.swarm.name, key, tuple(dict.fromkeys(
+            (address, *config.swarm.bootstrap))), entry, config.task.seed, config.task.shards,
+            dict(config.task.options))
+    except KeyFileError as exc:
+        raise UsageError(str(exc)) from None
+    if warning:
+        print(warning, file=sys.stderr)
+    print(line)
     return EXIT_OK
 
 
@@ -341,5 +490,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 COMMANDS = {
     "init": cmd_init, "run": cmd_run, "status": cmd_status, "check-config": cmd_check_config,
-    "keygen": cmd_keygen, "average": cmd_average, "demo": cmd_demo,
+    "keygen": cmd_keygen, "average": cmd_average, "export": cmd_export, "demo": cmd_demo,
+    "join-line": cmd_join_line,
 }

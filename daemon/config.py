@@ -47,6 +47,9 @@ else:  # pragma: no cover - exercised on 3.10 only
 
 import gossip
 from gossip.address import parse_address
+from gossip.messages import MAX_SHARDS
+
+from .entry import parse_entry
 
 __all__ = [
     "ENV", "DEFAULT_PATH", "ConfigError", "NodeConfig", "SwarmConfig", "TaskConfig",
@@ -121,9 +124,11 @@ def _address(*, dialable: bool, optional: bool = False) -> Check:
 
 
 def _entry(value: str) -> str | None:
-    target, _, function = value.rpartition(":")
-    if value and not (target and function.isidentifier()):
-        return f"expected 'module:function' or 'path/to/file.py:function', got {value!r}"
+    try:
+        if value:  # "" is caught as missing, in stage 2
+            parse_entry(value)
+    except ValueError as exc:
+        return str(exc)
     return None
 
 
@@ -143,9 +148,11 @@ AT_LEAST_1 = _want(lambda v: v >= 1, "an integer >= 1")
 NOT_EMPTY = _want(bool, "a non-empty string")
 
 
-def _field(default: Any, doc: str, check: Check | None = None) -> Any:
-    """A config field: ``doc`` (with its unit) is the only description the field has."""
-    metadata = {"doc": doc, "check": check}
+def _field(default: Any, doc: str, check: Check | None = None, *, words: tuple[str, ...] = ()
+           ) -> Any:
+    """A config field: ``doc`` (with its unit) is the only description the field has.
+    ``words`` are strings it takes besides values of the default's type (``"auto"``)."""
+    metadata = {"doc": doc, "check": check, "words": words}
     if isinstance(default, dict):
         return field(default_factory=dict, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -164,14 +171,16 @@ def _describe(value: Any) -> str:
     return f"{names.get(type(value), type(value).__name__)} {reprlib.repr(value)}"
 
 
-def _coerce(value: Any, kind: type) -> Any:
-    """``value`` as a ``kind``, the type of the field's default. Raises _Invalid."""
+def _coerce(value: Any, kind: type, words: Sequence[str] = ()) -> Any:
+    """``value`` as a ``kind``, the type of the field's default (or one of the field's
+    ``words``, which the error then names too). Raises _Invalid."""
     is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
     ok = {bool: isinstance(value, bool), int: is_number and isinstance(value, int),
           float: is_number, tuple: isinstance(value, (list, tuple)),
           dict: isinstance(value, Mapping)}.get(kind, isinstance(value, str))
     if not ok:
-        raise _Invalid(f"expected {_KINDS[kind]}, got {_describe(value)}")
+        expected = " or ".join([_KINDS[kind], *(_toml(word) for word in words)])
+        raise _Invalid(f"expected {expected}, got {_describe(value)}")
     if kind is float and not math.isfinite(value):
         raise _Invalid(f"expected a finite number, got {value!r}")
     if kind is tuple:
@@ -209,7 +218,11 @@ class _Section:
             key = f"{self.section}.{f.name}"
             try:
                 kind = dict if f.default is MISSING else type(f.default)  # dicts use a factory
-                value = _coerce(getattr(self, f.name), kind)
+                value, words = getattr(self, f.name), f.metadata["words"]
+                if isinstance(value, str) and value in words:  # a word has no other check
+                    object.__setattr__(self, f.name, str(value))
+                    continue
+                value = _coerce(value, kind, words)
                 check = f.metadata["check"] or (lambda item: None)
                 # An array's check applies to each item, and the error points at the item.
                 items = value if isinstance(value, tuple) else (value,)
@@ -279,18 +292,24 @@ class TaskConfig(_Section):
     """What to train, on which device, and which share of the data."""
 
     section = "task"
-    entry: str = _field("", "what to train: \"module:function\" or \"path/to/file.py:function\" "
-                        "(required)", _entry)
+    entry: str = _field("", "what to train: \"package.module:function\" or "
+                        "\"path/to/file.py:function\", a relative path from data_dir (required)",
+                        _entry)
     device: str = _field("auto", "auto, cpu, cuda or cuda:N; auto picks cuda when available",
                          _want(_DEVICE.fullmatch, "auto, cpu, cuda or cuda:N"))
     seed: int = _field(0, "seeds the model's initialization: the same on every node (>= 0)",
                        COUNT)
-    shard: int = _field(0, "this node's shard of the data, in [0, shards)", COUNT)
-    shards: int = _field(1, "how many shards the data is split into (>= 1)", AT_LEAST_1)
+    shard: int | str = _field(0, "this node's shard of the data, in [0, shards), or \"auto\": "
+                              "once joined, the shard the fewest members announce, kept in "
+                              "data_dir/shard", COUNT, words=("auto",))
+    shards: int = _field(1, f"how many shards the data is split into, 1..{MAX_SHARDS}: "
+                         "the same on every node", _want(lambda v: 1 <= v <= MAX_SHARDS,
+                                                         f"an integer in 1..{MAX_SHARDS}"))
     options: Mapping[str, Any] = _field({}, "free-form table passed to the task as given")
     chunk: float = _field(0.25, "s; the trainer thread returns to the event loop at least this "
                           "often (> 0)", POSITIVE)
-    progress_every: int = _field(100, "steps between progress log lines (>= 1)", AT_LEAST_1)
+    progress_interval: float = _field(10.0, "s between progress log lines (>= 0); 0: one after "
+                                      "every chunk", NON_NEGATIVE)
     eval_every: float = _field(0.0, "s between evaluations while training (the task's evaluate, "
                                "between chunks); 0: only when stopping", NON_NEGATIVE)
     max_steps: int = _field(0, "stop after this process has taken this many steps; 0: run "
@@ -300,7 +319,7 @@ class TaskConfig(_Section):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.shard >= self.shards:
+        if self.shard != "auto" and self.shard >= self.shards:
             raise ConfigError(f"task.shard: expected an integer in [0, task.shards) = "
                               f"[0, {self.shards}), got {self.shard}", "task.shard")
 
@@ -396,6 +415,13 @@ class MetricsConfig(_Section):
 
 _SECTIONS = {cls.section: cls for cls in (NodeConfig, SwarmConfig, TaskConfig, AveragingSection,
                                           CheckpointConfig, MetricsConfig)}
+
+# Keys that were renamed, with what to write instead: an old config is one clear error away
+# from running, not silently read with another meaning.
+_RENAMED = {
+    "task.progress_every": ("task.progress_interval", "seconds between progress lines, default "
+                            "10; progress_every counted steps"),
+}
 
 
 @dataclass(frozen=True)
@@ -508,6 +534,10 @@ def _build(data: Mapping, base: Path, complete: bool = True) -> Config:
             raise ConfigError(f"{name}: expected a table [{name}], got {_describe(table)}", name)
         known = [f.name for f in fields(_SECTIONS[name])]
         for key in table:
+            if f"{name}.{key}" in _RENAMED:
+                new, note = _RENAMED[f"{name}.{key}"]
+                raise ConfigError(f"{name}.{key}: no longer a key; did you mean {new} "
+                                  f"({note})?", f"{name}.{key}")
             if key not in known:
                 raise ConfigError(f"{name}.{key}: unknown key{_suggest(key, known)}",
                                   f"{name}.{key}")

@@ -35,7 +35,7 @@ REFRESH = 2.0  # s between progress displays
 # Settings for every node, before the user's --set: the averaging is the defaults'; each
 # node evaluates every EVAL_EVERY seconds, for the plot.
 EVAL_EVERY = 2.0
-PRESETS = ["checkpoint.interval=30", "metrics.every=2", "task.progress_every=50",
+PRESETS = ["checkpoint.interval=30", "metrics.every=2", "task.progress_interval=1",
            "task.threads=1", f"task.eval_every={EVAL_EVERY:g}"]
 POINTS = 2.0  # the demo's verdict: every node within this many points of the central baseline
 
@@ -234,7 +234,7 @@ def _score(swarm: list[_Node], overrides: Sequence[str]) -> _Scores | None:
     def build() -> Any:
         context = Context(config.task.seed, torch.device("cpu"), dict(config.task.options),
                           config.data_dir() / "cache", lambda: steps_taken[0])
-        return load_entry(config.task.entry)(context)
+        return load_entry(config.task.entry, config.data_dir())(context)
 
     task = build()
     if task.evaluate is None or not states:

@@ -1,4 +1,5 @@
-"""``gossipd average``: merge separately trained replicas by hand, offline.
+"""``gossipd average`` and ``gossipd export``: a model's files, offline. ``average`` merges
+separately trained replicas by hand; ``export`` turns one checkpoint into a plain state dict.
 
 Theory of operation
 -------------------
@@ -24,6 +25,12 @@ purpose (an attention mask); NaN in an input gives NaN in the output.
 The output is a plain ``torch.save``'d state dict in key order, written atomically (temp
 file, fsync, ``os.replace``) with mode 0600, and never over one of the inputs. Memory: every
 input is held at once, plus one float64 accumulator for the largest entry.
+
+A checkpoint is not a ``torch.save`` file (a header and a trailer frame the payload:
+:mod:`daemon.checkpoint`) and holds the optimizer, counters and RNG states besides the model.
+:func:`export_file` verifies one and writes its ``"model"`` entry alone, the same way as an
+average: what ``torch.load(path, weights_only=True)`` returns and the task's model takes in
+``load_state_dict``.
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ import torch
 
 from . import checkpoint
 
-__all__ = ["MergeError", "read_state_dict", "average", "average_files"]
+__all__ = ["MergeError", "read_state_dict", "average", "average_files", "export_file"]
 
 log = logging.getLogger(__name__)
 
@@ -70,12 +77,7 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
             (at the top level, or under ``"model"`` or ``"state_dict"``).
     """
     path = Path(path)
-    try:
-        with open(path, "rb") as f:
-            is_checkpoint = f.read(len(checkpoint.MAGIC)) == checkpoint.MAGIC
-    except OSError as exc:
-        raise MergeError(f"{path}: cannot read: {exc.strerror or exc}") from exc
-    if is_checkpoint:
+    if _is_checkpoint(path):
         try:
             obj: Any = checkpoint.load(path)
         except checkpoint.CheckpointError as exc:
@@ -97,6 +99,19 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
                 return dict(obj[key])
     raise MergeError(f"{path}: holds a {type(obj).__name__}, not a state dict (a non-empty "
                      "mapping of str to Tensor, at the top or under 'model' or 'state_dict')")
+
+
+def _is_checkpoint(path: Path) -> bool:
+    """Whether ``path`` starts as a checkpoint does (not yet whether it is a sound one).
+
+    Raises:
+        MergeError: the file is missing or unreadable.
+    """
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(checkpoint.MAGIC)) == checkpoint.MAGIC
+    except OSError as exc:
+        raise MergeError(f"{path}: cannot read: {exc.strerror or exc}") from exc
 
 
 def _normalized(weights: Sequence[float] | None, n: int) -> list[float]:
@@ -219,23 +234,71 @@ def average_files(paths: Sequence[Path], out: Path,
     """
     paths = [Path(p) for p in paths]
     out = Path(out)
-    for p in paths:
+    _check_output(out, paths)
+    if len(paths) < 2:
+        raise MergeError(f"need at least 2 files to average, got {len(paths)} (to convert "
+                         "one checkpoint to a state dict: gossipd export)")
+    states = [read_state_dict(p) for p in paths]
+    result = average(states, weights, names=[str(p) for p in paths])
+    _write(out, result)
+    log.info("average written out=%s inputs=%d keys=%d", out, len(paths), len(result))
+    return result
+
+
+def export_file(path: Path, out: Path) -> dict[str, Any]:
+    """Write the model of the checkpoint ``path`` to ``out`` as a plain state dict.
+
+    Args:
+        path: a checkpoint (``checkpoint-<step>.ckpt``).
+        out: the output file, written atomically as a plain ``torch.save``'d state dict
+            (loadable with ``torch.load(weights_only=True)`` and ``model.load_state_dict``).
+
+    Returns:
+        The checkpoint's whole state (``"model"``, ``"counters"``, ...), for the caller's
+        message.
+
+    Raises:
+        MergeError: ``path`` is missing, unreadable, not a checkpoint, damaged, or holds no
+            model state dict; ``out`` is ``path`` or its directory does not exist; or ``out``
+            cannot be written (then it is unchanged).
+    """
+    path, out = Path(path), Path(out)
+    if not _is_checkpoint(path):
+        raise MergeError(f"{path}: not a gossipd checkpoint (those start with "
+                         f"{checkpoint.MAGIC.decode()}; a torch.save file loads as it is)")
+    _check_output(out, [path])
+    try:
+        state = checkpoint.load(path)
+    except checkpoint.CheckpointError as exc:
+        raise MergeError(f"{path}: {exc.reason}") from exc
+    model = state.get("model")
+    if not _is_state_dict(model):
+        raise MergeError(f"{path}: its 'model' entry is a {type(model).__name__}, not a state "
+                         "dict (a non-empty mapping of str to Tensor)")
+    _write(out, dict(model))
+    log.info("export written out=%s checkpoint=%s keys=%d", out, path, len(model))
+    return state
+
+
+def _check_output(out: Path, inputs: Sequence[Path]) -> None:
+    """Refuse an output that is one of the inputs, or whose directory is missing."""
+    for p in inputs:
         same = out.resolve() == p.resolve()
         if not same and out.exists() and p.exists():
             same = os.path.samefile(out, p)  # hard links and bind mounts
         if same:
             raise MergeError(f"{out}: refusing to overwrite input {p}")
-    if len(paths) < 2:
-        raise MergeError(f"need at least 2 files to average, got {len(paths)}")
-    states = [read_state_dict(p) for p in paths]
-    result = average(states, weights, names=[str(p) for p in paths])
+    if out.is_dir():
+        raise MergeError(f"{out} is a directory; name the file to write")
+    if not out.parent.is_dir():
+        raise MergeError(f"{out}: directory {out.parent} does not exist")
 
+
+def _write(out: Path, state: Mapping[str, torch.Tensor]) -> None:
     def write(f: BinaryIO) -> None:
-        torch.save(result, f)
+        torch.save(state, f)
 
     try:
         checkpoint.atomic_write(out, write)
     except OSError as exc:
         raise MergeError(f"{out}: cannot write: {exc.strerror or exc}") from exc
-    log.info("average written out=%s inputs=%d keys=%d", out, len(paths), len(result))
-    return result

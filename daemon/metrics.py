@@ -8,7 +8,13 @@ event: :meth:`Metrics.exchange` is the averaging node's ``on_exchange`` callback
 :meth:`Metrics.trained` is told each chunk of training steps. Gauges that mirror a state
 (peers by state, step, pending deltas) are refreshed by :meth:`Metrics.sample`, which also
 returns the snapshot the JSON-lines log and ``gossipd status`` show, so the three never
-disagree. Names follow ``gossip_<noun>_<unit>``.
+disagree. :meth:`Metrics.totals` sums up the run for the ``stop`` event. Names follow
+``gossip_<noun>_<unit>``.
+
+The registry exports no ``*_created`` series (the Unix time each counter and histogram was
+made: one more series per counter, read by nobody). prometheus_client can turn them off only
+for the whole process, which would change the exposition of any other registry the program
+holds; :class:`_Registry` drops them from its own output instead.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.metrics_core import Metric
 
 import gossip
 from gossip.address import parse_address
@@ -35,13 +42,36 @@ RESULTS = tuple(r.value for r in gossip.Result if r is not gossip.Result.NO_PEER
 STATES = ("alive", "suspect", "dead", "left")
 LIMITS = ("max_connections", "max_handshakes_per_host", "peer_rate")  # gossip_inbound_refused
 RATE_WINDOW = 30.0  # s of chunks the samples/s figure averages over
+CREATED = "_created"  # the suffix of the series _Registry leaves out
+TOTALLED = ("committed", "failed", "busy", "rejected", "invalid", "no_peer")  # in totals()
+
+
+class _Registry(CollectorRegistry):
+    """A registry that exports no ``*_created`` samples, by itself, whatever the process-wide
+    setting of prometheus_client (``disable_created_metrics()``) says."""
+
+    def collect(self) -> Any:
+        for metric in super().collect():
+            yield _without_created(metric)
+
+    def restricted_registry(self, names: Any) -> Any:
+        # A scrape of ``?name[]=...`` collects through RestrictedRegistry, which keeps the
+        # samples named in the set: leaving the _created names out leaves those samples out.
+        return super().restricted_registry(n for n in names if not n.endswith(CREATED))
+
+
+def _without_created(metric: Metric) -> Metric:
+    if metric.type in ("counter", "histogram", "summary"):
+        # collect() builds a new Metric every time: filtering it in place touches no state
+        metric.samples = [s for s in metric.samples if not s.name.endswith(CREATED)]
+    return metric
 
 
 class Metrics:
     """Counters and gauges of one daemon."""
 
     def __init__(self) -> None:
-        self.registry = r = CollectorRegistry()
+        self.registry = r = _Registry()
         self.steps = Counter("gossip_steps", "Optimizer steps taken here", registry=r)
         self.samples = Counter("gossip_samples", "Training samples consumed here", registry=r)
         self.loss = Gauge("gossip_loss", "Mean training loss of the last chunk of steps", registry=r)
@@ -62,6 +92,9 @@ class Metrics:
                            ["state"], registry=r)
         self.pending = Gauge("gossip_pending_deltas", "Committed deltas not yet applied",
                              registry=r)
+        self.quarantined = Gauge("gossip_quarantined_peers", "Peers this node holds in "
+                                 "quarantine now (averaging.strikes invalid states in a row, "
+                                 "or a model that cannot be averaged with ours)", registry=r)
         self.refused = Counter("gossip_inbound_refused", "Inbound connections closed unread, "
                                "by limit: max_connections (refused at accept), "
                                "max_handshakes_per_host (an unproven one evicted), peer_rate",
@@ -92,6 +125,8 @@ class Metrics:
         self._last_loss = math.nan
         self._bytes_seen = (0, 0)
         self._no_peer_seen = 0
+        self._steps = self._samples = 0  # this run's, for totals()
+        self._last_eval: dict[str, float] = {}
 
     # ---- events -----------------------------------------------------------------------
 
@@ -99,6 +134,8 @@ class Metrics:
         """Count one chunk of ``steps`` steps over ``samples`` samples with mean ``loss``."""
         self.steps.inc(steps)
         self.samples.inc(samples)
+        self._steps += steps
+        self._samples += samples
         if math.isfinite(loss):
             self.loss.set(loss)
             self._last_loss = loss
@@ -115,6 +152,14 @@ class Metrics:
     def checkpointed(self, seconds: float) -> None:
         self.checkpoints.inc()
         self.checkpoint_seconds.set(seconds)
+
+    def evaluated(self, evaluation: dict[str, float]) -> None:
+        """Set the ``gossip_eval`` gauges to the task's latest evaluation, and keep it for
+        :meth:`totals`."""
+        for metric, value in evaluation.items():
+            self.evaluation.labels(metric).set(value)
+        if evaluation:
+            self._last_eval = dict(evaluation)
 
     # ---- state ------------------------------------------------------------------------
 
@@ -146,6 +191,7 @@ class Metrics:
             self.peers.labels(state).set(getattr(roster, state))
         self.step.set(stats.step)
         self.pending.set(stats.pending)
+        self.quarantined.set(stats.quarantined)
         rate = self.samples_per_second()
         self.rate.set(rate)
         return {
@@ -168,6 +214,32 @@ class Metrics:
             "refused": refused,
             "downloads_served": stats.downloads_served,
         }
+
+    def totals(self, node: gossip.SwarmNode) -> dict[str, Any]:
+        """What this run did, for the ``stop`` event and line.
+
+        Returns:
+            ``step`` (the swarm's step, as the checkpoint holds it), ``steps`` and ``samples``
+            (trained by this process, the checkpoint resumed not counted), ``loss`` (of the
+            last chunk with a finite one; None: none), ``exchanges`` (this run's, by result;
+            ``no_peer`` counts rounds that found nobody) and ``eval`` (the task's latest
+            evaluation; None: none ran).
+        """
+        stats = node.statistics()
+        return {
+            "step": stats.step,
+            "steps": self._steps,
+            "samples": self._samples,
+            "loss": None if math.isnan(self._last_loss) else self._last_loss,
+            "exchanges": {result: getattr(stats, result) for result in TOTALLED},
+            "eval": dict(self._last_eval) or None,
+        }
+
+    def series(self) -> set[str]:
+        """The names of the series exported, as PromQL spells them: a counter's with
+        ``_total``, a histogram's without ``_bucket``, ``_sum`` or ``_count``."""
+        return {f"{m.name}_total" if m.type == "counter" else m.name
+                for m in self.registry.collect()}
 
     def serve(self, address: str) -> Any:
         """Start the Prometheus endpoint on ``host:port`` (a thread of prometheus_client's).

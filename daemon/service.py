@@ -2,16 +2,19 @@
 
 Theory of operation
 -------------------
-:func:`prepare` does everything that can fail because of the operator — read the keys, claim
-the control socket, load the task, pick the device, find the newest valid checkpoint — before
-anything touches the network, and raises :class:`StartupError` with a one-line message.
+:func:`prepare` does everything that can fail because of the operator — claim the control
+socket, bind ``node.listen``, read the keys, load the task, pick the device, find the newest
+valid checkpoint — before anything touches the network, and raises :class:`StartupError` with a
+one-line message. The cheap checks come first, so that a mistake such as an address in use is
+reported at once rather than after the task's imports; each slow phase logs a line as it
+begins (importing the task, building it, loading a checkpoint), saying what start-up waits for.
 
 :func:`run` then owns one nursery (signals) around the node (:func:`gossip.open_swarm`),
 whose own nursery runs the control socket, the metrics and the training loop. The training
 loop waits until the node is ready (a joiner without a checkpoint downloads the swarm's
 state first), then alternates: a chunk of steps in a worker thread, then — on the trio side —
-counters, the progress line and, when due, a checkpoint (state copied between chunks, written
-by a background thread).
+counters, the progress line (every ``task.progress_interval`` seconds, however fast the steps)
+and, when due, a checkpoint (state copied between chunks, written by a background thread).
 
 Stopping (SIGTERM, SIGINT, or ``task.max_steps``): the current chunk ends after its step, the
 node leaves (no new exchanges; one in flight is abandoned and applies nothing; the departure
@@ -27,6 +30,7 @@ import itertools
 import logging
 import math
 import os
+import random
 import signal
 import socket
 import time
@@ -41,13 +45,14 @@ import gossip
 from gossip.address import format_address
 from gossip.groups import one_error
 
-from . import checkpoint
+from . import checkpoint, sharding
 from .config import Config
 from .control import ControlError, bind_control, serve_control
-from .keys import KeyFileError, read_swarm_key
+from .keys import KeyFileError, encode_options, read_swarm_key
 from .logs import LiveLine
 from .metrics import Metrics, MetricsLog
-from .task import Context, Shard, Task, TaskError, load_entry, pick_device
+from .status import PeerSteps
+from .task import Context, Shard, Task, TaskError, entry_file, load_entry, pick_device
 from .train import Chunk, Trainer
 
 __all__ = ["StartupError", "Prepared", "prepare", "run"]
@@ -79,6 +84,10 @@ class Prepared:
     log_file: MetricsLog | None
     step: _Step  # what the task's Context.global_step reads
     metrics_server: Any = None  # prometheus_client's HTTP server, if configured
+    network: gossip.TcpNetwork | None = None  # node.listen already bound (reserved) on it
+    own_steps: int | None = 0  # our own steps the checkpoint resumed counts (None: unknown)
+    shard: Shard = Shard()  # the shard ``batches`` draws from
+    choose_shard: bool = False  # task.shard "auto", no earlier choice holds: choose once joined
 
 
 class _Step:
@@ -106,12 +115,31 @@ def prepare(config: Config) -> Prepared:
         control = bind_control(config.path(config.node.control))  # first: no thread yet
     except (OSError, ControlError) as exc:
         raise StartupError(str(exc)) from None
+    # Bound now and kept for the node, before the slow phases below: an address in use is
+    # reported within moments of launch, and nobody can take it while the task loads.
+    network = gossip.TcpNetwork(config.node.dial_from or None)
     try:
-        return _prepare(config, control)
+        try:
+            network.reserve(config.node.listen)
+        except OSError as exc:
+            raise _listen_error(config.node.listen, exc) from None
+        prepared = _prepare(config, control)
     except BaseException:
+        network.release()
         control.close()
         config.path(config.node.control).unlink(missing_ok=True)
         raise
+    prepared.network = network
+    return prepared
+
+
+def _listen_error(listen: str, exc: OSError) -> StartupError:
+    """The one-line error for ``node.listen`` that cannot be bound."""
+    if exc.errno == errno.EADDRINUSE:
+        return StartupError(f"node.listen {listen}: address already in use")
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return StartupError(f"node.listen {listen}: not an address of this machine")
+    return StartupError(f"node.listen {listen}: {exc.strerror or exc}")
 
 
 def _prepare(config: Config, control: socket.socket) -> Prepared:
@@ -120,13 +148,18 @@ def _prepare(config: Config, control: socket.socket) -> Prepared:
         identity = gossip.Identity.load_or_generate(config.path(config.node.identity))
         swarm = gossip.Swarm(config.swarm.name, read_swarm_key(config.path(config.swarm.key_file)))
         device = pick_device(config.task.device)
-        fn = load_entry(config.task.entry)
+        file = entry_file(config.task.entry, data_dir)
+        log.info("importing task entry=%s%s", config.task.entry, f" file={file}" if file else "")
+        fn = load_entry(config.task.entry, data_dir)
     except (OSError, KeyFileError, TaskError, gossip.IdentityError) as exc:
         raise StartupError(str(exc)) from None
     if config.task.threads:
         torch.set_num_threads(config.task.threads)
-    shard = Shard(config.task.shard, config.task.shards)
+    shard, choose = _first_shard(config)
     step = _Step()
+    log.info("building task entry=%s device=%s shard=%d/%d%s: the task function, then its "
+             "first batch", config.task.entry, device, shard.index, shard.count,
+             " (auto: chosen once joined)" if choose else "")
     task = _build_task(config, fn, Context(config.task.seed, device, dict(config.task.options),
                                            data_dir / "cache", step))
     try:
@@ -139,6 +172,7 @@ def _prepare(config: Config, control: socket.socket) -> Prepared:
         raise StartupError(f"{config.task.entry}: batches({shard}) failed: {exc!r}") from None
     task.model.to(device)
     counters, correction, resumed = None, None, None
+    own_steps: int | None = 0
     try:
         found = checkpoint.load_latest(config.path(config.checkpoint.dir))
     except OSError as exc:
@@ -148,6 +182,7 @@ def _prepare(config: Config, control: socket.socket) -> Prepared:
         resumed, state = found
         try:
             counters, correction = Trainer.restore(task, state)
+            own_steps = Trainer.own_steps_in(state)
         except (KeyError, ValueError, RuntimeError, TypeError) as exc:
             raise StartupError(f"checkpoint {resumed} does not fit task {config.task.entry}: "
                                f"{str(exc).splitlines()[0]}") from None
@@ -159,9 +194,27 @@ def _prepare(config: Config, control: socket.socket) -> Prepared:
     prepared = Prepared(config, identity, swarm, device, task, batches, counters, correction,
                         resumed, control, metrics, log_file, step)
     step.start = counters.step if counters is not None else 0
+    prepared.own_steps = own_steps
+    prepared.shard, prepared.choose_shard = shard, choose
     if config.metrics.prometheus:  # last: it starts a thread
         prepared.metrics_server = _serve_metrics(metrics, config.metrics.prometheus)
     return prepared
+
+
+def _first_shard(config: Config) -> tuple[Shard, bool]:
+    """The shard start-up draws its first batch from, and whether the node must still choose
+    its shard once joined (:mod:`daemon.sharding`): a fixed ``task.shard``; with ``"auto"``
+    the choice an earlier run kept, if it holds for ``task.shards``, or else shard 0 until the
+    node has chosen."""
+    shards = config.task.shards
+    if config.task.shard != "auto":
+        return Shard(int(config.task.shard), shards), False
+    path = config.path(sharding.CHOICE_FILE)
+    try:
+        kept = sharding.read_choice(path, shards)
+    except OSError as exc:
+        raise StartupError(f"task.shard auto: cannot read {path}: {exc.strerror}") from None
+    return Shard(kept or 0, shards), kept is None
 
 
 def _build_task(config: Config, fn: Any, context: Context) -> Task:
@@ -219,6 +272,9 @@ class _Service:
         self.writing = trio.Lock()  # one checkpoint write at a time
         self.first_exchange = True
         self.signals = 0
+        self.peer_steps = PeerSteps()  # what exchanges and the download said (gossipd status)
+        self.evaluation: dict[str, Any] | None = None  # the latest, for gossipd status
+        self.shard: Shard | None = None  # the shard we train on, once known (auto: chosen)
 
     # ---- the pieces -------------------------------------------------------------------
 
@@ -250,6 +306,8 @@ class _Service:
             await self.serve_node(task_status)
             await self.final_checkpoint()
         finally:
+            if p.network is not None:
+                p.network.release()  # what the node did not take, if it never opened
             p.control.close()
             control.unlink(missing_ok=True)
             if p.metrics_server is not None:
@@ -261,7 +319,12 @@ class _Service:
 
     async def serve_node(self, task_status: Any) -> None:
         c, p = self.config, self.p
-        task_meta = {"entry": c.task.entry, "seed": c.task.seed}
+        task_meta: dict[str, Any] = {"entry": c.task.entry, "seed": c.task.seed}
+        try:  # published with the state, and named when a joiner's model differs
+            encode_options(c.task.options)
+            task_meta["options"] = dict(c.task.options)
+        except KeyFileError:
+            log.debug("task.options are not published: a join line could not carry them")
         start = "own" if p.resumed is not None else c.averaging.start
         try:
             async with gossip.open_swarm(
@@ -271,11 +334,14 @@ class _Service:
                 membership=c.membership(), timeouts=c.averaging.to_timeouts(), task=task_meta,
                 counters=p.counters, optimizer=p.task.optimizer, correction=p.correction,
                 allow=c.swarm.allow or None, on_exchange=self.on_exchange,
-                limits=c.swarm.limits(), network=gossip.TcpNetwork(c.node.dial_from or None),
+                limits=c.swarm.limits(),
+                network=p.network or gossip.TcpNetwork(c.node.dial_from or None),
             ) as node:
                 self.node = p.step.node = node
-                self.trainer = Trainer(p.task, node, p.device, Shard(c.task.shard, c.task.shards),
-                                       p.batches)
+                self.trainer = Trainer(p.task, node, p.device, p.shard, p.batches, p.own_steps)
+                if not p.choose_shard:  # fixed, or kept from an earlier run: known now
+                    self.shard = p.shard
+                    node.roster.set_meta(shard=p.shard.index, shards=p.shard.count)
                 if self.stop.is_set():  # a signal while the node was opening
                     self.request_stop()
                 schema = node.replica.schema.fingerprint_hex
@@ -294,12 +360,9 @@ class _Service:
                     await self.train()
                     nursery.cancel_scope.cancel()
                 log.info("leaving the swarm peer=%s", node.peer_id.short)
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                raise StartupError(f"node.listen {c.node.listen}: address already in use") from None
-            if exc.errno == errno.EADDRNOTAVAIL:
-                raise StartupError(f"node.listen {c.node.listen}: not an address of this "
-                                   "machine") from None
+        except OSError as exc:  # node.listen not reserved by prepare (a caller of its own)
+            if exc.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL):
+                raise _listen_error(c.node.listen, exc) from None
             raise
 
     # ---- training ---------------------------------------------------------------------
@@ -307,6 +370,12 @@ class _Service:
     async def train(self) -> None:
         c, node, trainer = self.config, self.node, self.trainer
         assert node is not None and trainer is not None
+        if self.p.choose_shard:
+            # As soon as the join's push-pull has brought the swarm's table, not after the
+            # download: from then on, other joiners see this node's choice.
+            await _race(node.roster.wait_joined, self.stop.wait)
+            if not self.stop.is_set():
+                await self.choose_shard()
         await _race(node.wait_ready, self.stop.wait)
         if self.stop.is_set():
             return
@@ -316,9 +385,10 @@ class _Service:
                 log.warning("task mismatch ours=%s theirs=%s: the swarm may train another model",
                             c.task.entry, theirs)
             self.event("download", peer=node.downloaded.peer, step=node.downloaded.step)
-        every, max_steps = c.task.progress_every, c.task.max_steps
+            self.peer_steps.heard(node.downloaded.peer, node.downloaded.step, trio.current_time())
+        max_steps = c.task.max_steps
         steps_here = 0
-        next_progress = every
+        next_progress = trio.current_time() + c.task.progress_interval  # by time: a fast model
         next_checkpoint = trio.current_time() + c.checkpoint.interval
         next_eval = math.inf
         if c.task.eval_every and trainer.task.evaluate is None:
@@ -332,8 +402,8 @@ class _Service:
                 steps_here += chunk.steps
                 self.metrics.trained(chunk.steps, chunk.samples, chunk.loss)
                 self.show(chunk)
-                if steps_here >= next_progress:
-                    next_progress = (steps_here // every + 1) * every
+                if trio.current_time() >= next_progress:  # at most one line per interval
+                    next_progress = trio.current_time() + c.task.progress_interval
                     self.progress(chunk)
                 if max_steps and steps_here >= max_steps:
                     log.info("stopping reason=max_steps steps=%d", steps_here)
@@ -345,6 +415,37 @@ class _Service:
                 if trio.current_time() >= next_eval and not self.stop.is_set():
                     next_eval = trio.current_time() + c.task.eval_every
                     await self.evaluate()
+
+    async def choose_shard(self) -> None:
+        """``task.shard = "auto"``: choose the shard the fewest alive members announce, keep
+        the choice, announce it, and train on it (:mod:`daemon.sharding`)."""
+        c, node, trainer = self.config, self.node, self.trainer
+        assert node is not None and trainer is not None
+        shards = c.task.shards
+        announced = [(m.shard, m.shards) for m in node.roster.alive()]
+        counts = sharding.coverage(shards, announced)
+        if not c.swarm.bootstrap:
+            index, why = 0, "as the first node of the swarm (no bootstrap address)"
+        else:
+            index = sharding.choose_shard(shards, announced, random.Random(str(node.peer_id)))
+            why = (f"as the least covered: {sum(counts)} of {len(announced)} alive members "
+                   f"announce a shard of {shards}; {sharding.describe(counts)}")
+        shard = Shard(index, shards)
+        path = c.path(sharding.CHOICE_FILE)
+        try:
+            await trio.to_thread.run_sync(sharding.write_choice, path, index, shards)
+        except OSError as exc:  # training goes on; the next run chooses again
+            log.warning("cannot keep the shard choice in %s: %s; the next start chooses again",
+                        path, exc.strerror)
+        log.info("data shard %d of %d, chosen %s", index, shards, why)
+        self.event("shard", shard=index, shards=shards, members=len(announced),
+                   covering=counts[index])
+        node.roster.set_meta(shard=index, shards=shards)
+        self.shard = shard
+        if shard != trainer.shard:
+            batches = await trio.to_thread.run_sync(_first_batches, trainer.task, shard,
+                                                    c.task.entry)
+            trainer.use_shard(shard, batches)
 
     def progress(self, chunk: Chunk) -> None:
         node = self.node
@@ -407,12 +508,25 @@ class _Service:
             # initialization, and a checkpoint of it would make the next start skip the
             # download.
             log.info("stopped before the node was ready: no checkpoint written")
-            self.event("stop", step=self.node.global_step)
+            self.stopped()
             return
         await self.write_checkpoint(await self.capture())
         await self.evaluate()
-        log.info("stopped step=%d", self.node.global_step)
-        self.event("stop", step=self.node.global_step)
+        self.stopped()
+
+    def stopped(self) -> None:
+        """The ``stop`` line and event: this run's totals (:meth:`Metrics.totals`)."""
+        assert self.node is not None
+        t = self.metrics.totals(self.node)
+        uptime = round(time.monotonic() - self.started, 1)
+        loss = "-" if t["loss"] is None else f"{t['loss']:.4f}"
+        evaluation = "".join(f" eval_{k}={v:.4f}" for k, v in (t["eval"] or {}).items())
+        x = t["exchanges"]  # exchanges= is the committed ones, as in the progress line
+        log.info("stopped step=%d steps=%d samples=%d loss=%s exchanges=%d failed=%d busy=%d "
+                 "rejected=%d invalid=%d no_peer=%d uptime_s=%.1f%s", t["step"], t["steps"],
+                 t["samples"], loss, x["committed"], x["failed"], x["busy"], x["rejected"],
+                 x["invalid"], x["no_peer"], uptime, evaluation)
+        self.event("stop", **t, uptime_s=uptime)
 
     async def evaluate(self) -> None:
         """The task's evaluation (in the trainer's thread, between chunks): logged, an
@@ -421,8 +535,10 @@ class _Service:
         evaluation = await trio.to_thread.run_sync(self.trainer.evaluate)
         if evaluation:
             log.info("evaluation %s", " ".join(f"{k}={v:.4f}" for k, v in evaluation.items()))
-        for metric, value in evaluation.items():
-            self.metrics.evaluation.labels(metric).set(value)
+        self.metrics.evaluated(evaluation)
+        if evaluation:
+            self.evaluation = {"metrics": evaluation, "step": self.node.global_step,
+                               "time": time.monotonic()}
         self.event("eval", step=self.node.global_step, **evaluation)
 
     # ---- observability ----------------------------------------------------------------
@@ -433,6 +549,8 @@ class _Service:
 
     def on_exchange(self, exchange: gossip.Exchange) -> None:
         self.metrics.exchange(exchange)
+        if exchange.step is not None:
+            self.peer_steps.heard(exchange.peer, exchange.step, trio.current_time())
         r = exchange.result
         level = (logging.INFO if r is gossip.Result.COMMITTED
                  else logging.DEBUG if r is gossip.Result.BUSY else logging.WARNING)
@@ -447,18 +565,51 @@ class _Service:
 
     async def metrics_loop(self) -> None:
         assert self.node is not None
+        clash = None
         while True:
             snapshot = self.metrics.sample(self.node)
             self.event("metrics", **snapshot)
+            if self.node.roster.clash != clash:  # a new clash, or one resolved
+                clash = self.node.roster.clash
+                if clash is not None:
+                    self.report_clash(clash)
+            # Only members' steps are kept: exchanges with newcomers must not grow it.
+            self.peer_steps.keep(m.peer for m in self.node.roster.members())
             await trio.sleep(self.config.metrics.every)
+
+    def report_clash(self, address: str) -> None:
+        """Tell the operator, once, how to resolve an identity clash on this machine."""
+        key = self.config.path(self.config.node.identity)
+        log.error("identity clash: the node at %s has this node's identity key (%s), as a "
+                  "copied data directory does; neither node can average. Never copy "
+                  "identity.key: on the copy, stop the daemon, delete its identity.key (a new "
+                  "one is made at start) and start it again", address, key)
+        self.event("identity_clash", address=address, identity=str(key))
+
+    def join_trouble(self, node: gossip.SwarmNode) -> dict[str, Any] | None:
+        """Why this node cannot join, for ``gossipd status``: None once it has joined."""
+        trouble = node.roster.trouble
+        if trouble is None or node.roster.joined:
+            return None
+        return {"seconds": round(trio.current_time() - trouble.since, 1),
+                "attempts": trouble.attempts, "reasons": dict(trouble.reasons)}
 
     def status(self) -> dict[str, Any]:
         node, c = self.node, self.config
         assert node is not None
-        me = node.peer_id
+        me, now = node.peer_id, trio.current_time()
+        own = node.replica.local_steps  # read once: the trainer's thread goes on counting
+        before = self.trainer.own_steps_before if self.trainer is not None else None
+        members = [m for m in node.roster.members() if m.peer != me]
+        self.peer_steps.keep(m.peer for m in members)
         peers = [{"peer": m.peer, "address": m.address, "state": m.state.name.lower(),
-                  "step": m.step, "ready": m.ready}
-                 for m in node.roster.members() if m.peer != me]
+                  **self.peer_steps.of(m, now), "ready": m.ready,
+                  "shard": m.shard if m.shards else None} for m in members]
+        evaluation = None
+        if self.evaluation is not None:
+            e = self.evaluation
+            evaluation = {"metrics": e["metrics"], "step": e["step"],
+                          "age_s": round(time.monotonic() - e["time"], 1)}
         return {
             "peer": me, "address": node.address, "swarm": self.p.swarm.name,
             "task": c.task.entry, "schema": node.replica.schema.fingerprint_hex,
@@ -466,11 +617,36 @@ class _Service:
             "uptime_s": round(time.monotonic() - self.started, 1),
             "data_dir": str(c.data_dir()),
             **self.metrics.sample(node),
+            "own_steps": own,
+            "own_steps_total": None if before is None else before + own,
+            "evaluation": evaluation,
+            "eval_every": c.task.eval_every,
             "joined": node.roster.joined,
+            "join_trouble": self.join_trouble(node),
+            "clash": node.roster.clash,
             "members": peers,
             "downloaded_from": node.downloaded.peer if node.downloaded else None,
+            "shard": None if self.shard is None else self.shard.index,  # None: auto, not yet
+            "shards": c.task.shards,
             "last_checkpoint": self.last_checkpoint,
         }
+
+
+def _first_batches(task: Task, shard: Shard, entry: str) -> Iterator[Any]:
+    """``task.batches(shard)`` with its first batch drawn (so that it exists), as start-up
+    draws one (in a worker thread: a task may load its data there).
+
+    Raises:
+        TaskError: it yields nothing or fails.
+    """
+    try:
+        first = iter(task.batches(shard))
+        return itertools.chain([next(first)], first)
+    except StopIteration:
+        raise TaskError(f"{entry}: batches({shard}) yields nothing") from None
+    except Exception as exc:  # the task's own code: one line names it, the log has the rest
+        log.debug("the task's batches() failed", exc_info=True)
+        raise TaskError(f"{entry}: batches({shard}) failed: {exc!r}") from None
 
 
 async def _race(*fns: Any) -> None:

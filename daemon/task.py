@@ -1,8 +1,9 @@
 """What a daemon trains: the task plugin interface.
 
-A task is named in the config as ``module:function`` (an importable module, or a path to a
-``.py`` file). The daemon calls ``function(context)`` once at start-up and gets a
-:class:`Task` back: the model, its optimizer, a batch iterator for the node's shard, a step
+A task is named in the config as ``package.module:function`` (a module on the Python path) or
+``path/to/file.py:function`` (a file; a relative path starts from ``node.data_dir``, like every
+relative path in the config). The daemon calls ``function(context)`` once at start-up and gets
+a :class:`Task` back: the model, its optimizer, a batch iterator for the node's shard, a step
 function and, optionally, an evaluation. The daemon moves the model to the configured device
 before the first step and moves each batch there too (tensors inside tuples, lists and
 dicts), so a task written for the CPU also trains on a GPU.
@@ -16,7 +17,7 @@ dicts), so a task written for the CPU also trains on a GPU.
         opt = torch.optim.AdamW(model.parameters(), lr=opts["lr"])
 
         def batches(shard: Shard) -> Iterator[tuple[Tensor, Tensor]]:
-            ...                              # endless; this node's part of the data
+            ...                              # this node's part of the data; endless or one epoch
 
         def step(batch) -> Tensor:
             for group in opt.param_groups:   # a schedule follows the swarm's step
@@ -34,6 +35,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import math
+import os
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -44,8 +46,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Context", "Shard", "Task", "TaskError", "classifier_step", "evaluating",
-           "load_entry", "pick_device", "read_options", "to_device"]
+from .entry import entry_file as entry_file
+from .entry import is_file_entry as is_file_entry
+from .entry import parse_entry as parse_entry
+
+__all__ = ["Context", "Shard", "Task", "TaskError", "classifier_step", "entry_file",
+           "evaluating", "is_file_entry", "load_entry", "parse_entry", "pick_device",
+           "read_options", "to_device"]
 
 
 class TaskError(Exception):
@@ -97,7 +104,9 @@ class Task:
     Attributes:
         model: the module the swarm averages (its parameters and floating-point buffers).
         optimizer: its optimizer; its state is checkpointed and never leaves the node.
-        batches: ``batches(shard)`` returns an endless iterator over this node's batches.
+        batches: ``batches(shard)`` returns an iterator over this node's batches: endless,
+            or one epoch (a DataLoader), which the daemon calls ``batches`` again for each
+            time it ends. Each call must return a new iterator.
         step: ``step(batch)`` runs one optimizer step and returns the loss (float or
             0-dim tensor).
         batch_size: samples per step (the daemon counts samples with it).
@@ -145,19 +154,30 @@ def read_options(given: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[
     return opts
 
 
-def load_entry(entry: str) -> Callable[[Context], Task]:
-    """Resolve ``module:function`` (or ``path/to/file.py:function``) to the function.
+def load_entry(entry: str, base: str | os.PathLike[str] = ".") -> Callable[[Context], Task]:
+    """Resolve ``package.module:function`` or ``path/to/file.py:function`` to the function.
+
+    Args:
+        entry: the config's ``task.entry`` (see :func:`parse_entry`).
+        base: where a relative file path starts: the daemon passes ``node.data_dir``, as
+            DAEMON.md documents for every relative path in the config. A module is found on
+            the Python path, whatever ``base`` is.
 
     Raises:
-        TaskError: the module cannot be imported or has no such function.
+        TaskError: the entry is malformed, or the file or module cannot be found or
+            imported, or has no such function. A file's message names the path tried.
     """
-    module_name, sep, attr = entry.rpartition(":")
-    if not sep or not module_name or module_name.startswith(".") or not attr.isidentifier():
-        raise TaskError(f"task entry {entry!r} is not module:function")
-    if module_name.endswith(".py"):
-        path = Path(module_name)
+    try:
+        target, attr = parse_entry(entry)
+    except ValueError as exc:
+        raise TaskError(f"task.entry: {exc}") from None
+    path = entry_file(entry, base)
+    if path is not None:
+        where = ("" if Path(target).is_absolute() else
+                 f" (a relative task.entry starts from node.data_dir, {os.path.abspath(base)})")
         if not path.is_file():
-            raise TaskError(f"task file {path} does not exist")
+            problem = "is not a file" if path.exists() else "does not exist"
+            raise TaskError(f"task file {path} {problem}{where}")
         name = f"gossipd_task_{path.stem}"
         spec = importlib.util.spec_from_file_location(name, path)
         if spec is None or spec.loader is None:
@@ -167,17 +187,23 @@ def load_entry(entry: str) -> Callable[[Context], Task]:
         try:
             spec.loader.exec_module(module)
         except Exception as exc:
+            sys.modules.pop(name, None)  # unless the module took itself out
             raise TaskError(f"task file {path} failed to import: {exc!r}") from exc
+        source = f"task file {path}"
     else:
         try:
-            module = importlib.import_module(module_name)
+            module = importlib.import_module(target)
         except ImportError as exc:
-            raise TaskError(f"cannot import task module {module_name!r}: {exc}") from exc
+            hint = ""
+            if isinstance(exc, ModuleNotFoundError) and exc.name == target.split(".")[0]:
+                hint = " (a file? write it as path/to/file.py:function)"
+            raise TaskError(f"cannot import task module {target!r}: {exc}{hint}") from exc
         except Exception as exc:  # the module's own code failed (a SyntaxError, say)
-            raise TaskError(f"task module {module_name!r} failed to import: {exc!r}") from exc
+            raise TaskError(f"task module {target!r} failed to import: {exc!r}") from exc
+        source = f"task module {target!r}"
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise TaskError(f"task module {module_name!r} has no function {attr!r}")
+        raise TaskError(f"{source} has no function {attr!r}")
     return fn
 
 

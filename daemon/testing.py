@@ -46,7 +46,7 @@ TASK = "daemon.tasks.digits:task"
 FAST = (  # quick rounds and progress; one torch thread each, so several share two cores
     "averaging.interval=0.5",
     "averaging.download_wait=2",
-    "task.progress_every=20",
+    "task.progress_interval=0.5",
     "task.threads=1",
     "task.chunk=0.1",
     "metrics.every=0.5",
@@ -88,8 +88,8 @@ class Daemon:
 
     def __init__(self, directory: Path, name: str, key: bytes, *, swarm: str = "test",
                  bootstrap: Sequence[str] = (), listen: str = "127.0.0.1:0",
-                 advertise: str = "", dial_from: str = "", task: str = TASK, shard: int = 0,
-                 shards: int = 1, settings: Sequence[str] = (),
+                 advertise: str = "", dial_from: str = "", task: str = TASK,
+                 shard: int | str = 0, shards: int = 1, settings: Sequence[str] = (),
                  base: Sequence[str] = FAST) -> None:
         self.directory = Path(directory)
         self.name = name

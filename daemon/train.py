@@ -69,14 +69,28 @@ class Trainer:
     """Trains ``task`` on this node's shard, counting on ``node``'s replica."""
 
     def __init__(self, task: Task, node: gossip.SwarmNode, device: torch.device,
-                 shard: Shard, batches: Iterator[Any] | None = None) -> None:
+                 shard: Shard, batches: Iterator[Any] | None = None,
+                 own_steps: int | None = 0) -> None:
         self.task = task
         self.node = node
         self.device = device
         self.stop = threading.Event()  # set from any thread: the chunk ends after this step
         self._shard = shard
         self._batches = batches if batches is not None else iter(task.batches(shard))
+        self._drawn = 0  # batches drawn from the current pass of task.batches(shard)
+        self.epochs = 0  # passes of a finite task.batches(shard) that have ended
         self._warned_nan = False
+        self.own_steps_before = own_steps  # of the runs before (own_steps_in); None: unknown
+
+    @property
+    def shard(self) -> Shard:
+        """The shard it trains on."""
+        return self._shard
+
+    def use_shard(self, shard: Shard, batches: Iterator[Any]) -> None:
+        """Train on ``shard`` from now on, drawing from ``batches`` (its iterator, first batch
+        checked); between chunks only. Once, for a shard chosen after start-up."""
+        self._shard, self._batches, self._drawn = shard, batches, 0
 
     def chunk(self, seconds: float, limit: int) -> Chunk:
         """Run up to ``limit`` steps for about ``seconds`` (in a worker thread)."""
@@ -107,15 +121,37 @@ class Trainer:
 
     def _next_batch(self) -> Any:
         try:
-            return next(self._batches)
-        except StopIteration:  # batches(shard) should be endless; take it as an epoch
-            log.info("batch iterator ended; starting another pass over shard=%d/%d",
-                     self._shard.index, self._shard.count)
-            self._batches = iter(self.task.batches(self._shard))
-            try:
-                return next(self._batches)
-            except StopIteration:
-                raise TaskError(f"the task's batches({self._shard}) yields nothing") from None
+            batch = next(self._batches)
+        except StopIteration:
+            batch = self._next_epoch()
+        self._drawn += 1
+        return batch
+
+    def _next_epoch(self) -> Any:
+        """The first batch of a new pass of a finite ``batches(shard)`` (one epoch of a
+        DataLoader, the usual habit): said once, then counted quietly in :attr:`epochs`.
+
+        Raises:
+            TaskError: the new pass yields nothing (``batches`` handed back the iterator that
+                just ended, say); training would spin without a step.
+        """
+        shard = f"{self._shard.index}/{self._shard.count}"
+        if self._drawn == 0:  # a first pass with no batch (prepare() draws one to catch it)
+            raise TaskError(f"task.batches(shard {shard}) yields no batch")
+        ended, self._drawn = self._drawn, 0
+        self._batches = iter(self.task.batches(self._shard))
+        try:
+            batch = next(self._batches)
+        except StopIteration:
+            raise TaskError(
+                f"task.batches(shard {shard}) yielded no batch "
+                f"when called again after a pass of {ended}: it must return a new iterator "
+                f"each time it is called (not one that has already ended)") from None
+        if self.epochs == 0:
+            log.info("task.batches ended after %d batches; starting it again each time it "
+                     "ends (one epoch = %d batches) shard=%s", ended, ended, shard)
+        self.epochs += 1
+        return batch
 
     def evaluate(self) -> dict[str, float]:
         """The task's evaluation, if it has one (in a worker thread, between chunks)."""
@@ -135,7 +171,7 @@ class Trainer:
             "model": _to_cpu(self.task.model.state_dict()),
             "optimizer": _to_cpu(self.task.optimizer.state_dict()),
             "counters": {"step": counters.step, "samples": counters.samples,
-                         "weight": counters.weight},
+                         "weight": counters.weight, "own_steps": self.own_steps},
             "rng": checkpoint.capture_rng(),
             "meta": dict(meta),
         }
@@ -143,6 +179,20 @@ class Trainer:
         if correction is not None:
             state["correction"] = correction
         return state
+
+    @property
+    def own_steps(self) -> int | None:
+        """The optimizer steps this node has taken itself: this run's and those the checkpoint
+        it resumed counts (the swarm's ``step`` also moves at exchanges and downloads); None
+        when that checkpoint was written before they were counted."""
+        before = self.own_steps_before
+        return None if before is None else before + self.node.replica.local_steps
+
+    @staticmethod
+    def own_steps_in(state: Mapping[str, Any]) -> int | None:
+        """The own steps a checkpoint's state counts (None: written before they were)."""
+        own = state["counters"].get("own_steps")
+        return None if own is None else int(own)
 
     @staticmethod
     def restore(task: Task, state: Mapping[str, Any]) -> tuple[Counters, Any]:

@@ -66,7 +66,7 @@ def main() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
-    swarm = gossip.Swarm(name="example", key=bytes.fromhex(key_hex))
+    swarm = gossip.Swarm.from_hex("example", key_hex)
     config = gossip.AveragingConfig(every=1)  # a round each local step, or when the last ends
     # Returns once the node is ready: a joiner has downloaded the swarm's weights by then.
     # The optimizer is for the drift correction, added to its gradients before each step.

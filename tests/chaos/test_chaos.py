@@ -40,7 +40,7 @@ SPREAD = 0.01
 SETTINGS = [
     "checkpoint.interval=2",
     "checkpoint.keep=2",
-    "task.progress_every=100",
+    "task.progress_interval=2",
     "averaging.connect_timeout=2",
     "averaging.handshake_timeout=2",
 ]

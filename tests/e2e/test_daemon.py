@@ -32,8 +32,16 @@ def test_three_daemons_train_average_and_report(tmp_path: Path) -> None:
     with DaemonSwarm(tmp_path) as swarm:
         a = swarm.add("a", shard=0, shards=3).start()
         wait_for(lambda: a.last("start"), START, [a], "a to start")
-        b = swarm.add("b", bootstrap=[a], shard=1, shards=3).start()
-        c = swarm.add("c", bootstrap=[a], shard=2, shards=3).start()
+        # b and c take their shards as `gossipd init --join` has them do: b the least covered
+        # of a's swarm (1 or 2), then c the one left.
+        b = swarm.add("b", bootstrap=[a], shard="auto", shards=3).start()
+        wait_for(lambda: b.last("shard"), START, [a, b], "b to choose its shard")
+        # c chooses from what a's table says: wait until a has heard b's choice.
+        b_peer = b.last("start")["peer"]
+        wait_for(lambda: any(m["peer"] == b_peer and m["shard"] is not None
+                             for m in a.status()["members"]), START, [a, b],
+                 "a to hear b's shard")
+        c = swarm.add("c", bootstrap=[a], shard="auto", shards=3).start()
         nodes = [a, b, c]
         wait_for(lambda: all(d.committed() >= 3 for d in nodes), 90, nodes,
                  "3 committed exchanges at every daemon")
@@ -46,9 +54,21 @@ def test_three_daemons_train_average_and_report(tmp_path: Path) -> None:
         assert peers == {b.last("start")["peer"]: "alive", c.last("start")["peer"]: "alive"}
         assert status["ready"] and status["exchanges"]["committed"] >= 3
         assert status["step"] > 0 and status["loss"] is not None
+        # Its own steps apart from the swarm's step (a started from scratch: all its own),
+        # and each peer's step as fresh as the exchanges that tell it (rounds every 0.5 s
+        # here), not as stale as its announcements (at most one per 30 s).
+        assert 0 < status["own_steps"] == status["own_steps_total"]
+        assert status["evaluation"] is None and status["eval_every"] == 0
+        for m in status["members"]:
+            assert m["step"] > 0 and 0 <= m["step_age_s"] < 10, m
 
         # The late joiners downloaded the swarm's state rather than starting from scratch.
         assert b.last("download") is not None and c.last("download") is not None
+        # Each daemon trains on a shard of its own.
+        assert (status["shard"], status["shards"]) == (0, 3)
+        assert {b.last("shard")["shard"], c.last("shard")["shard"]} == {1, 2}
+        assert c.status()["shard"] == c.last("shard")["shard"]
+        assert (c.directory / "shard").read_text() == f"{c.last('shard')['shard']}/3\n"
 
         # Loss falls at every node.
         for d in nodes:
@@ -113,6 +133,13 @@ def test_sigterm_checkpoints_and_leaves(tmp_path: Path) -> None:
         path, state = checkpoint.load_latest(b.directory / "checkpoints")
         assert state["counters"]["step"] == stop["step"]
         assert "stopping signal=SIGTERM" in b.text()
+        # The stop event sums up the run: what was trained here, and the exchanges by result.
+        assert stop["steps"] > 0 and stop["samples"] >= stop["steps"]
+        assert stop["loss"] > 0 and stop["uptime_s"] > 0
+        assert stop["exchanges"]["committed"] >= b.committed() >= 1
+        assert set(stop["exchanges"]) == {"committed", "failed", "busy", "rejected", "invalid",
+                                          "no_peer"}
+        assert f"stopped step={stop['step']} steps={stop['steps']} " in b.text()
         # The other side learns it left (a graceful departure, not a crash).
         wait_for(lambda: alive_in_status(a, b_peer) == "left", 30, [a], "a to see b leave")
 
@@ -125,12 +152,18 @@ def test_eval_every_evaluates_while_training(tmp_path: Path) -> None:
         assert a.last("stop") is None
         assert all(0 <= e["accuracy"] <= 1 and e["loss"] > 0 for e in running)
         assert [e["step"] for e in running] == sorted(e["step"] for e in running)
+        # gossipd status shows the latest, with the swarm's step it was taken at and its age.
+        evaluation = a.status()["evaluation"]
+        assert set(evaluation["metrics"]) == {"accuracy", "loss"}
+        assert evaluation["step"] >= running[-1]["step"] and 0 <= evaluation["age_s"] < 30
         # Spaced by eval_every (at chunk boundaries), not once per chunk.
         gaps = [later["time"] - earlier["time"] for earlier, later in zip(running, running[1:])]
         assert min(gaps) >= 0.45, gaps
         a.signal(signal.SIGTERM)
         assert a.wait_exit() == 0
         assert a.of("eval")[-1]["step"] == a.last("stop")["step"]  # and one as it stopped
+        final = {k: v for k, v in a.of("eval")[-1].items() if k not in ("time", "event", "step")}
+        assert a.last("stop")["eval"] == final  # which the stop event repeats
 
 
 def test_a_truncated_newest_checkpoint_falls_back_to_the_previous_one(tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ import torch
 import trio
 
 import gossip
-from daemon import cli, config as config_module, logs
+from daemon import checkpoint, cli, config as config_module, logs
 from daemon.cli import format_status, main
 from daemon.control import serve_control
 from daemon.keys import JoinLine, read_swarm_key
@@ -150,6 +150,28 @@ def test_init_join(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         gossip.Identity.load(tmp_path / "a" / "identity.key").peer_id
     # and the line it prints lets a third node join the same swarm the same way
     assert JoinLine.parse(second) == join
+    # each node takes its data shard once it has joined (one shard: shard 0)
+    assert (config.task.shard, config.task.shards) == ("auto", 1)
+
+
+def test_init_shards_travel_in_the_join_line(tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    text = init(capsys, tmp_path / "a", "--swarm", "lab", "--shards", "8")
+    assert JoinLine.parse(text).shards == 8
+    first = config_module.load(tmp_path / "a" / "gossipd.toml")
+    assert (first.task.shard, first.task.shards) == ("auto", 8)
+    second = init(capsys, tmp_path / "b", "--join", text, listen="127.0.0.1:7071")
+    written = (tmp_path / "b" / "gossipd.toml").read_text()
+    assert 'shard = "auto"\n' in written and "shards = 8\n" in written
+    assert JoinLine.parse(second).shards == 8
+
+
+def test_init_refuses_shards_out_of_range(tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["init", "--swarm", "s", "--dir", str(tmp_path), "--listen", "127.0.0.1:1",
+                 "--shards", "0"]) == 2
+    assert "task.shards" in one_line_error(capsys, "init")
+    assert not (tmp_path / "gossipd.toml").exists()
 
 
 def test_init_join_keeps_seed_and_can_override_task(tmp_path: Path,
@@ -218,7 +240,7 @@ def rewrite(path: Path, old: str, new: str) -> None:
     ('device = "auto"', 'device = "tpu"', "task.device"),
     ('keep = 3', 'keep = 0', "checkpoint.keep"),
     ('profile = "lan"', 'profile = "lan"\ncolour = "blue"', "swarm.colour"),
-    ('interval = 10.0', 'interval = "often"', "averaging.interval"),
+    ('\ninterval = 10.0', '\ninterval = "often"', "averaging.interval"),
     ('name = "s"', 'name = ""', "swarm.name"),
     ('[node]', '[nodes]', "nodes"),
     ('listen = "127.0.0.1:7070"', 'listen = "127.0.0.1:7070', "invalid TOML"),
@@ -378,7 +400,103 @@ def test_average_missing_input(tmp_path: Path, two_files: tuple[str, str],
 def test_average_one_file(tmp_path: Path, two_files: tuple[str, str],
                           capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["average", two_files[0], "-o", str(tmp_path / "o.pt")]) == 2
-    one_line_error(capsys, "average")
+    assert "gossipd export" in one_line_error(capsys, "average")  # what to use instead
+
+
+# --- export -------------------------------------------------------------------------------
+
+
+def small_model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+
+
+@pytest.fixture
+def daemon_checkpoint(tmp_path: Path) -> tuple[Path, torch.nn.Module]:
+    """A checkpoint as the daemon writes one (Trainer.state's entries, checkpoint.save), and
+    the model it holds."""
+    model = small_model(1)
+    model(torch.randn(8, 4))  # BatchNorm's running statistics and batch count move
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(8, 4)).sum().backward()
+    optimizer.step()
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+             "counters": {"step": 1234, "samples": 9872, "weight": 1.0, "own_steps": 1200},
+             "rng": checkpoint.capture_rng(), "meta": {"entry": "m:f", "peer": "p"}}
+    return checkpoint.save(tmp_path / "checkpoints", state, step=1234, keep=3), model
+
+
+def test_export_writes_a_state_dict_the_model_loads(
+        tmp_path: Path, daemon_checkpoint: tuple[Path, torch.nn.Module],
+        capsys: pytest.CaptureFixture[str]) -> None:
+    path, model = daemon_checkpoint
+    with pytest.raises(Exception):
+        torch.load(path, weights_only=True)  # why export exists: a checkpoint is framed
+    out = tmp_path / "model.pt"
+    assert main(["export", str(path), str(out)]) == 0
+    said = capsys.readouterr().out
+    assert said.startswith(f"wrote {out}: the model of {path} at step 1234, 7 tensors")
+    assert mode(out) == 0o600
+
+    state = torch.load(out, weights_only=True)
+    assert type(state) is dict and list(state) == list(model.state_dict())  # plain, in order
+    fresh = small_model(2)
+    fresh.load_state_dict(state)  # strict: every key, no extra
+    for key, value in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[key], value), key
+
+
+def test_export_overwrites_an_earlier_export(
+        tmp_path: Path, daemon_checkpoint: tuple[Path, torch.nn.Module]) -> None:
+    path, model = daemon_checkpoint
+    out = tmp_path / "model.pt"
+    out.write_bytes(b"an older export")
+    assert main(["export", str(path), str(out)]) == 0
+    assert list(torch.load(out, weights_only=True)) == list(model.state_dict())
+
+
+@pytest.mark.parametrize("case", ["missing", "not-a-checkpoint", "state-dict", "damaged",
+                                  "no-directory", "a-directory", "itself"])
+def test_export_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                    daemon_checkpoint: tuple[Path, torch.nn.Module],
+                                    case: str) -> None:
+    path, _ = daemon_checkpoint
+    out = tmp_path / "model.pt"
+    if case == "missing":
+        path = tmp_path / "checkpoints" / "checkpoint-000000000099.ckpt"
+    elif case == "not-a-checkpoint":
+        path = tmp_path / "notes.txt"
+        path.write_text("not a checkpoint\n")
+    elif case == "state-dict":  # already what export writes: torch.load takes it as it is
+        path = Path(save(tmp_path / "sd.pt", w=torch.zeros(2)))
+    elif case == "damaged":
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+    elif case == "no-directory":
+        out = tmp_path / "no" / "such" / "model.pt"
+    elif case == "a-directory":
+        out = tmp_path
+    else:
+        out = path
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    assert main(["export", str(path), str(out)]) == 2
+    err = one_line_error(capsys, "export")
+    assert str(path if case in ("missing", "not-a-checkpoint", "state-dict", "damaged")
+               else out) in err
+    expected = {"missing": "No such file", "not-a-checkpoint": "not a gossipd checkpoint",
+                "state-dict": "not a gossipd checkpoint", "damaged": "damaged",
+                "no-directory": "does not exist", "a-directory": "is a directory",
+                "itself": "refusing to overwrite"}[case]
+    assert expected in err
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
+def test_export_needs_two_arguments(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["export", "only-one.ckpt"])
+    assert info.value.code == 2
+    capsys.readouterr()
 
 
 # --- status -------------------------------------------------------------------------------
@@ -409,15 +527,19 @@ def status_reply(**changes: Any) -> dict[str, Any]:
                       "no_peer": 4, "newcomers": 2, "newcomers_limited": 0},
         "bytes": {"sent": 12_300_000, "received": 4_560_000}, "mean_exchange_s": 0.0421,
         "last_distance": 0.5, "pending": 1, "quarantined": 0, "downloads_served": 0,
+        "own_steps": 400, "own_steps_total": 1150,
+        "evaluation": {"metrics": {"accuracy": 0.97221, "loss": 0.09123}, "step": 1100,
+                       "age_s": 12.4},
+        "eval_every": 60.0,
         "members": [
             {"peer": "zzzzyyyyxxxx2222333344445", "address": "10.0.0.9:7070", "state": "suspect",
-             "step": 1100, "ready": True},
+             "step": 1100, "step_age_s": 41.0, "ready": True},
             {"peer": "mmmmnnnnoooo2222333344445", "address": "10.0.0.3:7070", "state": "alive",
-             "step": 1199, "ready": False},
+             "step": 1199, "step_age_s": 3.2, "ready": False},
             {"peer": "bbbbcccc2222333344445555a", "address": "[2001:db8::5]:7070",
-             "state": "alive", "step": 1201, "ready": True},
+             "state": "alive", "step": 1201, "step_age_s": 0.0, "ready": True},
         ],
-        "downloaded_from": None,
+        "downloaded_from": None, "join_trouble": None, "clash": None,
         "last_checkpoint": {"path": "/srv/gossipd/checkpoints/step-1000.pt", "step": 1000,
                             "time": 1.7e9},
     }
@@ -430,28 +552,60 @@ def test_format_status() -> None:
     lines = text.splitlines()
     assert lines[0] == "peer      aaaabbbbccccddddeeeeffffgg  10.0.0.1:7070  swarm lab"
     assert lines[1] == "task      daemon.tasks.digits:task on cpu, up 61 s"
-    assert lines[2] == "training  step 1200  loss 0.1235  2048 samples/s"
-    assert lines[3] == ("averaging 30 committed, 2 busy, 3 failed, 0 invalid, 1 rejected; "
+    # the steps this node trained (this run, and all its runs), apart from the swarm's step
+    assert lines[2] == ("training  400 own steps since start (1150 in all), 76800 samples, "
+                        "loss 0.1235, 2048 samples/s")
+    assert lines[3] == "step      1200 (the swarm's: the step the task's schedule follows)"
+    assert lines[4] == "eval      accuracy 0.9722  loss 0.0912  at step 1100, 12 s ago"
+    assert lines[5] == ("averaging 30 committed, 2 busy, 3 failed, 0 invalid, 1 rejected; "
                         "1 pending")
-    assert lines[4] == "traffic   12.3 MB out, 4.6 MB in"
-    assert lines[5] == "checkpoint step 1000 /srv/gossipd/checkpoints/step-1000.pt"
-    assert lines[6] == "peers     3"
-    # members sorted by state, then peer id; ids cut to 8 characters
-    members = lines[7:]
+    assert lines[6] == "traffic   12.3 MB out, 4.6 MB in"
+    assert lines[7] == "checkpoint step 1000 /srv/gossipd/checkpoints/step-1000.pt"
+    assert lines[8] == "peers     3"
+    # members sorted by state, then peer id; ids cut to 8 characters; each step's age
+    members = lines[9:]
     assert [m.split()[0] for m in members] == ["bbbbcccc", "mmmmnnnn", "zzzzyyyy"]
     assert members[0].split()[1:3] == ["[2001:db8::5]:7070", "alive"]
-    assert members[1].endswith("step 1199  not ready")
+    assert members[0].endswith("step 1201 (0 s ago)")
+    assert members[1].endswith("step 1199 (3 s ago)  not ready")
     assert members[2].split()[2] == "suspect"
-    assert not members[0].endswith("not ready")
+    assert members[2].endswith("step 1100 (41 s ago)")
 
 
 def test_format_status_before_anything_happened() -> None:
-    text = format_status(status_reply(loss=None, last_checkpoint=None, members=[], ready=False))
+    text = format_status(status_reply(loss=None, last_checkpoint=None, members=[], ready=False,
+                                      own_steps=0, own_steps_total=0, evaluation=None))
     lines = text.splitlines()
-    assert "(fetching the swarm's state)" in lines[1]
-    assert "loss -" in lines[2]
-    assert lines[5] == "checkpoint none yet"
+    assert lines[2] == "NOT READY fetching the swarm's state"
+    del lines[2]
+    assert lines[2].startswith("training  0 own steps since start, 76800 samples, loss -,")
+    assert lines[4] == "eval      none yet (every 60 s)"
+    assert lines[7] == "checkpoint none yet"
     assert lines[-1] == "peers     0"
+
+
+@pytest.mark.parametrize("changes, line", [
+    ({"own_steps_total": None}, "training  400 own steps since start, 76800 samples"),
+    ({"own_steps_total": 400}, "training  400 own steps since start, 76800 samples"),
+    ({"evaluation": None, "eval_every": 0.0},
+     "eval      none yet (task.eval_every is 0: once, when stopping)"),
+])
+def test_format_status_says_only_what_it_knows(changes: dict[str, Any], line: str) -> None:
+    assert any(x.startswith(line) for x in format_status(status_reply(**changes)).splitlines())
+
+
+def test_format_status_of_a_daemon_of_an_older_version() -> None:
+    """A reply without the newer keys (an older daemon still running after an upgrade) is
+    printed without them: nothing is made up."""
+    reply = status_reply()
+    for key in ("own_steps", "own_steps_total", "evaluation", "eval_every"):
+        del reply[key]
+    for m in reply["members"]:
+        del m["step_age_s"]
+    lines = format_status(reply).splitlines()
+    assert lines[2] == "training  76800 samples, loss 0.1235, 2048 samples/s"
+    assert not any(x.startswith("eval") for x in lines)
+    assert lines[-3].endswith("step 1201")
 
 
 async def test_status_asks_the_running_daemon(node_dir: Path,
@@ -474,6 +628,13 @@ async def test_status_asks_the_running_daemon(node_dir: Path,
     ({"joined": False, "ready": False}, 4, "not ready: joining the swarm"),
     ({"joined": False, "ready": True}, 4, "not ready: joining the swarm"),  # resumed, alone
     ({"ready": False}, 4, "not ready: fetching the swarm's state"),
+    ({"joined": False, "ready": False, "join_trouble": {
+        "seconds": 95.0, "attempts": 6, "reasons": {"10.0.0.5:7070": "connection closed during "
+                                                    "the handshake: another swarm key?"}}},
+     4, "not ready: cannot join the swarm: 6 attempt(s) in 95 s failed; 10.0.0.5:7070: "
+        "connection closed during the handshake: another swarm key?"),
+    ({"clash": "10.0.0.9:7070"}, 4,
+     "not ready: identity clash: the node at 10.0.0.9:7070 runs with this node's identity"),
 ])
 async def test_status_ready(node_dir: Path, capsys: pytest.CaptureFixture[str],
                             changes: dict[str, Any], code: int, said: str) -> None:
@@ -516,9 +677,24 @@ def test_status_ready_with_no_daemon(node_dir: Path, capsys: pytest.CaptureFixtu
     one_line_error(capsys, "status")
 
 
+def test_format_status_names_the_data_shard() -> None:
+    assert "data shard" not in format_status(status_reply())
+    line = format_status(status_reply(shard=2, shards=4)).splitlines()[1]
+    assert line.endswith("up 61 s, data shard 2 of 4")
+    line = format_status(status_reply(shard=None, shards=4)).splitlines()[1]
+    assert line.endswith("data shard of 4 not chosen yet")
+
+
 def test_format_status_while_joining() -> None:
     lines = format_status(status_reply(joined=False, ready=False)).splitlines()
-    assert lines[1].endswith("(joining the swarm: no bootstrap address has answered yet)")
+    assert lines[2] == "NOT READY joining the swarm: no bootstrap address has answered yet"
+    trouble = {"seconds": 40.0, "attempts": 3, "reasons": {"a:1": "no answer within 10 s"}}
+    lines = format_status(status_reply(joined=False, ready=False,
+                                       join_trouble=trouble)).splitlines()
+    assert lines[2] == ("NOT READY cannot join the swarm: 3 attempt(s) in 40 s failed; "
+                        "a:1: no answer within 10 s")
+    assert not any(line.startswith("NOT READY") for line in
+                   format_status(status_reply(joined=True)).splitlines())
 
 
 # --- logs ---------------------------------------------------------------------------------

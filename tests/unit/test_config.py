@@ -96,6 +96,7 @@ def test_int_is_accepted_for_a_float_and_becomes_one():
     {"task": {"device": "cuda"}},
     {"task": {"device": "cuda:3", "entry": "tasks/my_task.py:build_task"}},
     {"task": {"shard": 3, "shards": 4, "max_steps": 10}},
+    {"task": {"shard": "auto", "shards": 65535}},
     {"node": {"listen": "0.0.0.0:0", "advertise": "10.0.0.5:7070"}},
     {"node": {"listen": "[::1]:0"}},
     {"swarm": {"bootstrap": ["10.0.0.1:7070", "10.0.0.1:7070", "[fe80::1]:7070"]}},
@@ -145,9 +146,13 @@ BAD = [
     ({"task": {"max_steps": 10.0}}, "task.max_steps", "expected an integer, got float 10.0"),
     ({"task": {"max_steps": -1}}, "task.max_steps", "expected an integer >= 0, got -1"),
     ({"task": {"shard": 2, "shards": 2}}, "task.shard", "[0, 2), got 2"),
-    ({"task": {"shards": 0}}, "task.shards", "expected an integer >= 1, got 0"),
+    ({"task": {"shards": 0}}, "task.shards", "expected an integer in 1..65535, got 0"),
+    ({"task": {"shards": 2**16}}, "task.shards", "expected an integer in 1..65535, got 65536"),
+    ({"task": {"shard": "any"}}, "task.shard", 'expected an integer or "auto", got string'),
+    ({"task": {"shard": "Auto"}}, "task.shard", 'expected an integer or "auto"'),
+    ({"task": {"shard": 1.0}}, "task.shard", 'expected an integer or "auto", got float'),
     ({"task": {"chunk": 0}}, "task.chunk", "expected a number > 0, got 0.0"),
-    ({"task": {"progress_every": 0}}, "task.progress_every", "expected an integer >= 1"),
+    ({"task": {"progress_interval": -1}}, "task.progress_interval", "expected a number >= 0"),
     ({"task": {"options": [1, 2]}}, "task.options", "expected a table"),
     ({"averaging": {"interval": -1}}, "averaging.interval", "expected a number >= 0"),
     ({"averaging": {"interval": math.inf}}, "averaging.interval", "expected a finite number"),
@@ -202,6 +207,17 @@ def test_unknown_key_is_named():
         config.from_dict(minimal(node={"lisen": "1.2.3.4:5"}), source="x.toml")
     with pytest.raises(ConfigError, match=r"^<config>: checkpoint\.section: unknown key"):
         config.from_dict(minimal(checkpoint={"section": "x"}))
+
+
+def test_a_renamed_key_says_what_to_write_instead(tmp_path):
+    # task.progress_every counted steps; read as seconds it would silently change meaning.
+    expected = (r"task\.progress_every: no longer a key; did you mean task\.progress_interval "
+                r"\(seconds between progress lines, default 10; progress_every counted steps\)\?$")
+    path = write(tmp_path, MINIMAL + "progress_every = 100\n")
+    with pytest.raises(ConfigError, match=f"^{re.escape(str(path))}: {expected}"):
+        config.load(path)
+    with pytest.raises(ConfigError, match=f"^--set task.progress_every=5: {expected}"):
+        config.load(write(tmp_path, MINIMAL, "other.toml"), ["task.progress_every=5"])
 
 
 def test_section_that_is_not_a_table_is_an_error():
@@ -279,6 +295,15 @@ def test_overrides_apply_before_validation(tmp_path):
     assert loaded.task.options == {"lr": 0.01, "model": {"width": 64}}
     assert loaded.averaging.interval == 0.0
     assert loaded.swarm.bootstrap == ("10.0.0.1:7070",)
+
+
+def test_shard_auto_from_a_file_or_an_override(tmp_path):
+    path = write(tmp_path, MINIMAL)
+    assert config.load(path).task.shard == 0  # the default
+    loaded = config.load(path, ["task.shard=auto", "task.shards=8"])  # no quotes needed
+    assert (loaded.task.shard, loaded.task.shards) == ("auto", 8)
+    assert 'shard = "auto"' in config.render(loaded)
+    assert config.load(path, ["task.shard=auto", "task.shard=5", "task.shards=8"]).task.shard == 5
 
 
 def test_bad_override_is_reported_like_a_bad_file_value(tmp_path):
@@ -393,7 +418,7 @@ def test_render_round_trips_every_kind_of_value(tmp_path):
             "when": datetime.datetime(2024, 5, 1, 12, 30, tzinfo=datetime.timezone.utc),
             "day": datetime.date(2024, 5, 1), "time": datetime.time(8, 15, 0, 250000),
             "ключ": "значение", "table": {},
-        }, "max_steps": 10**12, "device": "cuda:0"},
+        }, "max_steps": 10**12, "device": "cuda:0", "shard": "auto", "shards": 8},
         averaging={"min_rate": 1e6, "interval": 0, "weight": 1},
         metrics={"prometheus": "127.0.0.1:9100", "log": ""},
     ), base=tmp_path)

@@ -154,8 +154,10 @@ def test_join_line_text_form() -> None:
     line(task="/abs/path:with/colons.py:fn"),
     line(task="pkg.mod:fn&x=1?y#z+w"),
     line(seed=2**40),
+    line(shards=8),
+    line(shards=65535, seed=3),
 ], ids=["plain", "escaped-name", "unicode-name", "ipv6", "several", "path-task",
-        "colons-task", "escaped-task", "big-seed"])
+        "colons-task", "escaped-task", "big-seed", "shards", "most-shards"])
 def test_join_line_round_trip(join: JoinLine) -> None:
     text = str(join)
     assert text.startswith("gossip://")
@@ -170,6 +172,12 @@ def test_join_line_parse_strips_whitespace() -> None:
 def test_join_line_parse_defaults_seed_to_0() -> None:
     text = f"gossip://lab@h:1?key={HEX}&task=m:f"
     assert JoinLine.parse(text).seed == 0
+
+
+def test_join_line_carries_shards_unless_1() -> None:
+    assert str(line(shards=8)).endswith("&seed=0&shards=8")
+    assert "shards" not in str(line())  # the lines of a swarm with one shard stay as they were
+    assert JoinLine.parse(f"gossip://lab@h:1?key={HEX}&task=m:f").shards == 1
 
 
 def test_join_line_repr_hides_the_key() -> None:
@@ -197,14 +205,17 @@ def test_join_line_repr_hides_the_key() -> None:
     f"gossip://lab@h:1,bad?key={HEX}&task=m:f",  # one bad of several
     f"gossip://lab@h:1?key={HEX}&task=m:f&seed=x",  # bad seed
     f"gossip://lab@h:1?key={HEX}&task=m:f&seed=1.5",  # bad seed
+    f"gossip://lab@h:1?key={HEX}&task=m:f&shards=0",  # no shard at all
+    f"gossip://lab@h:1?key={HEX}&task=m:f&shards=65536",  # more than MAX_SHARDS
+    f"gossip://lab@h:1?key={HEX}&task=m:f&shards=-2",
     f"gossip://@h:1?key={HEX}&task=m:f",  # no name
     "gossip://lab@h:1",  # no query at all
     f"gossip://labh:1?key={HEX}&task=m:f",  # no @
     "",
 ], ids=["no-scheme", "wrong-scheme", "no-key", "empty-key", "short-key", "long-key",
         "not-hex-key", "no-task", "no-bootstrap", "empty-bootstrap", "no-port", "big-port",
-        "bare-ipv6", "one-bad-peer", "seed-x", "seed-float", "no-name", "no-query", "no-at",
-        "empty"])
+        "bare-ipv6", "one-bad-peer", "seed-x", "seed-float", "shards-0", "shards-big",
+        "shards-negative", "no-name", "no-query", "no-at", "empty"])
 def test_join_line_malformed(text: str) -> None:
     with pytest.raises(KeyFileError) as info:
         JoinLine.parse(text)
@@ -233,9 +244,9 @@ _tasks = st.builds(lambda m, f: f"{m}:{f}",
 @settings(max_examples=150, deadline=None)
 @given(name=_names, key=st.binary(min_size=32, max_size=32),
        bootstrap=st.lists(_peers, min_size=1, max_size=4).map(tuple), task=_tasks,
-       seed=st.integers(0, 2**63))
+       seed=st.integers(0, 2**63), shards=st.integers(1, 2**16 - 1))
 def test_join_line_round_trip_fuzz(name: str, key: bytes, bootstrap: tuple[str, ...],
-                                   task: str, seed: int) -> None:
-    join = JoinLine(name, key, bootstrap, task, seed)
+                                   task: str, seed: int, shards: int) -> None:
+    join = JoinLine(name, key, bootstrap, task, seed, shards)
     assert JoinLine.parse(str(join)) == join
     assert key.hex() not in repr(join)

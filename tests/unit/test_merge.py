@@ -1,5 +1,6 @@
-"""Tests for daemon.merge (``gossipd average``): exact weighted means, dtype handling, input
-kinds, schema mismatches named by key and file, refused weights and files, and the output."""
+"""Tests for daemon.merge (``gossipd average`` and ``export``): exact weighted means, dtype
+handling, input kinds, schema mismatches named by key and file, refused weights and files,
+the output, and one checkpoint's model exported alone."""
 
 from __future__ import annotations
 
@@ -265,5 +266,26 @@ def test_refuses_to_overwrite_an_input(tmp_path: Path, monkeypatch: pytest.Monke
 def test_unwritable_output_is_merge_error(tmp_path: Path) -> None:
     a = write_plain(tmp_path / "a.pt", sd([1.0, 2.0]))
     b = write_plain(tmp_path / "b.pt", sd([3.0, 4.0]))
-    with pytest.raises(MergeError, match="cannot write"):
+    with pytest.raises(MergeError, match="dir does not exist"):
         merge.average_files([a, b], tmp_path / "no" / "such" / "dir" / "out.pt")
+
+
+# --- export -----------------------------------------------------------------------------
+
+
+def test_export_writes_the_model_alone_and_returns_the_state(tmp_path: Path) -> None:
+    ck = checkpoint.save(tmp_path / "ck", {"model": sd([1.0, 2.0], n=3),
+                                           "counters": {"step": 5}}, step=5, keep=1)
+    out = tmp_path / "model.pt"
+    state = merge.export_file(ck, out)
+    assert state["counters"] == {"step": 5}
+    assert_exact(torch.load(out, weights_only=True), sd([1.0, 2.0], n=3))
+
+
+@pytest.mark.parametrize("content", [{"counters": {"step": 5}}, {"model": {"w": 1.0}}],
+                         ids=["no-model", "not-tensors"])
+def test_export_refuses_a_checkpoint_without_a_model(tmp_path: Path, content: Any) -> None:
+    ck = checkpoint.save(tmp_path / "ck", content, step=5, keep=1)
+    with pytest.raises(MergeError, match="'model' entry"):
+        merge.export_file(ck, tmp_path / "model.pt")
+    assert not (tmp_path / "model.pt").exists()

@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import threading
 import urllib.request
 from pathlib import Path
 
+import prometheus_client
 import pytest
 import torch
 import trio
 import trio.testing
+from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 from trio.testing import MockClock
 
 import gossip
@@ -23,6 +26,7 @@ from gossip.simnet import SimNetwork
 from tests.util import Signal
 
 PEER = gossip.Identity.generate().peer_id
+DAEMON_MD = Path(__file__).resolve().parents[2] / "docs" / "DAEMON.md"
 
 
 def value(m: Metrics, name: str, **labels: str) -> float | None:
@@ -100,6 +104,14 @@ def test_checkpointed() -> None:
     assert value(m, "gossip_checkpoint_failures_total") == 0
 
 
+def test_evaluated_sets_the_gauges_and_an_empty_evaluation_keeps_the_last() -> None:
+    m = Metrics()
+    m.evaluated({"accuracy": 0.5, "loss": 1.5})
+    m.evaluated({})  # a task whose evaluate() returned nothing this time
+    assert value(m, "gossip_eval", metric="accuracy") == 0.5
+    assert value(m, "gossip_eval", metric="loss") == 1.5
+
+
 def test_two_instances_do_not_collide() -> None:
     a, b = Metrics(), Metrics()  # the same names twice: no "Duplicated timeseries" error
     a.trained(3, 30, 1.0)
@@ -157,6 +169,34 @@ async def test_sample_of_a_lone_node(autojump_clock: MockClock) -> None:
     assert value(m, "gossip_step") == 4
     assert value(m, "gossip_rounds_without_peer_total") == 1
     assert value(m, "gossip_peers", state="alive") == 0
+    assert value(m, "gossip_quarantined_peers") == 0
+
+
+async def test_totals_sum_up_the_run_for_the_stop_event(autojump_clock: MockClock) -> None:
+    net = SimNetwork(seed=1)
+    m = Metrics()
+    async with gossip.open_swarm(torch.nn.Linear(2, 2), gossip.Swarm.generate("t"),
+                                 network=net.host("a"), listen="a:7000", config=CONFIG,
+                                 counters=gossip.Counters(step=100, samples=800, weight=1.0)
+                                 ) as node:
+        await node.wait_ready()
+        assert m.totals(node) == {"step": 100, "steps": 0, "samples": 0, "loss": None,
+                                  "exchanges": dict.fromkeys(
+                                      ("committed", "failed", "busy", "rejected", "invalid",
+                                       "no_peer"), 0),
+                                  "eval": None}
+        node.replica.advance(6, 48)
+        m.trained(4, 32, 0.75)
+        m.trained(2, 16, math.nan)  # the loss is the last finite one
+        m.evaluated({"accuracy": 0.875})
+        assert await node.average_now() is gossip.Result.NO_PEER
+    totals = m.totals(node)  # after the node has closed, as the daemon asks at its stop
+    # steps and samples are this run's; step is the swarm's, the resumed checkpoint's included
+    assert (totals["step"], totals["steps"], totals["samples"]) == (106, 6, 48)
+    assert totals["loss"] == 0.75
+    assert totals["exchanges"]["no_peer"] == 1 and totals["exchanges"]["committed"] == 0
+    assert totals["eval"] == {"accuracy": 0.875}
+    json.dumps(totals)
 
 
 async def test_sample_counts_inbound_refusals_by_limit(autojump_clock: MockClock) -> None:
@@ -255,6 +295,40 @@ def test_serve_on_port_0_exposes_the_registry_until_shutdown() -> None:
     assert "gossip_steps_total 7.0" in body
     assert "gossip_exchange_duration_seconds_bucket" in body
     assert 'gossip_exchanges_total{result="committed"} 0.0' in body
+    assert "_created" not in body
+
+
+def test_no_created_series_in_any_exposition_and_no_global_switch() -> None:
+    other = prometheus_client.CollectorRegistry()  # a registry of the program's own
+    prometheus_client.Counter("other", "a counter", registry=other)
+    before = prometheus_client.generate_latest(other)
+    m = Metrics()
+    m.exchange(exchange(gossip.Result.COMMITTED))
+    text = prometheus_client.generate_latest(m.registry).decode()
+    assert "gossip_exchange_duration_seconds_count 1.0" in text
+    assert "_created" not in text
+    assert "_created" not in generate_openmetrics(m.registry).decode()
+    # a scrape of ?name[]=... collects through a restricted registry
+    names = ["gossip_steps_total", "gossip_steps_created", "gossip_exchange_duration_seconds_sum"]
+    restricted = prometheus_client.generate_latest(m.registry.restricted_registry(names))
+    assert b"gossip_steps_total 0.0" in restricted
+    assert b"gossip_exchange_duration_seconds_sum" in restricted
+    assert b"_created" not in restricted
+    # nothing process-wide was switched: the other registry exports what it did before
+    assert prometheus_client.generate_latest(other) == before
+
+
+def test_the_metrics_table_in_daemon_md_lists_every_series_and_no_other() -> None:
+    text = DAEMON_MD.read_text()
+    section = text[text.index("\n## Metrics\n"):]
+    section = section[:section.index("\n## ", 1)]
+    documented = set()
+    for row in section.splitlines():
+        if row.startswith("| `gossip_"):
+            first_cell = row.split("|")[1]
+            documented |= {re.sub(r"\{.*\}", "", name)
+                           for name in re.findall(r"`(gossip_[^`]+)`", first_cell)}
+    assert documented == Metrics().series()
 
 
 def test_serve_on_a_bad_address_raises_os_error() -> None:

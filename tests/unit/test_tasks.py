@@ -25,13 +25,7 @@ TASKS = [pytest.param(digits, id="digits", marks=needs_sklearn),
          pytest.param(charlm, id="charlm")]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Steps are tiny: one thread is faster than two and keeps timings steady."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make(module, seed: int = 0, **options) -> Task:

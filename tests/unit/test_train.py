@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from daemon.task import Shard, Task
+from daemon.task import Shard, Task, TaskError
 from daemon.train import Chunk, Trainer
 from gossip import tensors
 from gossip.replica import Counters, Replica
@@ -285,11 +285,45 @@ def test_state_counters_rng_and_meta() -> None:
     meta = {"entry": "m:f"}
     state = trainer.state(meta)
     assert set(state) == {"model", "optimizer", "counters", "rng", "meta"}
-    assert state["counters"] == {"step": 4, "samples": 4 * BATCH, "weight": 1.0}
+    assert state["counters"] == {"step": 4, "samples": 4 * BATCH, "weight": 1.0,
+                                 "own_steps": 4}
     assert set(state["rng"]) >= {"python", "torch"}
     assert state["meta"] == {"entry": "m:f"}
     meta["entry"] = "changed"
     assert state["meta"] == {"entry": "m:f"}  # a copy
+
+
+def test_own_steps_count_what_this_node_trained_across_restarts() -> None:
+    """The swarm's step moves at exchanges; the own steps count only what this node trained,
+    this run's on top of those the checkpoint it resumed counts."""
+    task = make_task()
+    trainer, node = make_trainer(task)
+    trainer.chunk(60.0, 3)
+    node.replica.queue(torch.zeros(node.replica.schema.numel), step_move=50, weight=None,
+                       sent_weight=1.0)  # an exchange moved the swarm's step
+    first = trainer.state({})
+    assert first["counters"]["step"] == 53 and first["counters"]["own_steps"] == 3
+
+    resumed = make_task(seed=1)
+    Trainer.restore(resumed, first)
+    again = Trainer(resumed, FakeNode(resumed.model), CPU, Shard(),  # type: ignore[arg-type]
+                    own_steps=Trainer.own_steps_in(first))
+    again.chunk(60.0, 2)
+    assert again.own_steps == 5
+    assert again.state({})["counters"]["own_steps"] == 5
+
+
+def test_own_steps_of_a_checkpoint_that_did_not_count_them_are_unknown() -> None:
+    trainer, _ = make_trainer(make_task())
+    older = trainer.state({})
+    del older["counters"]["own_steps"]  # as a checkpoint of an earlier version
+    assert Trainer.own_steps_in(older) is None
+    task = make_task(seed=1)
+    resumed = Trainer(task, FakeNode(task.model), CPU, Shard(),  # type: ignore[arg-type]
+                      own_steps=Trainer.own_steps_in(older))
+    resumed.chunk(60.0, 2)
+    assert resumed.own_steps is None  # not 2: that would pass for the whole history
+    assert resumed.state({})["counters"]["own_steps"] is None
 
 
 def test_state_includes_pending_deltas() -> None:
@@ -394,3 +428,57 @@ def test_restore_refuses_another_model() -> None:
                  lambda b: 0.0, batch_size=1)
     with pytest.raises((KeyError, ValueError, RuntimeError)):
         Trainer.restore(wrong, state)
+
+
+# ---- a finite batches(shard): one epoch of a DataLoader ---------------------------------------
+
+def epoch_task(per_call: list[int]) -> tuple[Task, list[int]]:
+    """The regression task with a finite ``batches``: its n-th call yields ``per_call[n]``
+    batches (the last count repeats). Returns the task and the calls' counts so far."""
+    task, calls = make_task(), []
+    endless = task.batches
+
+    def batches(shard: Shard) -> Iterator[Any]:
+        n = per_call[min(len(calls), len(per_call) - 1)]
+        calls.append(n)
+        source = endless(shard)
+        return iter([next(source) for _ in range(n)])
+
+    task.batches = batches
+    return task, calls
+
+
+def test_a_finite_batches_is_started_again_and_said_once(caplog: pytest.LogCaptureFixture) -> None:
+    task, calls = epoch_task([3])
+    trainer, node = make_trainer(task)
+    with caplog.at_level(logging.INFO, logger="daemon.train"):
+        chunk = trainer.chunk(600.0, 30)
+        chunk2 = trainer.chunk(600.0, 30)
+    assert chunk.steps == chunk2.steps == 30 and node.global_step == 60
+    assert len(calls) == 20 and trainer.epochs == 19  # the 20th pass has ended, not restarted
+    lines = [r for r in caplog.records if r.name == "daemon.train"]
+    assert [r.levelno for r in lines] == [logging.INFO]
+    assert lines[0].getMessage() == ("task.batches ended after 3 batches; starting it again each "
+                                     "time it ends (one epoch = 3 batches) shard=0/1")
+
+
+def test_a_later_pass_that_yields_nothing_is_an_error(caplog: pytest.LogCaptureFixture) -> None:
+    # batches() handing back an iterator that has already ended (a generator object kept in
+    # a closure, say) would make training spin without a step: say so, and only that.
+    task, _ = epoch_task([3, 0])
+    trainer, node = make_trainer(task)
+    with caplog.at_level(logging.INFO, logger="daemon.train"), \
+            pytest.raises(TaskError, match=r"^task.batches\(shard 0/1\) yielded no batch when "
+                                           r"called again after a pass of 3: it must return a "
+                                           r"new iterator"):
+        trainer.chunk(600.0, 10)
+    assert node.global_step == 3
+    assert not [r for r in caplog.records if r.name == "daemon.train"]
+
+
+def test_a_batches_that_yields_nothing_at_all_is_an_error() -> None:
+    task, _ = epoch_task([0])
+    trainer, node = make_trainer(task)
+    with pytest.raises(TaskError, match=r"^task.batches\(shard 0/1\) yields no batch$"):
+        trainer.chunk(600.0, 10)
+    assert node.global_step == 0

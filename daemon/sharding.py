@@ -1,0 +1,133 @@
+"""Which shard of the data a node trains on when ``task.shard = "auto"``.
+
+Theory of operation
+-------------------
+Every member announces the shard it trains on: ``shard`` of ``shards`` in its ``Alive``
+(docs/PROTOCOL.md section 8.4; ``shards`` 0 announces none). A node configured with ``shard =
+"auto"`` that has no choice of its own yet chooses as soon as it has joined the swarm (the
+join's push-pull hands it the whole member table of the node it joined through): the shard
+that the fewest alive members announce (:func:`choose_shard`). A member that cuts the data
+another way (another ``shards``) or announces nothing is not counted: it covers none of these
+shards. Ties are broken at random with a generator seeded by the node's peer id, so that
+joiners arriving together spread over the tied shards, and a node that chooses again from the
+same view picks the same shard. The first node of a swarm (no bootstrap address) has nobody to
+ask and takes shard 0.
+
+It chooses before downloading its first weights, not after: a download can take minutes, and
+a node that has not chosen announces nothing, so joiners arriving meanwhile would not count it
+and might pick its shard. Joiners whose choices are less than a gossip round apart (well under
+a second on a LAN) can still pick alike.
+
+The choice is kept in ``<data_dir>/shard`` (:func:`read_choice`, :func:`write_choice`) and
+holds for as long as ``task.shards`` does: a node never changes shard while it runs, nor when it
+restarts, so its model and its optimizer's state keep seeing the data they have seen. So a
+swarm that grows has its joiners fill the least-covered shards first; one that shrinks leaves
+the shards of the nodes that left uncovered until joiners take them. Moving running nodes to
+cover a shard would cost each of them a change of data mid-training, and several nodes seeing
+the same gap at once would all move to it, which is why nothing here does.
+
+Choosing is cheap: O(members + shards), once per start.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Iterable
+from pathlib import Path
+
+from gossip.messages import MAX_SHARDS
+
+__all__ = ["CHOICE_FILE", "coverage", "choose_shard", "describe", "read_choice", "write_choice"]
+
+log = logging.getLogger(__name__)
+
+CHOICE_FILE = "shard"  # under node.data_dir: "INDEX/COUNT\n", e.g. "3/8\n"
+MAX_CHOICE_FILE = 64  # bytes read from it at most
+SHOWN = 32  # shards listed one by one in describe(); more are summed up
+
+
+def coverage(shards: int, announced: Iterable[tuple[int, int]]) -> list[int]:
+    """How many members train on each of ``shards`` shards.
+
+    Args:
+        shards: the count this node cuts the data into (``task.shards``).
+        announced: each alive member's ``(shard, shards)``. A member whose ``shards`` differs
+            (0 included: it announces none) is not counted.
+
+    Returns:
+        ``counts[i]``: the members announcing shard ``i`` of ``shards``.
+    """
+    counts = [0] * shards
+    for shard, count in announced:
+        if count == shards and 0 <= shard < shards:
+            counts[shard] += 1
+    return counts
+
+
+def choose_shard(shards: int, announced: Iterable[tuple[int, int]], rng: random.Random) -> int:
+    """The shard to train on: one of those the fewest members announce, chosen with ``rng``
+    among them (seed it with the peer id: see the module docstring).
+
+    Args:
+        shards: ``task.shards``, 1..MAX_SHARDS.
+        announced: each alive member's ``(shard, shards)``, as :func:`coverage` takes them.
+        rng: breaks ties.
+
+    Raises:
+        ValueError: ``shards`` is out of range.
+    """
+    if not 1 <= shards <= MAX_SHARDS:
+        raise ValueError(f"shards must be in 1..{MAX_SHARDS}, got {shards}")
+    counts = coverage(shards, announced)
+    fewest = min(counts)
+    return rng.choice([i for i, n in enumerate(counts) if n == fewest])
+
+
+def describe(counts: list[int]) -> str:
+    """``counts`` (from :func:`coverage`) for a log line: each shard's members, or a summary
+    beyond :data:`SHOWN` shards."""
+    if len(counts) <= SHOWN:
+        return "members per shard " + " ".join(map(str, counts))
+    uncovered = counts.count(0)
+    return f"{uncovered} of {len(counts)} shards uncovered, the most covered by {max(counts)}"
+
+
+def read_choice(path: Path, shards: int) -> int | None:
+    """The shard chosen by an earlier run, if it was chosen among as many ``shards``.
+
+    Returns:
+        The shard; None if there is no choice, it was made for another ``shards`` (the node
+        chooses again), or the file is damaged (said in a warning; the node chooses again).
+
+    Raises:
+        OSError: the file exists but cannot be read.
+    """
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_CHOICE_FILE + 1)
+    except FileNotFoundError:
+        return None
+    index, sep, count = data.decode("ascii", "replace").strip().partition("/")
+    if (len(data) > MAX_CHOICE_FILE or not sep or not index.isdigit() or not count.isdigit()
+            or not int(index) < int(count)):
+        log.warning("shard choice file %s is damaged (expected INDEX/COUNT such as 3/8); "
+                    "choosing again", path)
+        return None
+    if int(count) != shards:
+        log.info("shard choice file %s is for %s shards, task.shards is %d: choosing again",
+                 path, count, shards)
+        return None
+    return int(index)
+
+
+def write_choice(path: Path, shard: int, shards: int) -> None:
+    """Keep the choice for the next run, as checkpoints are written (a temp file, fsynced,
+    renamed over ``path``, the directory fsynced): a crash leaves the old choice or the new.
+
+    Raises:
+        OSError: it cannot be written.
+    """
+    from .checkpoint import atomic_write  # torch, which this module does not otherwise need
+
+    atomic_write(path, lambda f: f.write(f"{shard}/{shards}\n".encode("ascii")))

@@ -1,0 +1,66 @@
+"""Data shards chosen from the members' announcements (``task.shard = "auto"``), on rosters
+over a SimNetwork under MockClock (autojump): each joiner, once joined, takes a shard the
+fewest alive members announce (:func:`daemon.sharding.choose_shard`, seeded by its peer id as
+the daemon does) and announces it, so joiners arriving over time cover every shard before any
+shard gets a second member. "Over time" means after the previous joiner's announcement has
+reached the member the next one joins through; joiners arriving together may pick alike.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import trio
+from trio.testing import MockClock
+
+from daemon.sharding import choose_shard
+from gossip.membership import MembershipConfig
+from tests.sim.swarm import SimNode, SimSwarm, open_sim_swarm
+
+SHARDS = 4
+CONFIG = MembershipConfig()
+
+
+async def join_and_choose(swarm: SimSwarm, node: SimNode, bootstrap: SimNode) -> int:
+    """Start ``node``, and once it has joined choose its shard and announce it."""
+    await swarm.start(node, [bootstrap.address])
+    roster = node.roster
+    assert roster is not None
+    await roster.wait_joined()
+    announced = [(m.shard, m.shards) for m in roster.alive()]
+    shard = choose_shard(SHARDS, announced, random.Random(str(node.peer)))
+    roster.set_meta(shard=shard, shards=SHARDS)
+    return shard
+
+
+def announced(swarm: SimSwarm, chosen: dict[SimNode, int], observers: list[SimNode]) -> bool:
+    """Every one of ``observers`` sees every chooser's shard."""
+    for observer in observers:
+        assert observer.roster is not None
+        seen = {m.peer: (m.shard, m.shards) for m in observer.roster.members()}
+        if any(seen.get(n.peer) != (s, SHARDS) for n, s in chosen.items() if n is not observer):
+            return False
+    return True
+
+
+async def test_joiners_fill_the_least_covered_shards(autojump_clock: MockClock) -> None:
+    # The bootstrap node announces no shard (shards 0), so it covers none of the four.
+    async with open_sim_swarm(1, latency=0.005) as swarm:
+        first = swarm.nodes[0]
+        chosen: dict[SimNode, int] = {}
+        for wave in (1, 2):
+            for _ in range(SHARDS):
+                node = swarm.add()
+                # Gossip brings the bootstrap node the joiner's shard within a few rounds, or
+                # (about 1% of the time, each relay's bounded retransmits all missing it) its
+                # next push-pull does.
+                with trio.fail_after(CONFIG.push_pull_interval + 5 * CONFIG.probe_interval):
+                    chosen[node] = await join_and_choose(swarm, node, first)
+                    await swarm.wait_until(lambda: announced(swarm, chosen, [first]))
+            # Each wave of joiners covers each shard once more.
+            assert sorted(Counter(chosen.values()).values()) == [wave] * SHARDS, chosen
+        # Everyone learns every shard: by gossip, or at the latest at a push-pull.
+        with trio.fail_after(CONFIG.push_pull_interval + 5 * CONFIG.probe_interval):
+            await swarm.wait_until(lambda: announced(swarm, chosen, swarm.running()))
+        assert first.roster is not None and first.roster.me.shards == 0
