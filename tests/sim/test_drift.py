@@ -111,6 +111,14 @@ def imbalance(sim) -> float:
     return float(torch.stack(cs).sum(0).norm() / sum(c.norm() for c in cs))
 
 
+def offset(sim) -> float:
+    """Where the running nodes' center settles, away from the mean of their targets, for what
+    their corrections still hold: each node's fixed point has x - t + c = 0 (curvature 1), so
+    the center sits at the mean target minus the mean correction, ‖Σ c‖ / N."""
+    cs = corrections(sim)
+    return float(torch.stack(cs).sum(0).norm()) / len(cs)
+
+
 async def test_the_corrections_sum_stays_near_zero_and_a_departures_bias_fades(
         autojump_clock: MockClock) -> None:
     models, optimizers, targets = quadratic_swarm(seed=3)
@@ -128,10 +136,12 @@ async def test_the_corrections_sum_stays_near_zero_and_a_departures_bias_fades(
         spread = sum(float((t - torch.stack(targets).mean(0)).norm()) for t in targets) / NODES
         await sim.run_for(30.0)  # settled: every c near (mean target - own target)
         # Not quite 0: clipping may shorten one side's step and not the other's, and the
-        # leak balances such drift at a small imbalance (0.01 to 0.03).
+        # leak balances such drift at a small imbalance (0.01 to 0.03, from run to run:
+        # trio shuffles the order in which ready tasks run). The center is off by what is
+        # left of it, and by little else.
         assert imbalance(sim) < 0.04
         center = torch.stack([m.x.detach() for m in models]).mean(0)
-        assert (center - torch.stack(targets).mean(0)).norm() < 0.03 * spread
+        assert (center - torch.stack(targets).mean(0)).norm() < 0.01 * spread + offset(sim)
 
         # Crashes (a restart brings back the checkpoint's correction) and resets that cut
         # exchanges off mid-way, some of them after one side's commit.
@@ -159,7 +169,7 @@ async def test_the_corrections_sum_stays_near_zero_and_a_departures_bias_fades(
         assert imbalance(sim) < 0.05
         rest = [models[i].x.detach() for i in range(6)]
         center = torch.stack(rest).mean(0)
-        assert (center - torch.stack(targets[:6]).mean(0)).norm() < 0.03 * spread
+        assert (center - torch.stack(targets[:6]).mean(0)).norm() < 0.01 * spread + offset(sim)
 
 
 # --- the step the swarm schedules by ------------------------------------------------------
