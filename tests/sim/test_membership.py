@@ -77,8 +77,8 @@ async def test_crash_5_of_64_is_detected_by_every_survivor(autojump_clock: MockC
                    if m is not n)
 
 
-@pytest.mark.timeout(1500)  # about 5 minutes of wall time on 2 cores: 460k probes
-async def test_no_false_death_under_loss_and_a_slow_node_for_two_hours(
+@pytest.mark.timeout(900)  # about 3 minutes of wall time on 2 cores: 230k probes
+async def test_no_false_death_under_loss_and_a_slow_node_for_an_hour(
     autojump_clock: MockClock,
 ) -> None:
     # 5% of datagrams lost everywhere, and one node whose event loop is ten times slower
@@ -90,7 +90,7 @@ async def test_no_false_death_under_loss_and_a_slow_node_for_two_hours(
             await swarm.wait_until(lambda: everyone_alive(swarm))
         slow = swarm.nodes[7]
         swarm.net.slow(slow.name, 0.25)
-        await trio.sleep(2 * 3600)
+        await trio.sleep(3600)
         assert not false_deaths(swarm)
         # Whole at the end: everyone up in everyone's eyes (some may be suspect this instant).
         for node in swarm.nodes:
