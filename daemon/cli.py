@@ -21,6 +21,8 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from gossip.handshake import CIPHERS, DEFAULT_CIPHER
+
 __all__ = ["main"]
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_RUNNING, EXIT_NOT_READY = 0, 1, 2, 3, 4
@@ -86,6 +88,9 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--shards", type=int, metavar="N", help="how many shards the swarm's data "
                     "is cut into (default 1; a join line names its own); each node takes one "
                     "with task.shard = \"auto\"")
+    sp.add_argument("--cipher", choices=CIPHERS, help="a new swarm's channel cipher (default "
+                    "aesgcm; chachapoly for machines without AES instructions; a join line "
+                    "names its own)")
 
     sp = sub.add_parser("join-line", help="print the join line of this node's swarm as its "
                         "config stands (after editing [task.options], say)")
@@ -376,12 +381,17 @@ def cmd_init(args: argparse.Namespace) -> int:
         name, key, bootstrap = line.name, line.key, list(line.bootstrap)
         entry, seed, options = args.task or line.task, line.seed, dict(line.options)
         shards = line.shards if args.shards is None else args.shards
+        cipher = line.cipher
+        if args.cipher is not None and args.cipher != cipher:
+            raise UsageError(f"the join line's swarm uses cipher {cipher}; a node of "
+                             f"{args.cipher} could not connect to it")
     else:
         name, key, bootstrap = args.swarm, secrets.token_bytes(32), []
         entry, seed, options = args.task or NEW_SWARM_TASK, 0, {}
         shards = 1 if args.shards is None else args.shards
+        cipher = args.cipher or DEFAULT_CIPHER
     data = {"node": {"listen": args.listen, "advertise": advertise},
-            "swarm": {"name": name, "bootstrap": bootstrap},
+            "swarm": {"name": name, "bootstrap": bootstrap, "cipher": cipher},
             "task": {"entry": entry, "seed": seed, "shard": "auto", "shards": shards,
                      "options": options}}
     try:
@@ -426,7 +436,7 @@ def cmd_init(args: argparse.Namespace) -> int:
     if warning and not args.join:
         print(warning, file=sys.stderr)
     join = JoinLine(name, key, (advertise,) if not args.join else tuple(bootstrap), shared, seed,
-                    shards, options)
+                    shards, options, cipher)
     print("start it:   gossipd run -c", config_path)
     print("a volunteer joins with (this line holds the swarm key: share it privately):")
     print(f"  gossipd init --join '{join}'")
@@ -470,7 +480,7 @@ def cmd_join_line(args: argparse.Namespace) -> int:
         key = read_swarm_key(config.path(config.swarm.key_file))
         line = JoinLine(config.swarm.name, key, tuple(dict.fromkeys(
             (address, *config.swarm.bootstrap))), entry, config.task.seed, config.task.shards,
-            dict(config.task.options))
+            dict(config.task.options), config.swarm.cipher)
     except KeyFileError as exc:
         raise UsageError(str(exc)) from None
     if warning:

@@ -264,6 +264,10 @@ class SwarmConfig(_Section):
                        "(required)", _want(lambda v: len(v) <= 64, "at most 64 characters"))
     key_file: str = _field("swarm.key", "swarm key file, relative to data_dir: 32 random bytes "
                            "as 64 hex characters", NOT_EMPTY)
+    cipher: str = _field("aesgcm", "channel cipher, the same on every node (a node of the other "
+                         "cipher cannot connect): aesgcm (fastest on machines with AES "
+                         "instructions) or chachapoly (for swarms of machines without them)",
+                         _one_of(*gossip.CIPHERS))
     bootstrap: tuple[str, ...] = _field((), "host:port of some members to join through; empty: "
                                         "this node starts the swarm", _address(dialable=True))
     allow: tuple[str, ...] = _field((), "peer ids allowed to exchange with us; empty: anyone "

@@ -5,7 +5,8 @@ A swarm key file holds the 32-byte key as 64 hexadecimal characters and a newlin
 
     gossip://NAME@HOST:PORT,HOST:PORT?key=64HEX&task=MODULE:FUNCTION&seed=0&shards=8
 
-``shards`` (how many shards the swarm cuts its data into) is left out when it is 1.
+``shards`` (how many shards the swarm cuts its data into) is left out when it is 1, and
+``cipher`` (the channel cipher, ``swarm.cipher``) when it is the default, ``aesgcm``.
 ``options`` carries the task's options (the config's ``[task.options]``), left out when there
 are none: their canonical JSON (sorted keys, no spaces, ASCII) in URL-safe base64 without
 padding, at most :data:`MAX_OPTIONS` bytes of JSON. Only what both JSON and TOML hold travels:
@@ -31,6 +32,7 @@ from typing import Any
 from urllib.parse import parse_qs, quote, unquote
 
 from gossip.address import parse_address
+from gossip.handshake import CIPHERS, DEFAULT_CIPHER
 from gossip.messages import MAX_SHARDS
 
 __all__ = ["KeyFileError", "JoinLine", "read_swarm_key", "write_swarm_key", "write_new",
@@ -109,15 +111,20 @@ class JoinLine:
     seed: int = 0
     shards: int = 1  # task.shards: every node cuts the data the same way
     options: Mapping[str, Any] = field(default_factory=dict)  # [task.options]
+    cipher: str = DEFAULT_CIPHER  # swarm.cipher: never negotiated, so the line must carry it
 
     def __post_init__(self) -> None:
         encode_options(self.options)  # a KeyFileError now, not when the line is printed
+        if self.cipher not in CIPHERS:
+            raise KeyFileError(f"the cipher must be one of {', '.join(CIPHERS)}, not "
+                               f"{self.cipher!r}")
 
     def __str__(self) -> str:
         peers = ",".join(self.bootstrap)
         return (f"{SCHEME}{quote(self.name, safe='')}@{peers}?key={self.key.hex()}"
                 f"&task={quote(self.task, safe=':/.')}&seed={self.seed}"
                 + (f"&shards={self.shards}" if self.shards != 1 else "")
+                + (f"&cipher={self.cipher}" if self.cipher != DEFAULT_CIPHER else "")
                 + (f"&options={encode_options(self.options)}" if self.options else ""))
 
     def __repr__(self) -> str:  # never print the key
@@ -158,6 +165,10 @@ class JoinLine:
                                  f"{shards_text!r}")
             shards = int(shards_text)
             options = decode_options(fields["options"][0]) if "options" in fields else {}
+            cipher = fields.get("cipher", [DEFAULT_CIPHER])[0]
+            if cipher not in CIPHERS:
+                raise ValueError(f"the cipher must be one of {', '.join(CIPHERS)}, not "
+                                 f"{cipher!r}")
             name = unquote(name)
             if not name:
                 raise ValueError("no swarm name")
@@ -165,7 +176,7 @@ class JoinLine:
             raise KeyFileError("the join line lacks key= or task=") from None
         except ValueError as exc:
             raise KeyFileError(f"bad join line: {exc}") from None
-        return cls(name, key, bootstrap, task, seed, shards, options)
+        return cls(name, key, bootstrap, task, seed, shards, options, cipher)
 
 
 def encode_options(options: Mapping[str, Any]) -> str:

@@ -146,7 +146,8 @@ def _prepare(config: Config, control: socket.socket) -> Prepared:
     data_dir = config.data_dir()
     try:
         identity = gossip.Identity.load_or_generate(config.path(config.node.identity))
-        swarm = gossip.Swarm(config.swarm.name, read_swarm_key(config.path(config.swarm.key_file)))
+        swarm = gossip.Swarm(config.swarm.name, read_swarm_key(config.path(config.swarm.key_file)),
+                             config.swarm.cipher)
         device = pick_device(config.task.device)
         file = entry_file(config.task.entry, data_dir)
         log.info("importing task entry=%s%s", config.task.entry, f" file={file}" if file else "")

@@ -27,7 +27,7 @@ _API: dict[str, tuple[str, ...]] = {
                "HandshakeError", "IdentityClash", "IdentityError", "LocalProtocolError",
                "PeerGone", "PeerTimeout", "RemoteProtocolError", "SchemaMismatch",
                "WireError"),
-    "handshake": ("PROTOCOL_VERSION", "Swarm"),
+    "handshake": ("CIPHERS", "PROTOCOL_VERSION", "Swarm"),
     "identity": ("Identity", "PeerId"),
     "limits": ("Limits",),
     "member": ("Member", "MembershipConfig", "State"),
@@ -65,7 +65,7 @@ if TYPE_CHECKING:
     from .errors import (AveragingFailed, ChannelClosed, GossipError, HandshakeClosed,
                          HandshakeError, IdentityClash, IdentityError, LocalProtocolError,
                          PeerGone, PeerTimeout, RemoteProtocolError, SchemaMismatch, WireError)
-    from .handshake import PROTOCOL_VERSION, Swarm
+    from .handshake import CIPHERS, PROTOCOL_VERSION, Swarm
     from .identity import Identity, PeerId
     from .limits import Limits
     from .member import Member, MembershipConfig, State

@@ -8,7 +8,10 @@ stream, each handshake message framed by a 4-byte big-endian length. The result 
 each sent as::
 
     length   u32 big-endian, = len(ciphertext) = len(plaintext) + 16
-    ciphertext  ChaCha20-Poly1305(key, nonce = 0^32 || u64le(counter), ad = length bytes)
+    ciphertext  AEAD(key, nonce = counter, ad = length bytes)
+
+The AEAD is the swarm's cipher (:attr:`~gossip.handshake.Swarm.cipher`): AES-256-GCM (nonce
+``0^32 || u64be(counter)``) by default, or ChaCha20-Poly1305 (``0^32 || u64le(counter)``).
 
 The counter starts at 0 in each direction and counts records, so a replayed, reordered,
 dropped or truncated record fails authentication; the length is authenticated as associated
@@ -381,7 +384,8 @@ async def _read_handshake_message(reader: _Reader) -> bytes:
     if await reader.read_into(memoryview(header)) < _HEADER:
         # A responder that does not hold our swarm key closes right after message 1.
         raise HandshakeClosed(
-            "connection closed during the handshake (as a peer with another swarm key does)")
+            "connection closed during the handshake (as a peer with another swarm key or "
+            "cipher does)")
     try:
         size = frame_length(header, MAX_HANDSHAKE_MESSAGE)
     except WireError as exc:
@@ -420,7 +424,7 @@ async def handshake(
             what an initiator sees when the responder does not hold its swarm key.
     """
     static = X25519PrivateKey.generate()  # per connection: the Ed25519 identity is what lasts
-    hs = NoiseHandshake(initiator=initiator, psk=swarm.key, static=static)
+    hs = NoiseHandshake(initiator=initiator, psk=swarm.key, static=static, cipher=swarm.cipher)
     reader = _Reader(stream)
 
     async def send(message: bytes) -> None:

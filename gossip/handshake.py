@@ -1,4 +1,4 @@
-"""The secure handshake: Noise ``XXpsk0_25519_ChaChaPoly_SHA256`` plus identity binding.
+"""The secure handshake: Noise ``XXpsk0_25519_AESGCM_SHA256`` plus identity binding.
 
 Pure: no trio, no sockets. :class:`NoiseHandshake` is the Noise state machine (Noise spec
 revision 34, §5 and §9); the identity layer on top (:func:`make_hello`, :func:`check_hello`)
@@ -30,6 +30,14 @@ The responder reveals its identity in message 2 only after checking the PSK; the
 checks the responder (signature, version, swarm, allow-list) before it sends message 3, so
 an initiator never reveals its identity to a peer it will refuse.
 
+The cipher is a property of the swarm (:attr:`Swarm.cipher`), never negotiated: ``aesgcm``
+(the default, ``Noise_XXpsk0_25519_AESGCM_SHA256``) or ``chachapoly``
+(``Noise_XXpsk0_25519_ChaChaPoly_SHA256``) for a swarm of machines without AES instructions.
+The suite's name is the first thing hashed into the transcript, so a node of the other suite
+fails message 1 exactly as a node with another swarm key does: no downgrade is possible.
+With AES instructions, AES-256-GCM seals a 1 MiB record about 3x faster than
+ChaCha20-Poly1305; without them, ChaCha20-Poly1305 is the faster one by far.
+
 Costs: three X25519 key agreements and one Ed25519 signature and verification per side;
 about 0.3 ms of CPU on a current x86 core.
 """
@@ -45,7 +53,7 @@ from dataclasses import dataclass
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
-from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
 
 from .errors import HandshakeError, LocalProtocolError, RemoteProtocolError, WireError
 from .identity import Identity, PeerId, peer_id_from_public_key, verify_signature
@@ -53,7 +61,10 @@ from .messages import Hello
 from .wire import decode, encode
 
 __all__ = [
+    "CIPHERS",
+    "DEFAULT_CIPHER",
     "PROTOCOL_NAME",
+    "protocol_name",
     "PROLOGUE",
     "PROTOCOL_VERSION",
     "SIGNATURE_PREFIX",
@@ -66,7 +77,29 @@ __all__ = [
     "x25519_public_bytes",
 ]
 
-PROTOCOL_NAME = b"Noise_XXpsk0_25519_ChaChaPoly_SHA256"
+# Swarm cipher setting -> (Noise cipher name, AEAD, nonce of counter n). Noise §12: AESGCM
+# puts the 64-bit counter big-endian after 32 zero bits, ChaChaPoly little-endian.
+_SUITES = {
+    "aesgcm": (b"AESGCM", AESGCM, struct.Struct(">4xQ")),
+    "chachapoly": (b"ChaChaPoly", ChaCha20Poly1305, struct.Struct("<4xQ")),
+}
+CIPHERS: tuple[str, ...] = tuple(_SUITES)
+DEFAULT_CIPHER = "aesgcm"
+
+
+def protocol_name(cipher: str = DEFAULT_CIPHER) -> bytes:
+    """The Noise protocol name of the swarm cipher ``cipher`` (one of :data:`CIPHERS`)."""
+    return b"Noise_XXpsk0_25519_" + _suite(cipher)[0] + b"_SHA256"
+
+
+def _suite(cipher: str) -> tuple:
+    try:
+        return _SUITES[cipher]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown cipher {cipher!r}; expected one of {CIPHERS}") from None
+
+
+PROTOCOL_NAME = protocol_name()  # the default suite's
 PROLOGUE = b"gossipd"
 PROTOCOL_VERSION = 1
 SIGNATURE_PREFIX = b"gossipd-noise-static-key:"
@@ -75,38 +108,40 @@ HASHLEN = 32
 DHLEN = 32
 TAGLEN = 16
 MAX_NONCE = 2**64 - 1  # reserved by Noise; reaching it means the channel must be closed
-_NONCE = struct.Struct("<4xQ")  # 32 zero bits, then the 64-bit counter little-endian
 
 
 @dataclass(frozen=True)
 class Swarm:
-    """What a node must share with its swarm: a name and a 32-byte secret key."""
+    """What a node must share with its swarm: a name, a 32-byte secret key and the channel
+    cipher (one of :data:`CIPHERS`; every node of a swarm must use the same one)."""
 
     name: str
     key: bytes
+    cipher: str = DEFAULT_CIPHER
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not 0 < len(self.name) <= 64:
             raise ValueError("swarm name must be 1 to 64 characters")
         if not isinstance(self.key, bytes) or len(self.key) != 32:
             raise ValueError("swarm key must be 32 bytes")
+        _suite(self.cipher)
 
     @classmethod
-    def generate(cls, name: str) -> "Swarm":
+    def generate(cls, name: str, cipher: str = DEFAULT_CIPHER) -> "Swarm":
         """A new swarm named ``name`` with a fresh random key, for its first node. Hand the
         others ``swarm.key.hex()`` as a secret (whoever holds it can join and read the
         weights), and let them build the same swarm with :meth:`from_hex`."""
-        return cls(name, secrets.token_bytes(32))
+        return cls(name, secrets.token_bytes(32), cipher)
 
     @classmethod
-    def from_hex(cls, name: str, key_hex: str) -> "Swarm":
+    def from_hex(cls, name: str, key_hex: str, cipher: str = DEFAULT_CIPHER) -> "Swarm":
         """The swarm named ``name`` whose key is ``key_hex``: 64 hexadecimal characters, as
         ``swarm.key.hex()`` gives them and as ``gossipd init`` writes its swarm key file
         (surrounding whitespace, a final newline say, is ignored).
 
         Raises:
-            ValueError: ``key_hex`` is not 64 hexadecimal characters, or ``name`` is not
-                1 to 64 characters.
+            ValueError: ``key_hex`` is not 64 hexadecimal characters, ``name`` is not
+                1 to 64 characters, or ``cipher`` is not one of :data:`CIPHERS`.
         """
         text = key_hex.strip()
         try:
@@ -115,10 +150,10 @@ class Swarm:
             key = b""
         if len(key) != 32:  # fromhex skips inner spaces: "00 00 ..." is 64 characters
             raise ValueError("a swarm key is 64 hexadecimal characters")
-        return cls(name, key)
+        return cls(name, key, cipher)
 
     def __repr__(self) -> str:  # never print the key
-        return f"Swarm(name={self.name!r}, key=<secret>)"
+        return f"Swarm(name={self.name!r}, key=<secret>, cipher={self.cipher!r})"
 
 
 def _hmac(key: bytes, data: bytes) -> bytes:
@@ -136,13 +171,14 @@ def _hkdf(chaining_key: bytes, ikm: bytes, n: int) -> list[bytes]:
 
 
 class CipherState:
-    """A key and a nonce counter (Noise §5.1). Used for handshake payloads and, after
-    :meth:`NoiseHandshake.split`, for the channel's records."""
+    """A key and a nonce counter (Noise §5.1) of the swarm cipher ``cipher``. Used for
+    handshake payloads and, after :meth:`NoiseHandshake.split`, for the channel's records."""
 
-    __slots__ = ("_aead", "n")
+    __slots__ = ("_aead", "_nonce", "n")
 
-    def __init__(self, key: bytes | None = None) -> None:
-        self._aead = ChaCha20Poly1305(key) if key is not None else None
+    def __init__(self, key: bytes | None = None, cipher: str = DEFAULT_CIPHER) -> None:
+        _, aead, self._nonce = _suite(cipher)
+        self._aead = aead(key) if key is not None else None
         self.n = 0
 
     @property
@@ -152,7 +188,7 @@ class CipherState:
     def _next_nonce(self) -> bytes:
         if self.n >= MAX_NONCE:
             raise LocalProtocolError("nonce space exhausted; the channel must be reopened")
-        nonce = _NONCE.pack(self.n)
+        nonce = self._nonce.pack(self.n)
         self.n += 1
         return nonce
 
@@ -169,7 +205,7 @@ class CipherState:
         if self.n >= MAX_NONCE:
             raise LocalProtocolError("nonce space exhausted; the channel must be reopened")
         try:
-            plaintext = self._aead.decrypt(_NONCE.pack(self.n), ciphertext, ad)
+            plaintext = self._aead.decrypt(self._nonce.pack(self.n), ciphertext, ad)
         except InvalidTag:
             raise RemoteProtocolError("record failed authentication (tampered, replayed or reordered)") from None
         self.n += 1
@@ -187,7 +223,7 @@ class CipherState:
         if self.n >= MAX_NONCE:
             raise LocalProtocolError("nonce space exhausted; the channel must be reopened")
         try:
-            self._aead.decrypt_into(_NONCE.pack(self.n), ciphertext, ad, out)
+            self._aead.decrypt_into(self._nonce.pack(self.n), ciphertext, ad, out)
         except InvalidTag:
             raise RemoteProtocolError("record failed authentication (tampered, replayed or reordered)") from None
         self.n += 1
@@ -219,6 +255,7 @@ class NoiseHandshake:
         static: this side's X25519 static key.
         prologue: bytes both sides must agree on; mixed into the transcript.
         ephemeral: fixed ephemeral key, for test vectors only.
+        cipher: the swarm cipher, one of :data:`CIPHERS`.
     """
 
     # (direction, tokens): True means initiator -> responder.
@@ -236,9 +273,11 @@ class NoiseHandshake:
         static: X25519PrivateKey,
         prologue: bytes = PROLOGUE,
         ephemeral: X25519PrivateKey | None = None,
+        cipher: str = DEFAULT_CIPHER,
     ) -> None:
         if len(psk) != 32:
             raise ValueError("the PSK must be 32 bytes")
+        self.cipher = cipher
         self.initiator = initiator
         self._psk = psk
         self._s = static
@@ -246,10 +285,10 @@ class NoiseHandshake:
         self._re: bytes | None = None
         self.remote_static: bytes | None = None
         # InitializeSymmetric: a name longer than HASHLEN is hashed.
-        name = PROTOCOL_NAME
+        name = protocol_name(cipher)
         self._h = name.ljust(HASHLEN, b"\0") if len(name) <= HASHLEN else hashlib.sha256(name).digest()
         self._ck = self._h
-        self._cipher = CipherState()
+        self._cipher = CipherState(cipher=cipher)
         self._mix_hash(prologue)
         self._index = 0
 
@@ -259,12 +298,12 @@ class NoiseHandshake:
 
     def _mix_key(self, ikm: bytes) -> None:
         self._ck, temp_k = _hkdf(self._ck, ikm, 2)
-        self._cipher = CipherState(temp_k)
+        self._cipher = CipherState(temp_k, self.cipher)
 
     def _mix_key_and_hash(self, ikm: bytes) -> None:
         self._ck, temp_h, temp_k = _hkdf(self._ck, ikm, 3)
         self._mix_hash(temp_h)
-        self._cipher = CipherState(temp_k)
+        self._cipher = CipherState(temp_k, self.cipher)
 
     def _encrypt_and_hash(self, plaintext: bytes) -> bytes:
         ciphertext = self._cipher.encrypt(self._h, plaintext)
@@ -276,7 +315,7 @@ class NoiseHandshake:
             plaintext = self._cipher.decrypt(self._h, ciphertext)
         except RemoteProtocolError:
             raise HandshakeError(
-                "handshake message failed authentication (wrong swarm key, or tampered)"
+                "handshake message failed authentication (wrong swarm key or cipher, or tampered)"
             ) from None
         self._mix_hash(ciphertext)
         return plaintext
@@ -366,7 +405,7 @@ class NoiseHandshake:
         if not self.complete:
             raise LocalProtocolError("handshake not complete")
         k1, k2 = _hkdf(self._ck, b"", 2)
-        c1, c2 = CipherState(k1), CipherState(k2)
+        c1, c2 = CipherState(k1, self.cipher), CipherState(k2, self.cipher)
         return (c1, c2) if self.initiator else (c2, c1)
 
 

@@ -536,7 +536,8 @@ def _why_not(exc: BaseException, timeout: float) -> str:
     if isinstance(exc, IdentityClash):
         return f"{exc} (a copied identity key?)"
     if isinstance(exc, HandshakeClosed):
-        return f"{exc}: check that our swarm key is this swarm's, and the address"
+        return (f"{exc}: check that our swarm key and swarm.cipher are this swarm's, and the "
+                "address")
     if isinstance(exc, HandshakeError):
         return f"{exc}: check swarm.name and the address"
     if isinstance(exc, (trio.TooSlowError, PeerTimeout)):

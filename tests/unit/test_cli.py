@@ -166,6 +166,24 @@ def test_init_shards_travel_in_the_join_line(tmp_path: Path,
     assert JoinLine.parse(second).shards == 8
 
 
+def test_init_cipher_travels_in_the_join_line(tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    default = init(capsys, tmp_path / "x", "--swarm", "x")
+    assert JoinLine.parse(default).cipher == "aesgcm" and "cipher" not in default
+    assert config_module.load(tmp_path / "x" / "gossipd.toml").swarm.cipher == "aesgcm"
+    text = init(capsys, tmp_path / "a", "--swarm", "lab", "--cipher", "chachapoly")
+    assert JoinLine.parse(text).cipher == "chachapoly"
+    assert config_module.load(tmp_path / "a" / "gossipd.toml").swarm.cipher == "chachapoly"
+    second = init(capsys, tmp_path / "b", "--join", text, listen="127.0.0.1:7071")
+    assert config_module.load(tmp_path / "b" / "gossipd.toml").swarm.cipher == "chachapoly"
+    assert JoinLine.parse(second).cipher == "chachapoly"
+    # A joiner cannot pick another cipher than its swarm's: it could never connect.
+    assert main(["init", "--join", text, "--dir", str(tmp_path / "c"), "--listen",
+                 "127.0.0.1:7072", "--cipher", "aesgcm"]) == 2
+    assert "uses cipher chachapoly" in one_line_error(capsys, "init")
+    assert not (tmp_path / "c" / "gossipd.toml").exists()
+
+
 def test_init_refuses_shards_out_of_range(tmp_path: Path,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["init", "--swarm", "s", "--dir", str(tmp_path), "--listen", "127.0.0.1:1",

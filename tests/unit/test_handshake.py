@@ -9,6 +9,7 @@ from noise.connection import Keypair, NoiseConnection
 
 from gossip.errors import HandshakeError, LocalProtocolError
 from gossip.handshake import (
+    CIPHERS,
     PROLOGUE,
     PROTOCOL_NAME,
     SIGNATURE_PREFIX,
@@ -17,14 +18,15 @@ from gossip.handshake import (
     x25519_public_bytes,
     check_hello,
     make_hello,
+    protocol_name,
 )
 from gossip.identity import Identity
 from gossip.messages import Hello
 from gossip.wire import encode
 
 
-def reference(initiator: bool, psk: bytes) -> NoiseConnection:
-    conn = NoiseConnection.from_name(PROTOCOL_NAME)
+def reference(initiator: bool, psk: bytes, cipher: str = "aesgcm") -> NoiseConnection:
+    conn = NoiseConnection.from_name(protocol_name(cipher))
     conn.set_as_initiator() if initiator else conn.set_as_responder()
     conn.set_psks(psk)
     conn.set_prologue(PROLOGUE)
@@ -33,34 +35,45 @@ def reference(initiator: bool, psk: bytes) -> NoiseConnection:
     return conn
 
 
-def ours(initiator: bool, psk: bytes) -> NoiseHandshake:
-    return NoiseHandshake(initiator=initiator, psk=psk, static=X25519PrivateKey.generate())
+def ours(initiator: bool, psk: bytes, cipher: str = "aesgcm") -> NoiseHandshake:
+    return NoiseHandshake(initiator=initiator, psk=psk, static=X25519PrivateKey.generate(),
+                          cipher=cipher)
 
 
-def test_our_responder_completes_against_reference_initiator():
+def test_the_default_suite_is_aesgcm():
+    assert PROTOCOL_NAME == b"Noise_XXpsk0_25519_AESGCM_SHA256"
+    assert protocol_name("chachapoly") == b"Noise_XXpsk0_25519_ChaChaPoly_SHA256"
+    assert Swarm("s", bytes(32)).cipher == "aesgcm"
+
+
+@pytest.mark.parametrize("cipher", CIPHERS)
+def test_our_responder_completes_against_reference_initiator(cipher):
     psk = os.urandom(32)
-    ref, me = reference(True, psk), ours(False, psk)
+    ref, me = reference(True, psk, cipher), ours(False, psk, cipher)
     assert me.read_message(ref.write_message(b"")) == b""
     assert bytes(ref.read_message(me.write_message(b"from responder"))) == b"from responder"
     assert me.read_message(ref.write_message(b"from initiator")) == b"from initiator"
     assert ref.handshake_finished and me.complete
     assert bytes(ref.get_handshake_hash()) == me.handshake_hash
     send, receive = me.split()
-    assert receive.decrypt(b"", bytes(ref.encrypt(b"transport i->r"))) == b"transport i->r"
-    assert bytes(ref.decrypt(send.encrypt(b"", b"transport r->i"))) == b"transport r->i"
+    for n in range(3):  # past n = 0, whose nonce reads the same in either byte order
+        assert receive.decrypt(b"", bytes(ref.encrypt(b"i->r %d" % n))) == b"i->r %d" % n
+        assert bytes(ref.decrypt(send.encrypt(b"", b"r->i %d" % n))) == b"r->i %d" % n
 
 
-def test_our_initiator_completes_against_reference_responder():
+@pytest.mark.parametrize("cipher", CIPHERS)
+def test_our_initiator_completes_against_reference_responder(cipher):
     psk = os.urandom(32)
-    me, ref = ours(True, psk), reference(False, psk)
+    me, ref = ours(True, psk, cipher), reference(False, psk, cipher)
     assert bytes(ref.read_message(me.write_message(b""))) == b""
     assert me.read_message(ref.write_message(b"r")) == b"r"
     assert bytes(ref.read_message(me.write_message(b"i"))) == b"i"
     assert ref.handshake_finished and me.complete
     assert bytes(ref.get_handshake_hash()) == me.handshake_hash
     send, receive = me.split()
-    assert bytes(ref.decrypt(send.encrypt(b"", b"x" * 1000))) == b"x" * 1000
-    assert receive.decrypt(b"", bytes(ref.encrypt(b"y"))) == b"y"
+    for n in range(3):
+        assert bytes(ref.decrypt(send.encrypt(b"", b"x" * 1000))) == b"x" * 1000
+        assert receive.decrypt(b"", bytes(ref.encrypt(b"y"))) == b"y"
     # Static keys each side learned are the ones the other holds.
     assert me.remote_static == bytes(ref.noise_protocol.keypairs["s"].public_bytes)
 
@@ -71,6 +84,26 @@ def test_wrong_psk_fails_at_the_first_message():
     assert len(message1) == 48  # ephemeral key + the tag of an empty, PSK-keyed payload
     with pytest.raises(HandshakeError, match="wrong swarm key"):
         responder.read_message(message1)
+
+
+@pytest.mark.parametrize("initiator_cipher, responder_cipher",
+                         [("aesgcm", "chachapoly"), ("chachapoly", "aesgcm")])
+def test_a_node_of_the_other_cipher_fails_at_the_first_message(initiator_cipher,
+                                                                responder_cipher):
+    # Never negotiated: the suite's name is hashed first, so a mismatch looks like a wrong key.
+    psk = os.urandom(32)
+    initiator = ours(True, psk, initiator_cipher)
+    responder = ours(False, psk, responder_cipher)
+    with pytest.raises(HandshakeError, match="wrong swarm key or cipher"):
+        responder.read_message(initiator.write_message())
+
+
+@pytest.mark.parametrize("cipher", ["AESGCM", "aes", "", None, 3])
+def test_an_unknown_cipher_is_refused(cipher):
+    with pytest.raises(ValueError, match="unknown cipher"):
+        Swarm("s", bytes(32), cipher)
+    with pytest.raises(ValueError, match="unknown cipher"):
+        ours(True, bytes(32), cipher)
 
 
 @pytest.mark.parametrize("cut", [1, 16, 47])

@@ -156,8 +156,9 @@ def test_join_line_text_form() -> None:
     line(seed=2**40),
     line(shards=8),
     line(shards=65535, seed=3),
+    line(cipher="chachapoly", shards=4),
 ], ids=["plain", "escaped-name", "unicode-name", "ipv6", "several", "path-task",
-        "colons-task", "escaped-task", "big-seed", "shards", "most-shards"])
+        "colons-task", "escaped-task", "big-seed", "shards", "most-shards", "chachapoly"])
 def test_join_line_round_trip(join: JoinLine) -> None:
     text = str(join)
     assert text.startswith("gossip://")
@@ -178,6 +179,15 @@ def test_join_line_carries_shards_unless_1() -> None:
     assert str(line(shards=8)).endswith("&seed=0&shards=8")
     assert "shards" not in str(line())  # the lines of a swarm with one shard stay as they were
     assert JoinLine.parse(f"gossip://lab@h:1?key={HEX}&task=m:f").shards == 1
+
+
+def test_join_line_carries_the_cipher_unless_the_default() -> None:
+    # Never negotiated on a connection: a joiner of the wrong cipher could not connect at all.
+    assert str(line(cipher="chachapoly")).endswith("&seed=0&cipher=chachapoly")
+    assert "cipher" not in str(line())
+    assert JoinLine.parse(f"gossip://lab@h:1?key={HEX}&task=m:f").cipher == "aesgcm"
+    with pytest.raises(KeyFileError, match="cipher must be one of aesgcm, chachapoly"):
+        line(cipher="rot13")
 
 
 def test_join_line_repr_hides_the_key() -> None:
@@ -208,6 +218,7 @@ def test_join_line_repr_hides_the_key() -> None:
     f"gossip://lab@h:1?key={HEX}&task=m:f&shards=0",  # no shard at all
     f"gossip://lab@h:1?key={HEX}&task=m:f&shards=65536",  # more than MAX_SHARDS
     f"gossip://lab@h:1?key={HEX}&task=m:f&shards=-2",
+    f"gossip://lab@h:1?key={HEX}&task=m:f&cipher=AESGCM",  # names are lower case
     f"gossip://@h:1?key={HEX}&task=m:f",  # no name
     "gossip://lab@h:1",  # no query at all
     f"gossip://labh:1?key={HEX}&task=m:f",  # no @
@@ -215,7 +226,7 @@ def test_join_line_repr_hides_the_key() -> None:
 ], ids=["no-scheme", "wrong-scheme", "no-key", "empty-key", "short-key", "long-key",
         "not-hex-key", "no-task", "no-bootstrap", "empty-bootstrap", "no-port", "big-port",
         "bare-ipv6", "one-bad-peer", "seed-x", "seed-float", "shards-0", "shards-big",
-        "shards-negative", "no-name", "no-query", "no-at", "empty"])
+        "shards-negative", "cipher-upper", "no-name", "no-query", "no-at", "empty"])
 def test_join_line_malformed(text: str) -> None:
     with pytest.raises(KeyFileError) as info:
         JoinLine.parse(text)

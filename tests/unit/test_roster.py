@@ -232,7 +232,7 @@ async def test_a_node_that_cannot_join_says_why_at_a_slowing_pace(
             trouble = x.trouble
             assert trouble is not None and trouble.since - start < 5
             assert "another swarm key" in trouble.reasons["a:7000"]
-            assert "check that our swarm key is this swarm's" in trouble.reasons["a:7000"]
+            assert "check that our swarm key and swarm.cipher are this swarm's" in trouble.reasons["a:7000"]
             assert "connection refused" in trouble.reasons["nobody:7000"]
     warnings = [r for r in caplog.records if r.levelname == "WARNING"]
     # At once, then with gaps doubling from 30 s to 10 minutes: about 8 in the hour, not

@@ -21,7 +21,7 @@ import torch
 import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
-from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
@@ -31,7 +31,8 @@ from gossip.membership import MembershipConfig, State
 from gossip.roster import open_roster
 
 # --- section 1.1 constants ---------------------------------------------------------------
-PROTOCOL_NAME = b"Noise_XXpsk0_25519_ChaChaPoly_SHA256"
+PROTOCOL_NAMES = {"aesgcm": b"Noise_XXpsk0_25519_AESGCM_SHA256",
+                  "chachapoly": b"Noise_XXpsk0_25519_ChaChaPoly_SHA256"}
 PROLOGUE = b"gossipd"
 SIGNATURE_PREFIX = b"gossipd-noise-static-key:"
 MAX_HANDSHAKE_MESSAGE = 65535
@@ -52,8 +53,19 @@ def peer_id(identity_public_key: bytes) -> str:  # section 3.2
     return base64.b32encode(digest).decode().rstrip("=").lower()
 
 
-def nonce(n: int) -> bytes:  # section 1: 00 00 00 00 || u64le(n)
-    return b"\0\0\0\0" + struct.pack("<Q", n)
+class Aead:  # section 1: the swarm's cipher, a 64-bit counter in its nonce encoding
+    def __init__(self, cipher: str, key: bytes):
+        self.aead = {"aesgcm": AESGCM, "chachapoly": ChaCha20Poly1305}[cipher](key)
+        self.order = ">" if cipher == "aesgcm" else "<"  # u64be / u64le
+
+    def nonce(self, n: int) -> bytes:  # 00 00 00 00 || u64(n)
+        return b"\0\0\0\0" + struct.pack(self.order + "Q", n)
+
+    def encrypt(self, n: int, p: bytes, ad: bytes) -> bytes:
+        return self.aead.encrypt(self.nonce(n), p, ad)
+
+    def decrypt(self, n: int, c: bytes, ad: bytes) -> bytes:
+        return self.aead.decrypt(self.nonce(n), c, ad)
 
 
 def hkdf(ck: bytes, ikm: bytes, m: int):  # section 4.3
@@ -91,8 +103,10 @@ def decode_message(data: bytes) -> list:
 
 # --- section 4: Noise XXpsk0 symmetric state and initiator ---------------------------------
 class SymmetricState:
-    def __init__(self):
-        self.h = hashlib.sha256(PROTOCOL_NAME).digest()  # 36 bytes > 32, so hashed (4.4)
+    def __init__(self, cipher: str):
+        self.cipher, name = cipher, PROTOCOL_NAMES[cipher]
+        # section 4.4: up to 32 bytes padded with zeros, longer hashed
+        self.h = name.ljust(32, b"\0") if len(name) <= 32 else hashlib.sha256(name).digest()
         self.ck = self.h
         self.k, self.n = None, 0
         self.mix_hash(PROLOGUE)
@@ -110,13 +124,13 @@ class SymmetricState:
         self.n = 0
 
     def encrypt_and_hash(self, p: bytes) -> bytes:
-        c = ChaCha20Poly1305(self.k).encrypt(nonce(self.n), p, self.h)
+        c = Aead(self.cipher, self.k).encrypt(self.n, p, self.h)
         self.n += 1
         self.mix_hash(c)
         return c
 
     def decrypt_and_hash(self, c: bytes) -> bytes:
-        p = ChaCha20Poly1305(self.k).decrypt(nonce(self.n), c, self.h)
+        p = Aead(self.cipher, self.k).decrypt(self.n, c, self.h)
         self.n += 1
         self.mix_hash(c)
         return p
@@ -128,11 +142,11 @@ class SymmetricState:
 class Initiator:
     """Sans-IO initiator: message bodies in and out, without the 4-byte length prefix."""
 
-    def __init__(self, psk, swarm_name, identity, s=None, e=None):
+    def __init__(self, psk, swarm_name, identity, s=None, e=None, cipher="aesgcm"):
         self.psk, self.swarm_name, self.identity = psk, swarm_name, identity
         self.s = s or X25519PrivateKey.generate()
         self.e = e or X25519PrivateKey.generate()
-        self.ss = SymmetricState()
+        self.ss = SymmetricState(cipher)
 
     def message1(self) -> bytes:  # -> psk, e
         self.ss.mix_key_and_hash(self.psk)
@@ -178,12 +192,13 @@ async def recv_exact(stream, n: int) -> bytes:
 
 class Client:
     @classmethod
-    async def connect(cls, address: str, swarm_name: str, psk: bytes, identity=None):
+    async def connect(cls, address: str, swarm_name: str, psk: bytes, identity=None,
+                      cipher="aesgcm"):
         self = cls()
         host, port = address.rsplit(":", 1)
         self.stream = await trio.open_tcp_stream(host.strip("[]"), int(port))
         self.identity = identity or Ed25519PrivateKey.generate()
-        hs = Initiator(psk, swarm_name, self.identity)
+        hs = Initiator(psk, swarm_name, self.identity, cipher=cipher)
         msg1 = hs.message1()
         await self.stream.send_all(struct.pack(">I", len(msg1)) + msg1)
         (length,) = struct.unpack(">I", await recv_exact(self.stream, 4))
@@ -192,14 +207,14 @@ class Client:
         msg3 = hs.message3()
         await self.stream.send_all(struct.pack(">I", len(msg3)) + msg3)
         k1, k2 = hs.ss.split()
-        self.send_aead, self.recv_aead = ChaCha20Poly1305(k1), ChaCha20Poly1305(k2)
+        self.send_aead, self.recv_aead = Aead(cipher, k1), Aead(cipher, k2)
         self.send_n = self.recv_n = 0
         return self
 
     async def send_record(self, plaintext: bytes):
         assert len(plaintext) <= MAX_RECORD
         header = struct.pack(">I", len(plaintext) + 16)
-        ct = self.send_aead.encrypt(nonce(self.send_n), plaintext, header)
+        ct = self.send_aead.encrypt(self.send_n, plaintext, header)
         self.send_n += 1
         await self.stream.send_all(header + ct)
 
@@ -207,7 +222,7 @@ class Client:
         header = await recv_exact(self.stream, 4)
         (length,) = struct.unpack(">I", header)
         assert 16 <= length <= MAX_RECORD + 16
-        pt = self.recv_aead.decrypt(nonce(self.recv_n), await recv_exact(self.stream, length), header)
+        pt = self.recv_aead.decrypt(self.recv_n, await recv_exact(self.stream, length), header)
         self.recv_n += 1
         return pt
 
@@ -289,73 +304,120 @@ def test_offer_and_accept_vectors():  # section 6.4
             decode_message(old_arity)
 
 
-def test_appendix_a_initiator_messages():
-    x = lambda b: X25519PrivateKey.from_private_bytes(bytes([b]) * 32)
-    ident = Ed25519PrivateKey.from_private_bytes(
-        bytes.fromhex("9d61b19deffd5a60ba844af492ec2cc44449c5697b326919703bac031cae7f60"))
-    hs = Initiator(bytes(range(32)), "demo", ident, s=x(0x11), e=x(0x22))
-    assert hs.ss.h.hex() == "218a48359410cb770f76236db6b96415270fa857284a29a5b287fe04d6ca4466"
-    msg1 = hs.message1()
-    assert msg1.hex() == ("0faa684ed28867b97f4a6a2dee5df8ce974e76b7018e3f22a1c4cf2678570f20"
-                          "903fafbe3e5d2d535565a0a7cb6a96b8")
-    assert hs.ss.h.hex() == "52e259fdcc68582dd85167e7d4d053fa00be26123f98ea0054e3da04f2df9e27"
-    msg2 = bytes.fromhex(APPENDIX_A_MSG2)
-    assert len(msg2) == 204 == 32 + 48 + 108 + 16  # section 4.5: u32be(96 + H)
-    assert peer_id(hs.read_message2(msg2)) == "hh3rhufgiqst6bcssqq3t5i3tm"
-    assert hs.hello_r.hex() == APPENDIX_A_HELLO_R
-    assert hs.ss.h.hex() == "7eb06101ef724275651a145bdbd6eca4b99b794ba67bbf3fcae2658ce352dcb9"
-    assert hs.ss.ck.hex() == "93dface46f212ae4af507818b34062b2fd7e6e5aa2b15618d5cbfadd0139aecb"
-    assert hs.message3() == bytes.fromhex(APPENDIX_A_MSG3)
-    assert hs.ss.h.hex() == "9f4b0676da0bd7e42269e91aa5d719b9333fe76cade07439f076ca3b11cbec6c"
-    k1, k2 = hs.ss.split()
-    assert k1.hex() == "2a4dc5952691d4b98f8e6c631a3b863d6af03cc7531f497bdf46184fb1d9908a"
-    assert k2.hex() == "b37d29e80d16591a3a5c8983a9588285122c209802834dbc7aecbd20dffbc4ba"
-    header, bye = bytes.fromhex("00000017"), encode_message(2, 0, "bye")
-    assert ChaCha20Poly1305(k1).encrypt(nonce(1), bye, header).hex() == "46e1ce2ab3a89cfbf8a6194df6dd569079546b5a1076df"
-    responder_first = bytes.fromhex("dbb48cfb249dd4a5d91d2b242a6ef8736227cabdc1f20e")
-    assert ChaCha20Poly1305(k2).decrypt(nonce(0), responder_first, header) == bye
-
-
-APPENDIX_A_MSG2 = """
+# Appendix A.1 (aesgcm) and A.2 (chachapoly); the Hello payloads are the same in both.
+APPENDIX_A = {
+    "aesgcm": dict(
+        h0="98367bfeb84324d6dd470e8042d5bd9555e933db84787ff5dff7eee7fbdff130",
+        h1="4fb2713b4db3d7cb9312f01e084d6b52a79b330c46f1b8db34b1900a8b1cae6f",
+        h2="e039d3102038138409e110a17c6aec1e4a266960f497f177359def800266abab",
+        ck2="084bffb18ac3143535df254fb2e336c413d2e49134f54da120d1b2407c34cbfd",
+        h3="31b445ade25cd6df455700141c4fb65e23ff53480c6c2a2c40aa97c0b21f0798",
+        k1="112fafe47c02689f4126caf70f9022df09fbb51b62bc7f46f9bf84c30ea6140c",
+        k2="779aa2c47da26a835834992f00ac92d1742cf254aae5ee2abd4c90a831c81805",
+        second="15e9d79adafeb59aa39bc98b0baa3a95a883d41745ac8f",
+        resp="201a351cbc4efca90cbdd8a67bc8ff01c5a991e0abcde8",
+        msg1="""
+0faa684ed28867b97f4a6a2dee5df8ce974e76b7018e3f22a1c4cf2678570f2031a4d1e898f9e83bb24ddfc8e29b78bb""".replace("\n", ""),
+        msg2="""
+ff2ee45601ec1b67310c7790404585ae697331eee1c1f8cf2419731c1fff3e6bda4012a26d5efaba3d24f21a129a269d
+10d82852f57573eb51c4adbc8c1eb36032a9a4eb3e01c113b370e6a5907c520370c2d0e348611f61cf90d56da9e79e89
+976e0e749e5095bf749df7fe3dd634c68ae3c1a606b249f10abfb2bc8e60842449568da1b70bafb0aedd6e69b8052da6
+a2ba1c1b97f1383002cbdb31ea7d81ba738fdd8b369ff3ee3acbb27e3b53e2247ce683168dd67af6eee14fdb914d752d
+7a3819416a90a1a42e40edc3""".replace("\n", ""),
+        msg3="""
+149fa787b8c8d3887612c62e45d259b44be46c72bb04f5e5241a1757d8b7c5b09050a2d36c562c94f0d4178b0d26cfe2
+a1ee4e046437a684b7848a62482cc21526ee1d5adcaaba436b9fb1ec84caacaee6e5c26902cda943494caf870fc3ef8a
+ab18bf7b00bc0494f6bc47307793048eff4fd152d1364ee4d182941a38c585218424e3b88614e92fd69aac059eb11609
+df95fb5c4c84c097f04df03b674040368d0e9d370d6cc6f746f6dd37""".replace("\n", ""),
+    ),
+    "chachapoly": dict(
+        h0="218a48359410cb770f76236db6b96415270fa857284a29a5b287fe04d6ca4466",
+        h1="52e259fdcc68582dd85167e7d4d053fa00be26123f98ea0054e3da04f2df9e27",
+        h2="7eb06101ef724275651a145bdbd6eca4b99b794ba67bbf3fcae2658ce352dcb9",
+        ck2="93dface46f212ae4af507818b34062b2fd7e6e5aa2b15618d5cbfadd0139aecb",
+        h3="9f4b0676da0bd7e42269e91aa5d719b9333fe76cade07439f076ca3b11cbec6c",
+        k1="2a4dc5952691d4b98f8e6c631a3b863d6af03cc7531f497bdf46184fb1d9908a",
+        k2="b37d29e80d16591a3a5c8983a9588285122c209802834dbc7aecbd20dffbc4ba",
+        second="46e1ce2ab3a89cfbf8a6194df6dd569079546b5a1076df",
+        resp="dbb48cfb249dd4a5d91d2b242a6ef8736227cabdc1f20e",
+        msg1="""
+0faa684ed28867b97f4a6a2dee5df8ce974e76b7018e3f22a1c4cf2678570f20903fafbe3e5d2d535565a0a7cb6a96b8""".replace("\n", ""),
+        msg2="""
 ff2ee45601ec1b67310c7790404585ae697331eee1c1f8cf2419731c1fff3e6ba5972002b956082fef756c827fb017fd
 bf700d4805a991552826a315a073e59e02c901d2d0c390db7490d08dec7656eba69e3a2059a5d65d31b7ea8c05375ff9
 48a186d645668b0f47ff7f4cf0017b0b736abae0e41cd2f3fe5d3c006d766e936f08c0a1b2b23f9208ca504f616e26c8
 1ebb2f673aea00ff3cf75cf398760a484817c692c77b21e0bbc7972a66672e62dc7e94e38a86b8203049c0507b9a1717
-c658a7b43a648d7915bf8d1f""".replace("\n", "")
-APPENDIX_A_HELLO_R = (
-    "8501016464656d6f58203d4017c3e843895a92b70aa74d1b7ebc9c982ccf2ec4968cc0cd55f12af4660c58404a260aee130a44eb737b"
-    "e3dc1c245a86958df3ac0b305349b0d924b477eb5c2b4a8197a79348092ae0c71fecd1f13f698c0b6a0bf7f7feaaf2be172a2c455804")
-APPENDIX_A_MSG3 = """
+c658a7b43a648d7915bf8d1f""".replace("\n", ""),
+        msg3="""
 20304b9578e26f917880dba0b2bca4c7c19bac9d02a6df9d5d2fcdb7f0a0b45a9aa96c8459624564da6a981eaf4eff0c
 e160dafa88fbf2c92e3b5de3f77703948868d002208708ec6d334c71c59aa63ca1d0de5d52aba84275a6d81d948da2de
 84eaaaf89919effca0be13839ec0fd45743dcb61506be29ad51c9a23471b7bc9c8edbaba8794f2d3fd7a918bc57b17ed
-80811e748a176580077ff7a86f2727f000c104f571b2b8bf339c3f78""".replace("\n", "")
+80811e748a176580077ff7a86f2727f000c104f571b2b8bf339c3f78""".replace("\n", ""),
+    ),
+}
+
+
+@pytest.mark.parametrize("cipher", ["aesgcm", "chachapoly"])
+def test_appendix_a_initiator_messages(cipher):
+    v = APPENDIX_A[cipher]
+    x = lambda b: X25519PrivateKey.from_private_bytes(bytes([b]) * 32)
+    ident = Ed25519PrivateKey.from_private_bytes(
+        bytes.fromhex("9d61b19deffd5a60ba844af492ec2cc44449c5697b326919703bac031cae7f60"))
+    hs = Initiator(bytes(range(32)), "demo", ident, s=x(0x11), e=x(0x22), cipher=cipher)
+    assert hs.ss.h.hex() == v["h0"]
+    assert hs.message1().hex() == v["msg1"]
+    assert hs.ss.h.hex() == v["h1"]
+    msg2 = bytes.fromhex(v["msg2"])
+    assert len(msg2) == 204 == 32 + 48 + 108 + 16  # section 4.5: u32be(96 + H)
+    assert peer_id(hs.read_message2(msg2)) == "hh3rhufgiqst6bcssqq3t5i3tm"
+    assert hs.hello_r.hex() == APPENDIX_A_HELLO_R
+    assert hs.ss.h.hex() == v["h2"]
+    assert hs.ss.ck.hex() == v["ck2"]
+    assert hs.message3().hex() == v["msg3"]
+    assert hs.ss.h.hex() == v["h3"]
+    k1, k2 = hs.ss.split()
+    assert k1.hex() == v["k1"]
+    assert k2.hex() == v["k2"]
+    header, bye = bytes.fromhex("00000017"), encode_message(2, 0, "bye")
+    assert Aead(cipher, k1).encrypt(1, bye, header).hex() == v["second"]
+    assert Aead(cipher, k2).decrypt(0, bytes.fromhex(v["resp"]), header) == bye
+
+
+APPENDIX_A_HELLO_R = (
+    "8501016464656d6f58203d4017c3e843895a92b70aa74d1b7ebc9c982ccf2ec4968cc0cd55f12af4660c58404a260aee130a44eb737b"
+    "e3dc1c245a86958df3ac0b305349b0d924b477eb5c2b4a8197a79348092ae0c71fecd1f13f698c0b6a0bf7f7feaaf2be172a2c455804")
 
 
 # --- tests: against the reference server -------------------------------------------------
 SWARM_NAME = "spec-test"
 
 
-async def start_server(nursery, handler, swarm_key):
+async def start_server(nursery, handler, swarm_key, cipher="aesgcm"):
     ident = Identity.generate()
-    swarm = Swarm(SWARM_NAME, swarm_key)
+    swarm = Swarm(SWARM_NAME, swarm_key, cipher)
     address = await nursery.start(functools.partial(
         serve, TcpNetwork(), "127.0.0.1:0", handler, identity=ident, swarm=swarm))
     return ident, str(address)
 
 
-async def test_handshake_peer_ids(nursery):
+@pytest.mark.parametrize("cipher", ["aesgcm", "chachapoly"])
+async def test_handshake_peer_ids_and_records(nursery, cipher):
     key = os.urandom(32)
     seen_send, seen_recv = trio.open_memory_channel(1)
 
     async def handler(channel):
         await seen_send.send(channel.peer)
+        for _ in range(3):  # records n = 0, 1, 2 each way: the nonce's byte order shows
+            await channel.send(await channel.receive())
 
-    ident, address = await start_server(nursery, handler, key)
-    client = await Client.connect(address, SWARM_NAME, key)
+    ident, address = await start_server(nursery, handler, key, cipher)
+    client = await Client.connect(address, SWARM_NAME, key, cipher=cipher)
     assert peer_id(client.server_identity_key) == ident.peer_id
     assert client.server_identity_key == ident.public_key
     assert await seen_recv.receive() == peer_id(raw_pub(client.identity))
+    for n in range(3):
+        await client.send_record(b"echo %d" % n)
+        assert await client.recv_record() == b"echo %d" % n
 
 
 async def test_receive_fp32_state(nursery):
