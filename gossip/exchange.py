@@ -26,6 +26,10 @@ This module is the protocol of one exchange and nothing else: *when* to exchange
 whom (the scheduler), whether an offer may be taken at all, what the checks are and what a
 committed payload does to the model are the caller's (:mod:`gossip.averaging`). The caller
 passes its snapshot, a buffer to receive into, and ``check``; it gets an :class:`Outcome`.
+The snapshot may still be being copied when the exchange starts (``ready``, set once it is
+whole): the counters in the Offer or Accept are known as soon as the copy begins, so the copy
+overlaps the offer's round trip and the peer's payload, and only our own send and the check
+wait for it.
 Every phase runs under its own deadline, and a deadline that passes is a
 :class:`~gossip.errors.PeerTimeout` naming the phase; what a peer did wrong is a
 :class:`~gossip.errors.GossipError`; neither leaves anything applied.
@@ -116,7 +120,7 @@ class Outcome:
 
 async def initiate(channel: SecureChannel, offer: Offer, own: torch.Tensor,
                    theirs: torch.Tensor, schema: StateSchema, check: Check,
-                   deadlines: Deadlines) -> Outcome:
+                   deadlines: Deadlines, ready: trio.Event | None = None) -> Outcome:
     """Offer an exchange on ``channel`` and, if the peer accepts, swap payloads and commit.
 
     Args:
@@ -124,6 +128,7 @@ async def initiate(channel: SecureChannel, offer: Offer, own: torch.Tensor,
         own: our snapshot, one or two vectors of the schema; not changed.
         theirs: where the peer's payload goes, as large as ``own``.
         check: judges the peer's payload before we commit.
+        ready: set once ``own`` holds the whole snapshot (None: it does already).
 
     Raises:
         PeerTimeout: a phase's deadline passed.
@@ -146,12 +151,12 @@ async def initiate(channel: SecureChannel, offer: Offer, own: torch.Tensor,
     if answer.correction and not offer.correction:
         raise RemoteProtocolError("Accept takes a correction the offer did not bring")
     return await _swap(channel, answer, offer.codec, 1 + answer.correction, own, theirs,
-                       schema, check, deadlines)
+                       schema, check, deadlines, ready)
 
 
 async def respond(channel: SecureChannel, offer: Offer, accept: Accept, own: torch.Tensor,
                   theirs: torch.Tensor, schema: StateSchema, check: Check,
-                  deadlines: Deadlines) -> Outcome:
+                  deadlines: Deadlines, ready: trio.Event | None = None) -> Outcome:
     """Take ``offer`` (already judged acceptable by the caller): say ``accept``, swap
     payloads and commit. Arguments and errors as :func:`initiate`; ``accept.correction``
     must be true only if ``offer.correction`` is and ``own`` holds an estimate."""
@@ -163,12 +168,12 @@ async def respond(channel: SecureChannel, offer: Offer, accept: Accept, own: tor
     except trio.TooSlowError:
         raise PeerTimeout(channel.peer.short, "accept") from None
     return await _swap(channel, offer, offer.codec, 1 + accept.correction, own, theirs,
-                       schema, check, deadlines)
+                       schema, check, deadlines, ready)
 
 
 async def _swap(channel: SecureChannel, peer: Offer | Accept, codec: str, parts: int,
                 own: torch.Tensor, theirs: torch.Tensor, schema: StateSchema, check: Check,
-                deadlines: Deadlines) -> Outcome:
+                deadlines: Deadlines, ready: trio.Event | None) -> Outcome:
     """Both payloads at once, the check, the commit."""
     size = parts * schema.numel
     mine, into = own[:size], theirs[:size]
@@ -193,6 +198,8 @@ async def _swap(channel: SecureChannel, peer: Offer | Accept, codec: str, parts:
         raise PeerTimeout(channel.peer.short, "transfer") from None
     except (SchemaMismatch, RemoteProtocolError) as exc:
         return Outcome(Ending.INVALID, f"bad payload: {exc}", peer, parts)
+    # Our send waited for the snapshot, so it is whole by now.
+    assert ready is None or ready.is_set()
     verdict = await check(into, parts, peer)
     if verdict.refused is not None:
         with trio.move_on_after(CLOSE_TIMEOUT):

@@ -253,17 +253,25 @@ class Replica:
             if len(self._spare) + (self._pending is not None) < 3:
                 self._spare.append(flat)
 
-    def snapshot(self, out: torch.Tensor, parts: int | None = None) -> Counters:
+    def snapshot(self, out: torch.Tensor, parts: int | None = None,
+                 on_counters: Callable[[Counters], None] | None = None) -> Counters:
         """Copy the state into ``out``: the live state plus the deltas committed and not yet
         applied, so that an exchange starts from the state the node has (and the push-sum
         weight, merged at commit, goes with it); returns the counters at that instant.
 
         With ``parts`` 2 (the default when the replica keeps a correction) the second part
         gets the correction's estimate ``z``; a download asks for 1.
+
+        ``on_counters`` is called with the counters before the copy starts: the lock is held
+        from then to the end of the copy, so they are the copy's (an exchange sends them in
+        its Offer or Accept while the copy runs).
         """
         parts = self.parts if parts is None else parts
         n = self.schema.numel
         with self.lock:
+            if on_counters is not None:
+                on_counters(Counters(self._step, self._samples, self._weight, self._debt,
+                                     self._local))
             state = out[:n]
             tensors.snapshot(self.model, self.schema, state)
             if self._pending is not None:

@@ -19,7 +19,7 @@ from gossip.member import MembershipConfig
 from gossip.network import TcpNetwork
 from gossip.messages import MAX_COUNT, Commit, Offer, PushPull
 from gossip.node import SwarmNode, open_swarm
-from gossip.replica import Counters
+from gossip.replica import OFFLOAD_NUMEL, Counters
 from gossip.standing import NEWCOMER_BURST
 from gossip.testing.hostile import HostilePeer, Reaction
 from tests.util import SWARM, Signal
@@ -219,6 +219,44 @@ async def test_local_steps_during_the_exchange_are_kept() -> None:
         views["0.bias"].fill_(1.0)
         torch.testing.assert_close(flat(model_a), (s_a + s_b) / 2 + offset)
         torch.testing.assert_close(flat(model_b), (s_a + s_b) / 2)
+
+
+def large(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)  # OFFLOAD_NUMEL + 1 parameters: snapshots copy in a thread
+    return torch.nn.Linear(OFFLOAD_NUMEL, 1)
+
+
+async def test_a_large_models_snapshot_overlaps_the_offer_and_lands_on_the_midpoint() -> None:
+    # The counters go out in the Offer or Accept as the copy begins; our payload and the
+    # check wait for the copy. Whatever the interleaving, each side sends its whole state.
+    model_a, model_b = large(21), large(22)
+    s_a, s_b = flat(model_a), flat(model_b)
+    async with two_nodes(model_a, model_b, AveragingConfig(correction=False)) as (a, b, done):
+        await exchange(a, b, done)
+        a.step()
+        b.step()
+        torch.testing.assert_close(flat(model_a), (s_a + s_b) / 2)
+        torch.testing.assert_close(flat(model_b), (s_a + s_b) / 2)
+        await exchange(b, a, done)  # the other way round: nobody moves
+        a.step()
+        b.step()
+        torch.testing.assert_close(flat(model_a), (s_a + s_b) / 2)
+        torch.testing.assert_close(flat(model_b), (s_a + s_b) / 2)
+
+
+async def test_a_large_models_refused_offer_leaves_it_untouched() -> None:
+    # Refused while the copy may still run: the buffers come back once it is done, and the
+    # next exchange (with a peer of the same codec) commits as usual.
+    model_a, model_b = large(23), large(24)
+    s_a = flat(model_a)
+    async with two_nodes(model_a, model_b, AveragingConfig(codec="fp32", correction=False),
+                         AveragingConfig(codec="bf16", correction=False)) as (a, b, _):
+        with trio.fail_after(DEADLINE):
+            assert await a.average_now() is Result.REJECTED
+            assert await b.average_now() is Result.REJECTED
+        assert a.step() == 0
+        torch.testing.assert_close(flat(model_a), s_a, rtol=0, atol=0)
+        assert a.replica.pending == 0 and b.replica.pending == 0
 
 
 async def test_bf16_exchange_lands_within_bf16_rounding_of_the_midpoint() -> None:
