@@ -352,8 +352,10 @@ class AveragingSection(_Section):
                          "sides by samples trained (push-sum)", _one_of("fixed", "samples"))
     weight: float = _field(0.5, "fixed mixing's weight, in (0, 1]; 0.5 keeps the swarm's mean",
                            _want(lambda v: 0 < v <= 1, "a number in (0, 1]"))
-    codec: str = _field("fp32", "wire format of exchanged states: fp32 (exact), bf16 or fp16 "
-                        "(half the bytes)", _one_of("fp32", "bf16", "fp16"))
+    codec: str = _field("fp32", "wire format of exchanged states: fp32 (exact, 4 bytes a "
+                        "parameter), bf16 or fp16 (2), int8 (~1.06: blocks of 64 values "
+                        "against one scale; for thin links)",
+                        _one_of("fp32", "bf16", "fp16", "int8"))
     clip: float = _field(5.0, "clip a step to clip x the median distance of our recent rounds "
                          "(>= 0); 0: off", NON_NEGATIVE)
     max_norm_ratio: float = _field(100.0, "refuse a state farther from ours than this x our "

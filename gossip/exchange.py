@@ -54,7 +54,7 @@ from .errors import GossipError, PeerTimeout, RemoteProtocolError, SchemaMismatc
 from .groups import first_error
 from .messages import Accept, Close, Commit, Offer, SchemaInfo
 from .mismatch import explain
-from .tensors import StateSchema, itemsize
+from .tensors import StateSchema, encoded_nbytes
 from .transfer import receive_state, send_state
 
 __all__ = ["Deadlines", "Ending", "Outcome", "Verdict", "Check", "initiate", "respond",
@@ -186,7 +186,8 @@ async def _swap(channel: SecureChannel, peer: Offer | Accept, codec: str, parts:
         except GossipError as exc:  # PeerGone, or ChannelClosed: the receive failed
             lost.append(exc)
 
-    transfer_end = trio.current_time() + deadlines.transfer_for(size * itemsize(codec))
+    transfer_end = trio.current_time() + deadlines.transfer_for(
+        encoded_nbytes(codec, schema.numel, parts))
     try:
         with trio.fail_at(transfer_end), first_error():
             async with trio.open_nursery() as nursery:

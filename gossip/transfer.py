@@ -4,9 +4,11 @@ A state travels as one :class:`~gossip.messages.StateHeader` record followed by 
 ``header.nbytes`` bytes of tensor data in records of whole elements (see
 :func:`gossip.tensors.encode_chunks`). A payload may hold more than one vector of the schema's
 size back to back (an averaging exchange's state and drift-correction estimate): ``parts`` of
-them, which both sides agreed on before, so that the size is still fixed locally. The receiver checks the header against the schema it
-already has before reading any tensor byte, so the payload size is fixed locally, never by
-the peer; a peer that says ``Close`` instead is reported with its reason.
+them, which both sides agreed on before (``int8`` blocks each on its own, so the size is
+:func:`gossip.tensors.encoded_nbytes` of the codec, the schema's size and ``parts``). The
+receiver checks the header against the schema it already has before reading any tensor byte,
+so the payload size is fixed locally, never by the peer; a peer that says ``Close`` instead is
+reported with its reason.
 
 Both functions take no deadline: wrap them in ``trio.fail_after`` with the phase's timeout.
 Sending and receiving may run at the same time on one channel (full duplex).
@@ -19,7 +21,7 @@ import torch
 from .channel import MAX_RECORD, SecureChannel
 from .errors import PeerGone, RemoteProtocolError, SchemaMismatch
 from .messages import Close, StateHeader
-from .tensors import StateDecoder, StateSchema, encode_chunks, itemsize
+from .tensors import StateDecoder, StateSchema, encode_chunks, encoded_nbytes
 
 __all__ = ["send_state", "receive_state"]
 
@@ -40,17 +42,25 @@ async def send_state(
     or cancellation the channel is closed, since the peer may hold part of the state, except
     :class:`PeerGone`: the peer is gone, nothing more can be sent, and what it sent before it
     went can still be received.
+
+    Raises:
+        ValueError: an unknown codec, or ``flat``'s size is not a multiple of the schema's
+            (nothing is sent then).
     """
+    parts, rest = divmod(flat.numel(), schema.numel) if schema.numel else (1, flat.numel())
+    if rest:
+        raise ValueError(f"a flat state of {flat.numel()} elements is not whole vectors of "
+                         f"the schema's {schema.numel}")
     header = StateHeader(
         fingerprint=schema.fingerprint,
         codec=codec,
         step=step,
         samples=samples,
-        nbytes=flat.numel() * itemsize(codec),
+        nbytes=encoded_nbytes(codec, schema.numel, parts),
     )
     try:
         await channel.send_message(header)
-        for record in encode_chunks(flat, codec, MAX_RECORD):
+        for record in encode_chunks(flat, codec, MAX_RECORD, parts=parts):
             await channel.send(record)
     except PeerGone:
         raise
@@ -106,7 +116,7 @@ async def _receive_state(
             f"{channel.peer.short} sent a state of schema {message.fingerprint.hex()}, "
             f"ours is {schema.fingerprint_hex}"
         )
-    expected = parts * schema.encoded_size(codec)
+    expected = encoded_nbytes(codec, schema.numel, parts)
     if message.codec != codec or message.nbytes != expected:
         raise SchemaMismatch(
             f"{channel.peer.short} announced {message.nbytes} bytes of {message.codec}; "

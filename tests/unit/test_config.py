@@ -23,6 +23,7 @@ from daemon.config import (
     SwarmConfig,
     TaskConfig,
 )
+from gossip.tensors import CODECS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -161,7 +162,7 @@ BAD = [
     ({"averaging": {"weight": 1.5}}, "averaging.weight", "expected a number in (0, 1]"),
     ({"averaging": {"weight": True}}, "averaging.weight", "expected a number, got boolean"),
     ({"averaging": {"mixing": "mean"}}, "averaging.mixing", "expected fixed or samples"),
-    ({"averaging": {"codec": "int8"}}, "averaging.codec", "expected fp32, bf16 or fp16"),
+    ({"averaging": {"codec": "int4"}}, "averaging.codec", "expected fp32, bf16, fp16 or int8"),
     ({"averaging": {"start": "never"}}, "averaging.start", "expected auto, own or download"),
     ({"averaging": {"clip": -0.1}}, "averaging.clip", "expected a number >= 0"),
     ({"averaging": {"max_norm_ratio": 0}}, "averaging.max_norm_ratio", "expected a number > 0"),
@@ -470,7 +471,7 @@ def test_to_averaging_every_0_is_by_time_only_and_both_0_never_start_a_round():
     assert averaging.every is None and averaging.interval is None
 
 
-@pytest.mark.parametrize("codec", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("codec", CODECS)
 def test_every_codec_is_one_the_library_knows(codec):
     assert AveragingSection(codec=codec).to_averaging().codec == codec
 

@@ -42,6 +42,29 @@ async def test_full_duplex_exchange(codec):
     assert torch.allclose(got["b"][1], sa, atol=tol, rtol=tol)
 
 
+async def test_int8_payload_of_two_vectors_blocks_each_on_its_own():
+    alice, bob, _ = await pair()
+    schema = tensors.StateSchema.from_module(model())
+    state = tensors.snapshot(model(3), schema)
+    estimate = torch.randn(schema.numel) * 1e-3  # a drift correction: far smaller values
+    flat = torch.cat([state, estimate])
+    async with trio.open_nursery() as n:
+        n.start_soon(send_state, alice, flat, schema, "int8")
+        header, got = await receive_state(bob, schema, "int8", parts=2)
+    assert header.nbytes == tensors.encoded_nbytes("int8", schema.numel, 2)
+    assert header.nbytes == 2 * schema.encoded_size("int8") < 0.55 * schema.encoded_size("fp32")
+    assert torch.allclose(got[: schema.numel], state, atol=1e-3, rtol=0)
+    assert torch.allclose(got[schema.numel :], estimate, atol=2e-5, rtol=0)
+
+
+async def test_send_state_wants_whole_vectors_of_the_schema():
+    alice, _, _ = await pair()
+    schema = tensors.StateSchema.from_module(torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="whole vectors"):
+        await send_state(alice, torch.zeros(schema.numel + 1), schema, "int8")
+    await alice.send_message(Close(Close.NORMAL, "nothing was sent"))  # the channel is intact
+
+
 async def test_other_schema_is_refused_before_reading_tensors():
     alice, bob, _ = await pair()
     mine, theirs = model(width=64), model(width=65)
@@ -86,6 +109,7 @@ async def test_header_must_announce_exactly_our_size(codec, nbytes_delta):
     [
         ("fp32", RemoteProtocolError, "at most 80 were expected"),  # decrypted in place
         ("bf16", RemoteProtocolError, "at most 40 were expected"),  # into the scratch record
+        ("int8", RemoteProtocolError, "at most 24 were expected"),  # one short block of 20
     ],
 )
 async def test_oversized_record_in_the_payload_is_refused(codec, error, match):

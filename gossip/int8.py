@@ -1,0 +1,191 @@
+"""The ``int8`` wire codec: blockwise absmax quantization of a flat float32 state.
+
+Theory of operation
+-------------------
+A vector of ``numel`` float32 values is cut into **blocks** of :data:`BLOCK` = 64 values in
+order; the last block is shorter when 64 does not divide ``numel``. Each block travels as a
+**cell**: its scale, a little-endian IEEE 754 binary32, then one signed byte per value::
+
+    cell = scale (4 bytes) | q[0] q[1] ... q[m-1] (m bytes, two's complement int8)
+
+where ``m`` is 64, or the length of the short last block. The cells follow one another with
+no padding, so a vector takes exactly :func:`nbytes` ``(numel)`` = ``68 * (numel // 64)``,
+plus ``4 + numel % 64`` if that remainder is not 0: about 1.0625 bytes per value, a size
+known from ``numel`` alone. A payload of several vectors (a state and a drift correction's
+estimate) encodes each on its own: blocks restart at every vector, so a vector whose values
+are a thousand times smaller never shares a scale with a larger one.
+
+Encoding, per block: ``absmax`` is the largest ``|x|``, ``scale = absmax / 127`` (float32,
+rounded to nearest) and ``q = round(x / scale)``, rounded to nearest with ties to even, which
+lies in [-127, 127] (a clamp makes sure of it). A block of zeros has scale 0 and q = 0.
+Decoding is ``q * scale`` in float32, so each decoded value is within ``scale / 2`` (plus
+float32 rounding) of the original: the error is relative to the block's largest value, not
+to each value, and a block's small values lose the most. One exception keeps finite values
+finite: a scale is at most :data:`MAX_SCALE`, the largest float32 whose product with 127 is
+finite (``absmax / 127`` rounds above it only for the few largest float32 values).
+
+Rounding is to nearest, so the encoding is a pure function of the state, which the tests and
+a second implementation can check byte for byte. What that costs: with an exchange every step,
+a slowly moving state rounds the same way round after round, so the errors do not average
+out over the mixing as independent ones would; stochastic rounding (``floor(x / scale + u)``,
+``u`` uniform in [0, 1)) would make them independent and unbiased. The decoder takes any
+``q``, so that would change the encoder alone.
+
+Non-finite values stay visible to the receiver's checks: a block holding a NaN has a NaN
+scale, and one holding ±inf (and no NaN) an infinite scale; such a block's q are all 0, so
+it decodes to NaN values throughout (``0 * inf`` is NaN). The decoder takes any bytes: a
+hostile NaN, infinite or huge scale gives non-finite or huge values, which the float32
+checks above this layer (finiteness, norm bounds, clipping) then see. The byte -128 is not
+produced but is accepted, and decodes to ``-128 * scale``: refusing it would protect
+nothing, since the scale alone can make a value anything.
+
+Why one cell per block rather than all scales first: records (channel frames) then hold
+whole cells, and the payload is the same bytes however it is cut into records, so nothing
+about the record size has to be agreed on. 68 is a multiple of 4, so in a record of whole
+cells every scale is 4-byte aligned: the record is viewed as a ``(cells, 17)`` float32 array
+whose first column is the scales and as a ``(cells, 68)`` byte array whose last 64 columns
+are the values, without copying either. Decoding a record is then two vectorized passes over
+its output (widen the bytes into it, multiply by the scales in place) and encoding one is
+six (absolute values, block maxima, divide, round, clamp, narrow to bytes), on scratch buffers
+made once per payload: no Python loop per block, no allocation the size of a record. Nothing here does
+I/O; :mod:`gossip.tensors` streams records and checks their sizes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+__all__ = ["BLOCK", "CELL", "LEVELS", "MAX_SCALE", "nbytes", "cells_in", "span", "encode",
+           "decode_into"]
+
+BLOCK = 64  # values per block; the last block of a vector may be shorter
+SCALE_BYTES = 4  # a float32 scale leads every cell
+CELL = SCALE_BYTES + BLOCK  # bytes of a whole block's cell: 68
+LEVELS = 127  # |q| <= LEVELS; scale = absmax / LEVELS
+# The largest float32 s with 127 * s finite (bytes 03 02 01 7c); absmax / 127 of a block
+# holding float32's largest value rounds one step above it, and would decode to infinity.
+MAX_SCALE = 2.6793883890187504e36
+
+
+def nbytes(numel: int) -> int:
+    """Encoded size in bytes of one vector of ``numel`` values."""
+    whole, tail = divmod(numel, BLOCK)
+    return whole * CELL + (SCALE_BYTES + tail if tail else 0)
+
+
+def cells_in(max_record: int) -> int:
+    """How many whole cells the encoder puts in a record of at most ``max_record`` bytes."""
+    return max_record // CELL
+
+
+def span(numel: int, received: int, size: int) -> tuple[int, int, int]:
+    """Where a record of ``size`` bytes, starting ``received`` bytes into a payload of
+    vectors of ``numel`` values, lands in the decoded output.
+
+    A record holds whole cells of one vector: any number of whole blocks' cells, and the
+    short last block's cell only as the record's last. ``received`` must be where a record
+    may start (0, or the end of a record that passed this check), and ``0 < size``.
+
+    Returns:
+        ``(start, blocks, tail)``: the index of the record's first value in the output, how
+        many whole blocks it holds, and the length of the short block that ends it (0: none).
+
+    Raises:
+        ValueError: the record is not whole cells of one vector (the message says why).
+    """
+    part = nbytes(numel)
+    index, offset = divmod(received, part)
+    end = offset + size
+    if end > part:
+        raise ValueError(f"record of {size} bytes is not whole int8 blocks: it runs past the "
+                         f"end of vector {index} ({part - offset} bytes of it remain)")
+    tail = numel % BLOCK if end == part else 0
+    body = size - (SCALE_BYTES + tail if tail else 0)
+    if body < 0 or body % CELL:
+        raise ValueError(f"record of {size} bytes is not whole int8 blocks "
+                         f"({CELL} bytes each, {SCALE_BYTES + tail} for the short last one)")
+    return index * numel + offset // CELL * BLOCK, body // CELL, tail
+
+
+def encode(flat: torch.Tensor, parts: int, max_record: int) -> Iterator[memoryview]:
+    """Records of whole cells, at most ``max_record`` bytes each, encoding ``flat`` as
+    ``parts`` vectors back to back; a record never holds cells of two vectors.
+
+    ``flat`` is a contiguous 1-D float32 tensor whose size ``parts`` divides, and
+    ``max_record >= CELL`` (the caller checks). The quantization runs on ``flat``'s device, one
+    record at a time, into scratch buffers made once; each record is a read-only view of one
+    host buffer that the next record overwrites.
+    """
+    numel = flat.numel() // parts
+    if numel == 0:
+        return
+    per = min(numel, cells_in(max_record) * BLOCK)  # values in a full record
+    host = torch.empty(nbytes(per), dtype=torch.uint8)
+    view = memoryview(host.numpy()).cast("B").toreadonly()
+    device = host if flat.device.type == "cpu" else torch.empty_like(host, device=flat.device)
+    work = torch.empty(per, dtype=torch.float32, device=flat.device)
+    for index in range(parts):
+        vector = flat[index * numel : (index + 1) * numel]
+        for start in range(0, numel, per):
+            values = vector[start : start + per]
+            size = _quantize(values, device, work)
+            if device is not host:
+                host[:size].copy_(device[:size])
+            yield view[:size]
+
+
+def _quantize(values: torch.Tensor, out: torch.Tensor, work: torch.Tensor) -> int:
+    """Encode ``values`` as cells at the start of the byte tensor ``out``; returns their size."""
+    blocks, tail = divmod(values.numel(), BLOCK)
+    body = blocks * CELL
+    if blocks:
+        cells = out[:body]
+        _quantize_blocks(values[: blocks * BLOCK].view(blocks, BLOCK),
+                         cells.view(torch.float32).view(blocks, CELL // 4)[:, 0],
+                         cells.view(blocks, CELL)[:, SCALE_BYTES:],
+                         work[: blocks * BLOCK].view(blocks, BLOCK))
+    if tail:
+        _quantize_blocks(values[blocks * BLOCK :].view(1, tail),
+                         out[body : body + SCALE_BYTES].view(torch.float32),
+                         out[body + SCALE_BYTES : body + SCALE_BYTES + tail].view(1, tail),
+                         work[blocks * BLOCK : blocks * BLOCK + tail].view(1, tail))
+        body += SCALE_BYTES + tail
+    return body
+
+
+def _quantize_blocks(x: torch.Tensor, scales: torch.Tensor, q: torch.Tensor,
+                     work: torch.Tensor) -> None:
+    """Quantize the rows of ``x`` (one block each) into ``scales`` (float32, one per row) and
+    ``q`` (bytes, shaped as ``x``), using ``work`` (float32, shaped as ``x``)."""
+    torch.abs(x, out=work)
+    scale = torch.amax(work, dim=1).div_(LEVELS)  # NaN if the block has one; inf if ±inf
+    finite = None
+    if not float(scale.max()) <= MAX_SCALE:  # one test for all the rare cases
+        finite = torch.isfinite(scale)
+        scale = torch.where(finite, scale.clamp(max=MAX_SCALE), scale)
+    # Zero blocks divide by 1 (0 / 0 would be NaN); a NaN scale also gives 1, harmlessly:
+    # its block is zeroed below. A subnormal scale may put x / scale past 127.5: the clamp.
+    torch.div(x, torch.where(scale > 0, scale, 1.0).unsqueeze(1), out=work)
+    work.round_().clamp_(-LEVELS, LEVELS)
+    if finite is not None and not bool(finite.all()):
+        work[~finite] = 0.0  # the scale carries the NaN or inf; the values must be defined
+    scales.copy_(scale)
+    q.view(torch.int8).copy_(work)
+
+
+def decode_into(record: torch.Tensor, out: torch.Tensor, blocks: int, tail: int) -> None:
+    """Decode a record (a byte tensor on ``out``'s device, starting 4-byte aligned) of
+    ``blocks`` whole cells then, if ``tail``, a short one into ``out``, a float32 tensor of
+    ``blocks * BLOCK + tail`` values. Any bytes decode; nothing is allocated per record."""
+    if blocks:
+        cells = record[: blocks * CELL]
+        dst = out[: blocks * BLOCK].view(blocks, BLOCK)
+        dst.copy_(cells.view(blocks, CELL)[:, SCALE_BYTES:].view(torch.int8))
+        dst.mul_(cells.view(torch.float32).view(blocks, CELL // 4)[:, :1])
+    if tail:
+        at = blocks * CELL
+        dst = out[blocks * BLOCK : blocks * BLOCK + tail]
+        dst.copy_(record[at + SCALE_BYTES : at + SCALE_BYTES + tail].view(torch.int8))
+        dst.mul_(record[at : at + SCALE_BYTES].view(torch.float32))
