@@ -76,7 +76,8 @@ from .identity import Identity, PeerId
 from .member import Member, State
 from .messages import Accept, Close, Offer, StateRequest
 from .mismatch import describe
-from .mixing import DeltaHistory, Quarantine, Verdict, coefficient, judge, merged_weight
+from .mixing import (DeltaHistory, Difference, Quarantine, Verdict, coefficient, judge,
+                     merged_weight)
 from .network import Network
 from .replica import OFFLOAD_NUMEL, Counters, Replica, offload
 from .roster import Roster
@@ -423,10 +424,10 @@ class Averaging:
                 async with trio.open_nursery() as copying:  # holds `own` until it is whole
                     mine, ready = await self._snapshot(copying, own, 1 + corrected)
                     accept = Accept(mine.step, mine.samples, self._my_weight(mine), corrected)
+                    check, difference = self._checker(own, theirs, mine, rank, ready)
                     outcome = await exchange.respond(channel, offer, accept, own, theirs,
-                                                     self.replica.schema,
-                                                     self._checker(own, mine, rank),
-                                                     self._deadlines, ready)
+                                                     self.replica.schema, check,
+                                                     self._deadlines, ready, difference.advance)
             result = self._settle(peer, outcome, mine, rank, theirs, started, initiated=False)
             theirs = None  # handed over
         except (GossipError, trio.TooSlowError) as exc:
@@ -488,9 +489,11 @@ class Averaging:
                         phase = "offer"
                         offer = Offer(self.replica.schema.fingerprint, self.config.codec,
                                       mine.step, mine.samples, self._my_weight(mine), corrected)
+                        check, difference = self._checker(own, theirs, mine, Standing.CHOSEN,
+                                                          ready)
                         outcome = await exchange.initiate(
-                            channel, offer, own, theirs, self.replica.schema,
-                            self._checker(own, mine, Standing.CHOSEN), self._deadlines, ready)
+                            channel, offer, own, theirs, self.replica.schema, check,
+                            self._deadlines, ready, difference.advance)
             told = None if outcome.peer is None else outcome.peer.step
             result = self._settle(peer, outcome, mine, Standing.CHOSEN, theirs, started,
                                   initiated=True)
@@ -533,9 +536,14 @@ class Averaging:
         await begun.wait()
         return counters[0], ready
 
-    def _checker(self, own: torch.Tensor, mine: Counters, rank: Standing) -> exchange.Check:
-        """The checks of a received payload (:func:`gossip.mixing.judge`), for the exchange."""
+    def _checker(self, own: torch.Tensor, theirs: torch.Tensor, mine: Counters,
+                 rank: Standing, ready: trio.Event | None) -> tuple[exchange.Check, Difference]:
+        """The checks of a received payload (:func:`gossip.mixing.judge`), for the exchange,
+        and the pass over the state that they start while the payload arrives (fed by the
+        exchange's ``on_decoded``; it waits for our snapshot to be whole)."""
         config = self.config
+        difference = Difference(theirs, own, self.replica.schema.numel,
+                                (lambda: True) if ready is None else ready.is_set)
 
         async def check(theirs: torch.Tensor, parts: int, peer: Offer | Accept) -> Verdict:
             c = coefficient(config.weight, config.by_samples, self._my_weight(mine), peer.weight)
@@ -545,9 +553,10 @@ class Averaging:
             return await offload(self.replica, judge, theirs, own, parts, c, self._histories,
                                  clip=config.clip, max_norm_ratio=config.max_norm_ratio,
                                  standing=rank, correction=CORRECTION_RATE * config.weight,
-                                 gradient_scale=self.replica.gradient_scale)
+                                 gradient_scale=self.replica.gradient_scale,
+                                 difference=difference)
 
-        return check
+        return check, difference
 
     def _settle(self, peer: PeerId, outcome: Outcome, mine: Counters, rank: Standing,
                 theirs: torch.Tensor, started: float, *, initiated: bool) -> Result:

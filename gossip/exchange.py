@@ -120,7 +120,8 @@ class Outcome:
 
 async def initiate(channel: SecureChannel, offer: Offer, own: torch.Tensor,
                    theirs: torch.Tensor, schema: StateSchema, check: Check,
-                   deadlines: Deadlines, ready: trio.Event | None = None) -> Outcome:
+                   deadlines: Deadlines, ready: trio.Event | None = None,
+                   on_decoded: Callable[[int], None] | None = None) -> Outcome:
     """Offer an exchange on ``channel`` and, if the peer accepts, swap payloads and commit.
 
     Args:
@@ -129,6 +130,8 @@ async def initiate(channel: SecureChannel, offer: Offer, own: torch.Tensor,
         theirs: where the peer's payload goes, as large as ``own``.
         check: judges the peer's payload before we commit.
         ready: set once ``own`` holds the whole snapshot (None: it does already).
+        on_decoded: called as the peer's payload arrives, with how many leading elements of
+            ``theirs`` are final (:func:`~gossip.transfer.receive_state`).
 
     Raises:
         PeerTimeout: a phase's deadline passed.
@@ -151,12 +154,13 @@ async def initiate(channel: SecureChannel, offer: Offer, own: torch.Tensor,
     if answer.correction and not offer.correction:
         raise RemoteProtocolError("Accept takes a correction the offer did not bring")
     return await _swap(channel, answer, offer.codec, 1 + answer.correction, own, theirs,
-                       schema, check, deadlines, ready)
+                       schema, check, deadlines, ready, on_decoded)
 
 
 async def respond(channel: SecureChannel, offer: Offer, accept: Accept, own: torch.Tensor,
                   theirs: torch.Tensor, schema: StateSchema, check: Check,
-                  deadlines: Deadlines, ready: trio.Event | None = None) -> Outcome:
+                  deadlines: Deadlines, ready: trio.Event | None = None,
+                  on_decoded: Callable[[int], None] | None = None) -> Outcome:
     """Take ``offer`` (already judged acceptable by the caller): say ``accept``, swap
     payloads and commit. Arguments and errors as :func:`initiate`; ``accept.correction``
     must be true only if ``offer.correction`` is and ``own`` holds an estimate."""
@@ -168,12 +172,13 @@ async def respond(channel: SecureChannel, offer: Offer, accept: Accept, own: tor
     except trio.TooSlowError:
         raise PeerTimeout(channel.peer.short, "accept") from None
     return await _swap(channel, offer, offer.codec, 1 + accept.correction, own, theirs,
-                       schema, check, deadlines, ready)
+                       schema, check, deadlines, ready, on_decoded)
 
 
 async def _swap(channel: SecureChannel, peer: Offer | Accept, codec: str, parts: int,
                 own: torch.Tensor, theirs: torch.Tensor, schema: StateSchema, check: Check,
-                deadlines: Deadlines, ready: trio.Event | None) -> Outcome:
+                deadlines: Deadlines, ready: trio.Event | None,
+                on_decoded: Callable[[int], None] | None) -> Outcome:
     """Both payloads at once, the check, the commit."""
     size = parts * schema.numel
     mine, into = own[:size], theirs[:size]
@@ -181,6 +186,8 @@ async def _swap(channel: SecureChannel, peer: Offer | Accept, codec: str, parts:
     lost: list[GossipError] = []
 
     async def send() -> None:
+        if ready is not None:
+            await ready.wait()
         try:
             await send_state(channel, mine, schema, codec)
         except GossipError as exc:  # PeerGone, or ChannelClosed: the receive failed
@@ -192,7 +199,8 @@ async def _swap(channel: SecureChannel, peer: Offer | Accept, codec: str, parts:
         with trio.fail_at(transfer_end), first_error():
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(send)
-                await receive_state(channel, schema, codec, into, parts=parts)
+                await receive_state(channel, schema, codec, into, parts=parts,
+                                    on_decoded=on_decoded)
         if lost:
             raise lost[0]
     except trio.TooSlowError:

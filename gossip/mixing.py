@@ -50,7 +50,9 @@ clipped steps.
 
 The checks and the difference are one pass over the model, chunk by chunk, so that each chunk
 is still in cache for the next operation on it: the exchange is CPU-bound, and memory traffic
-is most of the cost of the arithmetic.
+is most of the cost of the arithmetic. For the state, that pass runs as the payload arrives
+(:class:`Difference`, fed after each record is decoded, while the record is still in cache and
+while the rest is on the wire), so the check after the transfer is left with a few sums.
 
 Refusals are strikes against the sender (:class:`Quarantine`); enough strikes in a row put it
 in quarantine for a while. Nothing here imports trio or does I/O; time is passed in.
@@ -62,14 +64,15 @@ import bisect
 import collections
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from .standing import Standing
 from .tensors import REDUCE_CHUNK, sum_of_squares
 
-__all__ = ["coefficient", "merged_weight", "DeltaHistory", "Delta", "Verdict", "make_delta",
-           "judge", "Quarantine"]
+__all__ = ["coefficient", "merged_weight", "DeltaHistory", "Delta", "Verdict", "Difference",
+           "make_delta", "judge", "Quarantine"]
 
 MAX_QUARANTINED = 4096  # peers remembered by a Quarantine; the oldest entry goes first
 
@@ -201,6 +204,55 @@ class Verdict:
         return self.state.clipped or (self.correction is not None and self.correction.clipped)
 
 
+class Difference:
+    """``received − own`` over the first ``numel`` elements, computed in place as a payload
+    arrives: :meth:`advance` after each record, with how many leading elements of
+    ``received`` are final. The sums of :func:`make_delta`'s checks add up on the way; a
+    non-finite value stops the subtraction (the payload is refused anyway).
+
+    Not thread-safe: advance it from one thread, then hand it to :func:`judge`.
+    """
+
+    def __init__(self, received: torch.Tensor, own: torch.Tensor, numel: int,
+                 own_ready: Callable[[], bool] = lambda: True) -> None:
+        if not 0 <= numel <= min(received.numel(), own.numel()):
+            raise ValueError(f"numel {numel} is outside both buffers")
+        self._received, self._own, self.numel = received, own, numel
+        self._own_ready = own_ready  # false while our snapshot is still being copied
+        self._done = 0
+        self._distance_sq = self._own_sq = 0.0
+        self._finite = True
+
+    def advance(self, decoded: int) -> None:
+        """Subtract up to element ``decoded`` (elements past :attr:`numel` are not ours), or
+        nothing yet if ``own`` is still being written (a later call catches up)."""
+        stop = min(decoded, self.numel)
+        if self._finite and stop > self._done and self._own_ready():
+            d, o, finite = _subtract(self._received[self._done : stop],
+                                     self._own[self._done : stop])
+            self._distance_sq += d
+            self._own_sq += o
+            self._finite = finite
+            self._done = stop
+
+    def covers(self, received: torch.Tensor, own: torch.Tensor) -> bool:
+        """Whether this is the pass over exactly ``received`` and ``own``."""
+        return (received.numel() == own.numel() == self.numel
+                and received.data_ptr() == self._received.data_ptr()
+                and own.data_ptr() == self._own.data_ptr())
+
+    def sums(self) -> tuple[float, float, bool]:
+        """``‖received − own‖²``, ``‖own‖²`` and whether every value was finite, over all
+        :attr:`numel` elements (whatever :meth:`advance` has not covered is done now: ``own``
+        must be whole by then)."""
+        if not self._own_ready():
+            raise RuntimeError("the difference is asked for before our snapshot is whole")
+        self.advance(self.numel)
+        if not self._finite:
+            return math.nan, math.nan, False
+        return self._distance_sq, self._own_sq, True
+
+
 def make_delta(
     received: torch.Tensor,
     own: torch.Tensor,
@@ -212,6 +264,7 @@ def make_delta(
     standing: Standing = Standing.CHOSEN,
     record: bool = True,
     floor: float = 0.0,
+    difference: Difference | None = None,
 ) -> Delta:
     """Check a received flat state and turn it, in place, into the difference to queue.
 
@@ -221,9 +274,13 @@ def make_delta(
     ``record`` is false: then the caller records it with :meth:`DeltaHistory.record` once
     it takes the delta). On refusal ``received`` holds garbage and ``history`` is unchanged.
     ``own`` is never modified. ``floor``: the norm check's reference is at least this (for
-    a vector whose own norm may legitimately be near zero).
+    a vector whose own norm may legitimately be near zero). ``difference``: the same pass,
+    already under way as the payload arrived (over ``received`` and ``own`` exactly).
     """
-    distance_sq, own_sq, finite = _subtract(received, own)
+    if difference is not None and not difference.covers(received, own):
+        raise ValueError("the difference is not over these buffers")
+    distance_sq, own_sq, finite = (_subtract(received, own) if difference is None
+                                   else difference.sums())
     if not finite:
         return Delta(math.nan, "non-finite values")
     distance, own_norm = math.sqrt(distance_sq), math.sqrt(own_sq)
@@ -257,6 +314,7 @@ def judge(
     standing: Standing = Standing.CHOSEN,
     correction: float = 0.0,
     gradient_scale: float = 0.0,
+    difference: Difference | None = None,
 ) -> Verdict:
     """:func:`make_delta` for each part of a payload: the state, then (``parts`` 2) the
     correction's estimate, each against its own history, so that neither bound is driven by
@@ -269,10 +327,13 @@ def judge(
     gradient near zero, and the swarm's, which its correction must take on, may be a hundred
     times that. Its reference is therefore at least ``gradient_scale`` (the node's own
     gradients as it started: :attr:`~gossip.correction.Correction.scale`) and the median
-    distance of the estimates it accepted; neither can be driven by what a peer sends."""
+    distance of the estimates it accepted; neither can be driven by what a peer sends.
+
+    ``difference``: the state's pass (the first part), already under way as it arrived."""
     n = received.numel() // parts
     state = make_delta(received[:n], own[:n], coefficient, histories[0], clip=clip,
-                       max_norm_ratio=max_norm_ratio, standing=standing, record=False)
+                       max_norm_ratio=max_norm_ratio, standing=standing, record=False,
+                       difference=difference)
     estimate = None
     if parts == 2 and state.refused is None:
         floor = max(gradient_scale, histories[1].median() or 0.0)

@@ -486,6 +486,7 @@ class StateDecoder:
         self._numel = schema.numel
         self.total_bytes = encoded_nbytes(codec, schema.numel, parts)
         self._received = 0
+        self._decoded = 0  # int8: the end of the last dequantized record
         self._error: str | None = None
         # Records to cast, copy over or dequantize: int8 ones are bytes.
         self._scratch = torch.empty(0, dtype=self._dtype or torch.uint8)
@@ -506,6 +507,13 @@ class StateDecoder:
     def done(self) -> bool:
         """Whether the whole payload has been fed."""
         return self._received == self.total_bytes
+
+    @property
+    def decoded(self) -> int:
+        """How many leading elements of the output hold their final values."""
+        if self._dtype is not None:
+            return self._received // self._dtype.itemsize
+        return self._decoded
 
     def feed(self, record: bytes | bytearray | memoryview) -> None:
         """Decode one record (a whole number of elements) into the output.
@@ -602,6 +610,7 @@ class StateDecoder:
             record.copy_(self._scratch[:nbytes])
         int8.decode_into(record, self._out[start : start + blocks * int8.BLOCK + tail],
                          blocks, tail)
+        self._decoded = start + blocks * int8.BLOCK + tail
 
     def _as_tensor(self, data: memoryview, n: int) -> torch.Tensor:
         if not data.readonly:

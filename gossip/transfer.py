@@ -16,6 +16,8 @@ Sending and receiving may run at the same time on one channel (full duplex).
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from .channel import MAX_RECORD, SecureChannel
@@ -77,9 +79,14 @@ async def receive_state(
     codec: str = "fp32",
     out: torch.Tensor | None = None,
     parts: int = 1,
+    on_decoded: Callable[[int], None] | None = None,
 ) -> tuple[StateHeader, torch.Tensor]:
     """Receive a state sent by :func:`send_state` into a flat float32 buffer (of ``parts``
     times the schema's size).
+
+    ``on_decoded(n)`` is called after each record, with how many leading elements of the
+    output hold their final values (to work on them while they are in cache and the rest is
+    on the wire).
 
     Returns:
         The header (the sender's step and sample counts) and the flat state.
@@ -94,7 +101,7 @@ async def receive_state(
         RemoteProtocolError: anything other than a header where one is due.
     """
     try:
-        return await _receive_state(channel, schema, codec, out, parts)
+        return await _receive_state(channel, schema, codec, out, parts, on_decoded)
     except BaseException:
         # Including a cancellation by the caller's deadline between records: the rest of the
         # state may still arrive, and would be read as messages.
@@ -104,7 +111,7 @@ async def receive_state(
 
 async def _receive_state(
     channel: SecureChannel, schema: StateSchema, codec: str, out: torch.Tensor | None,
-    parts: int,
+    parts: int, on_decoded: Callable[[int], None] | None,
 ) -> tuple[StateHeader, torch.Tensor]:
     message = await channel.receive_message()
     if isinstance(message, Close):
@@ -129,4 +136,6 @@ async def _receive_state(
         window = decoder.window(MAX_RECORD)
         assert window is not None  # a failed decoder has raised already
         decoder.wrote(await channel.receive_into(window))
+        if on_decoded is not None:
+            on_decoded(decoder.decoded)
     return message, decoder.result()

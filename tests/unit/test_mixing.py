@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from gossip import tensors
 from gossip.mixing import (
-    MAX_QUARANTINED, Delta, DeltaHistory, Quarantine, coefficient, make_delta, merged_weight,
+    MAX_QUARANTINED, Delta, DeltaHistory, Difference, Quarantine, coefficient, judge,
+    make_delta, merged_weight,
 )
 from gossip.standing import Standing
 from gossip.tensors import StateSchema
@@ -526,3 +527,70 @@ def test_strike_table_is_bounded_oldest_first() -> None:
     assert not q.strike("p0", 1.0)  # its first strike was forgotten to make room
     assert q.strike("p2", 1.0)  # a later one was remembered
     assert q.count(1.0) == 1
+
+
+# --- the pass as the payload arrives ------------------------------------------------------
+
+
+def _pair(numel: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(numel, generator=gen), torch.randn(numel, generator=gen)
+
+
+@pytest.mark.parametrize("records", [[1], [7, 300_000, 300_001, 600_000], [0, 0, 600_000]])
+def test_a_difference_fed_record_by_record_gives_make_deltas_verdict(records: list[int]) -> None:
+    received, own = _pair(600_000)  # more than two REDUCE_CHUNKs
+    alone = make_delta(received.clone(), own, 0.5, DeltaHistory(), **NO_CLIP)
+    into = received.clone()
+    difference = Difference(into, own, own.numel())
+    for decoded in records:  # how far the decoder had got after each record
+        difference.advance(decoded)
+    fused = make_delta(into, own, 0.5, DeltaHistory(), **NO_CLIP, difference=difference)
+    assert fused.refused is None and fused.scale == alone.scale
+    assert fused.distance == pytest.approx(alone.distance, rel=1e-6)
+    assert fused.own_norm == pytest.approx(alone.own_norm, rel=1e-6)
+    torch.testing.assert_close(into, received - own, rtol=0, atol=0)
+
+
+def test_a_difference_waits_for_our_snapshot_to_be_whole() -> None:
+    received, own = _pair(1000)
+    whole = False
+    difference = Difference(received, own, 1000, lambda: whole)
+    into_before = received.clone()
+    difference.advance(600)  # our copy is still running: nothing is touched
+    torch.testing.assert_close(received, into_before, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="before our snapshot is whole"):
+        difference.sums()
+    whole = True
+    difference.advance(800)
+    torch.testing.assert_close(received[:800], into_before[:800] - own[:800], rtol=0, atol=0)
+    torch.testing.assert_close(received[800:], into_before[800:], rtol=0, atol=0)
+    distance_sq, own_sq, finite = difference.sums()  # the rest, now
+    assert finite and distance_sq == pytest.approx(float(((into_before - own) ** 2).sum()),
+                                                   rel=1e-5)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_a_difference_stops_at_a_non_finite_record_and_the_state_is_refused(bad: float) -> None:
+    received, own = _pair(600_000)
+    received[400_000] = bad
+    difference = Difference(received, own, own.numel())
+    difference.advance(300_000)
+    difference.advance(600_000)
+    verdict = make_delta(received, own, 0.5, DeltaHistory(), **NO_CLIP, difference=difference)
+    assert verdict.refused == "non-finite values"
+
+
+def test_a_difference_covers_its_state_part_only_and_only_its_buffers() -> None:
+    received, own = _pair(2000)
+    payload, ours = received.clone(), own.clone()
+    difference = Difference(payload, ours, 1000)  # the state of a two-part payload
+    difference.advance(2000)
+    torch.testing.assert_close(payload[1000:], received[1000:], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="not over these buffers"):
+        make_delta(payload[:1000].clone(), ours[:1000], 0.5, DeltaHistory(), **NO_CLIP,
+                   difference=difference)
+    verdict = judge(payload, ours, 2, 0.5, (DeltaHistory(), DeltaHistory()), **NO_CLIP,
+                    difference=difference)
+    assert verdict.refused is None
+    torch.testing.assert_close(payload, received - own, rtol=0, atol=0)  # both parts

@@ -57,6 +57,26 @@ async def test_int8_payload_of_two_vectors_blocks_each_on_its_own():
     assert torch.allclose(got[schema.numel :], estimate, atol=2e-5, rtol=0)
 
 
+@pytest.mark.parametrize("codec", tensors.CODECS)
+async def test_on_decoded_follows_the_final_prefix_record_by_record(codec):
+    alice, bob, _ = await pair()
+    schema = tensors.StateSchema.from_module(model())
+    flat = torch.cat([tensors.snapshot(model(4), schema), torch.randn(schema.numel)])
+    out = torch.full_like(flat, float("nan"))
+    seen = []
+
+    def on_decoded(n):  # everything before n is final: a copy now must equal the end result
+        seen.append((n, out[:n].clone()))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(send_state, alice, flat, schema, codec)
+        _, got = await receive_state(bob, schema, codec, out, parts=2, on_decoded=on_decoded)
+    assert len(seen) >= 2 and seen[-1][0] == 2 * schema.numel
+    assert [n for n, _ in seen] == sorted({n for n, _ in seen})  # one call per record, growing
+    for n, prefix in seen:
+        torch.testing.assert_close(prefix, got[:n], rtol=0, atol=0)
+
+
 async def test_send_state_wants_whole_vectors_of_the_schema():
     alice, _, _ = await pair()
     schema = tensors.StateSchema.from_module(torch.nn.Linear(4, 4))
