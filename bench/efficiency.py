@@ -42,6 +42,13 @@ total-sample points. Every gap is measured against the reference of the same N.
 Control: N = 8 on IID data (every node on the whole training split, each in its own batch
 order, from the same initial weights), at the default settings.
 
+Codecs: every run uses the library's default wire codec (``fp32``) unless ``--codecs`` names
+others (``--codecs bf16,int8``): then the headline rows, N = 4 and 8 at the defaults, are run
+again in each of them, with the same seeds (so the same initial weights and batch orders),
+and printed beside the default ones, with a table of each seed's final accuracy per codec:
+the gap to the first codec named, seed by seed, against the spread between seeds. The simulated
+links have no bandwidth limit, so a codec changes only what arrives, not when.
+
 Measure: every ``BUDGET / POINTS`` total samples (summed over nodes) every node's model is
 evaluated on the fixed test split (359 images), from inside the training step that reaches
 the point, so a node is caught wherever it is between exchanges; the curve of a run is the mean
@@ -53,9 +60,10 @@ accuracy" is that mean at the budget. The baseline's budget, ``BUDGET`` = 40,960
 (1,280 steps, 28 epochs of 1,438 images), is where its accuracy has levelled off; everything
 runs on to ``--horizon`` x the budget, where the 8x figures are read.
 
-Usage: python bench/efficiency.py [--quick] [--seeds 5] [--horizon 8]
+Usage: python bench/efficiency.py [--quick] [--seeds 5] [--horizon 8] [--codecs bf16,int8]
 Table on stdout, progress on stderr; the last line printed is one JSON object with the
-headline figures. Writes bench/results/efficiency.json and efficiency.png.
+headline figures (with ``--codecs``, also ``"codecs"``: the headline figures per codec).
+Writes bench/results/efficiency.json and efficiency.png.
 """
 
 from __future__ import annotations
@@ -74,6 +82,7 @@ from common import progress, pyplot, save_figure, save_json, table
 from daemon.task import Context, Shard
 from daemon.tasks import digits
 from gossip import AveragingConfig
+from gossip.tensors import CODECS
 from gossip.testing import SimNode, SimSwarm, open_sim_swarm
 
 STEP_TIME = 0.05  # virtual s per training step
@@ -86,6 +95,7 @@ TARGET_WORST = 4.0  # points of the worst node below all-reduce, at the budget
 TARGET_CHURN = 3.0  # points below all-reduce with two nodes crashing and rejoining
 TARGET_HORIZON = 0.5  # points below all-reduce at 8x the budget
 EVERY = AveragingConfig().every  # the library's default period, in local steps
+CODEC = AveragingConfig().codec  # the library's default wire codec
 CHURN = [(1, 0.20, 0.35), (5, 0.50, 0.65)]  # node, crash and restart, in budget fractions
 CPU = torch.device("cpu")
 
@@ -101,6 +111,7 @@ class Setting:
     iid: bool = False  # the control: every node on all the data, each in its own order
     churn: bool = False  # two nodes crash and rejoin (CHURN)
     allreduce: bool = False  # the reference: see run_allreduce
+    codec: str = CODEC  # the wire codec of the swarm's exchanges
 
     @property
     def label(self) -> str:
@@ -117,6 +128,8 @@ class Setting:
             label += ", no drift correction"
         if self.churn:
             label += ", 2 crash and rejoin"
+        if self.codec != CODEC:
+            label += f", {self.codec}"
         return label if label != f"N={self.n}" else f"N={self.n} (defaults)"
 
     @property
@@ -131,6 +144,17 @@ CHURNED = Setting(8, churn=True)
 SETTINGS = [BASELINE, Setting(4), Setting(4, allreduce=True), Setting(8),
             Setting(8, allreduce=True), CHURNED, CONTROL, Setting(8, correction=False),
             Setting(8, every=2), Setting(8, every=10)]
+
+
+def with_codecs(codecs: list[str]) -> list[Setting]:
+    """:data:`SETTINGS`, each headline row followed by the same row in each of ``codecs``
+    (other than the default, which the headline row already is)."""
+    out = []
+    for setting in SETTINGS:
+        out.append(setting)
+        if setting.headline:
+            out += [Setting(setting.n, codec=c) for c in codecs if c != CODEC]
+    return out
 
 
 def run_swarm(setting: Setting, seed: int, points: int) -> dict[str, list[float]]:
@@ -180,7 +204,7 @@ def run_swarm(setting: Setting, seed: int, points: int) -> dict[str, list[float]
 
     async def main() -> None:
         config = AveragingConfig(every=setting.every, interval=None, start="own",
-                                 correction=setting.correction)
+                                 correction=setting.correction, codec=setting.codec)
         async with open_sim_swarm(n, seed=seed, model=lambda i: tasks[i].model,
                                   optimizer=lambda i: tasks[i].optimizer, train=train,
                                   step_time=STEP_TIME, config=config) as sim:
@@ -275,7 +299,7 @@ def summarize(curves: dict[Setting, dict[str, list[float]]],
 def plot(curves: dict[Setting, dict[str, list[float]]], base: float) -> None:
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(13, 6), sharey=True)
-    left = [s for s in SETTINGS if s.n == 1 or s.headline or s.allreduce]
+    left = [s for s in curves if s.n == 1 or s.headline or s.allreduce]
     right = [BASELINE, Setting(8, allreduce=True)] + [
         s for s in SETTINGS if s.n == 8 and not s.allreduce and not s.headline] + [Setting(8)]
     for ax, settings, title in [(axes[0], left, "N = 1, 4, 8 at the defaults"),
@@ -310,15 +334,19 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, help="seeds per setting (default 5, --quick 2)")
     parser.add_argument("--horizon", type=int,
                         help="runs go on to this x the baseline's budget (default 8, --quick 4)")
+    parser.add_argument("--codecs", type=codec_list, default=[],
+                        help=f"comma-separated wire codecs ({', '.join(CODECS)}) to run the "
+                             f"headline rows in too, beside the default {CODEC}")
     args = parser.parse_args()
     seeds = args.seeds or (2 if args.quick else 5)
     horizon = args.horizon or (4 if args.quick else 8)
+    settings = with_codecs(args.codecs)
     torch.set_num_threads(1)  # a tiny model: more threads only add overhead
     started = time.perf_counter()
 
     curves = {}
     per_seed = {}
-    for setting in SETTINGS:
+    for setting in settings:
         runs = []
         for seed in range(1, seeds + 1):
             run = run_allreduce if setting.allreduce else run_swarm
@@ -337,7 +365,7 @@ def main() -> None:
         return "-" if value is None else "met" if value else "MISSED"
 
     rows = []
-    for setting in SETTINGS:
+    for setting in settings:
         s = summary[setting]
         reach = s["samples_to_reach_baseline"]
         rows.append([setting.label, f"{s['final_accuracy']:.1f}", f"{s['final_worst']:.1f}",
@@ -364,6 +392,10 @@ def main() -> None:
           f"initial weights, lr and momentum, each step on the mean loss of one batch of "
           f"{BATCH} from each\nof the N shards, as DDP averages gradients: {BATCH}N samples "
           f"per step. One model, so worst and mean model are its accuracy.")
+    # The first codec named is the one the others are compared with; the default's rows last.
+    codecs = args.codecs + [CODEC] * (CODEC not in args.codecs) if args.codecs else []
+    if codecs:
+        print(compare_codecs(codecs, per_seed, horizon))
     print(f"wall time {elapsed:.1f} s")
 
     n8, n4 = summary[Setting(8)], summary[Setting(4)]
@@ -379,8 +411,10 @@ def main() -> None:
                summary[Setting(8, correction=False)]["gap_to_allreduce"], 2),
            "baseline_accuracy": round(base, 2), "every": EVERY, "seeds": seeds,
            "horizon": horizon,
-           "targets_met": all(v for s in summary.values() for v in s["verdicts"].values()
+           "targets_met": all(v for s in SETTINGS for v in summary[s]["verdicts"].values()
                               if v is not None)}
+    if codecs:
+        out["codecs"] = {c: codec_figures(c, summary, per_seed, horizon) for c in codecs}
     save_json("efficiency", {
         **out, "budget_samples": BUDGET, "points": POINTS, "window": WINDOW,
         "step_time": STEP_TIME, "batch_size": BATCH, "task_options": digits.DEFAULTS,
@@ -388,10 +422,67 @@ def main() -> None:
                     "horizon": TARGET_HORIZON},
         "wall_s": round(elapsed, 1),
         "settings": [{"label": s.label, "n": s.n, "every": s.every, "correction": s.correction,
-                      "iid": s.iid, "churn": s.churn, "allreduce": s.allreduce, **summary[s],
+                      "iid": s.iid, "churn": s.churn, "allreduce": s.allreduce,
+                      "codec": s.codec, **summary[s],
                       "samples": [(k + 1) * BUDGET // POINTS for k in range(horizon * POINTS)],
-                      "curves": curves[s], "per_seed": per_seed[s]} for s in SETTINGS]})
+                      "curves": curves[s], "per_seed": per_seed[s]} for s in settings]})
     print(json.dumps(out))
+
+
+def codec_list(text: str) -> list[str]:
+    """``--codecs``: comma-separated names from :data:`gossip.tensors.CODECS`."""
+    codecs = [c.strip() for c in text.split(",") if c.strip()]
+    unknown = [c for c in codecs if c not in CODECS]
+    if unknown or not codecs:
+        raise argparse.ArgumentTypeError(f"expected codecs from {', '.join(CODECS)}, "
+                                         f"not {text!r}")
+    return list(dict.fromkeys(codecs))
+
+
+def final(run: dict[str, list[float]], at: int) -> float:
+    """One run's smoothed mean node accuracy at evaluation ``at``."""
+    return smooth(run["mean"])[at]
+
+
+def compare_codecs(codecs: list[str], per_seed: dict[Setting, list[dict[str, list[float]]]],
+                   horizon: int) -> str:
+    """The codec table: per headline N and codec, each seed's final accuracy (at the budget
+    and at the horizon), their spread, and the gap to the first codec seed by seed."""
+    rows = []
+    for n in sorted({s.n for s in per_seed if s.headline}):
+        first = per_seed[Setting(n, codec=codecs[0])]
+        for codec in codecs:
+            runs = per_seed[Setting(n, codec=codec)]
+            for at, when in ((POINTS - 1, "budget"), (horizon * POINTS - 1, f"{horizon}x")):
+                mine = [final(r, at) for r in runs]
+                worst = [smooth(r["worst"])[at] for r in runs]
+                gaps = [final(r0, at) - final(r, at) for r0, r in zip(first, runs)]
+                rows.append([f"N={n} {codec}", when, " ".join(f"{v:.1f}" for v in mine),
+                             f"{sum(mine) / len(mine):.2f}", f"{max(mine) - min(mine):.2f}",
+                             "-" if codec == codecs[0] else " ".join(f"{g:+.1f}" for g in gaps),
+                             "-" if codec == codecs[0] else f"{sum(gaps) / len(gaps):+.2f}",
+                             f"{sum(worst) / len(worst):.1f}"])
+    return ("\ncodecs, seed by seed (mean node accuracy, %):\n" + table(
+        ["N, codec", "at", "per seed", "mean", "seed spread", f"{codecs[0]} minus this",
+         "mean gap", "worst node"], rows)
+        + f"\nseed spread: the largest minus the smallest seed's figure; {codecs[0]} minus "
+          f"this: per seed (same initial weights and batch order), positive when this codec "
+          f"ends lower; worst node: its accuracy, mean over seeds.")
+
+
+def codec_figures(codec: str, summary: dict[Setting, dict[str, Any]],
+                  per_seed: dict[Setting, list[dict[str, list[float]]]],
+                  horizon: int) -> dict[str, Any]:
+    """The headline figures of one codec, for the JSON line."""
+    out: dict[str, Any] = {}
+    for n in (4, 8):
+        s = summary[Setting(n, codec=codec)]
+        runs = per_seed[Setting(n, codec=codec)]
+        out[f"gap_to_allreduce_n{n}"] = round(s["gap_to_allreduce"], 2)
+        out[f"worst_gap_n{n}"] = round(s["worst_gap_to_allreduce"], 2)
+        out[f"gap_{horizon}x_n{n}"] = round(s["horizon_gap_to_allreduce"], 2)
+        out[f"final_per_seed_n{n}"] = [round(final(r, POINTS - 1), 2) for r in runs]
+    return out
 
 
 if __name__ == "__main__":

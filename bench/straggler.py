@@ -45,9 +45,20 @@ exactly the straggler's missing 3/4, keeping 0.81), reaches the target at least 
 than DDP with the straggler, and without one takes at most 1.15x DDP's time.
 
 Usage: python bench/straggler.py [--quick] [--repeats 3] [--budget 150] [--keep]
+                                 [--set KEY=VALUE ...] [--codecs fp32,bf16,fp16,int8]
 Progress goes to stderr; writes bench/results/straggler.json (``gossip_speedup_vs_ddp``:
 DDP's time to the target with the straggler over gossip's) and straggler.png; the last line
 printed is one JSON object with the headline figures.
+
+``--codecs bf16,int8`` compares the daemons' wire codecs (``averaging.codec``; without the
+option they use the default, fp32): gossip runs once per codec listed, each without and with
+the straggler, beside DDP and local SGD in every repetition, so a comparison costs a gossip
+run per codec and no more baseline runs. The runs are named ``gossip-<codec>`` and
+``gossip-<codec>-straggler``; the table has a row per codec, the headline figures are the
+first codec's, and the JSON line adds ``codec`` (that first one) and ``codecs``: per codec,
+the same four gossip figures (``gossip_speedup_vs_ddp``, ``gossip_speedup_vs_local_sgd``,
+``gossip_vs_ddp_no_straggler``, ``gossip_throughput_kept``). It sets ``averaging.codec``
+itself, so it refuses a ``--set averaging.codec=...`` beside it.
 """
 
 from __future__ import annotations
@@ -84,7 +95,6 @@ CHECK = 16  # DDP: steps between the all-reduces of the stop flag
 POLL = 0.05  # s between looks at the daemons' logs
 START_TIMEOUT = 180.0  # s for the workers to come up
 METHODS = ("gossip", "ddp", "local")
-NAMES = (*METHODS, *(f"{m}-straggler" for m in METHODS))
 LABELS = {"gossip": "gossip daemons", "ddp": "DDP (all-reduce every step)",
           "local": f"local SGD (all-reduce every {H} steps)"}
 TARGET_KEPT = 0.9 * (WORKERS - 0.75) / WORKERS
@@ -286,6 +296,10 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a setting for every gossip daemon (gossipd run --set), to "
                              "compare others with the defaults; repeatable")
+    parser.add_argument("--codecs", metavar="LIST",
+                        help="run gossip once per wire codec in this comma-separated list "
+                             "(averaging.codec: fp32, bf16, fp16, int8), e.g. bf16,int8; the "
+                             "headline figures are the first one's")
     parser.add_argument("--worker", choices=["ddp", "local"], help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -297,10 +311,20 @@ def main() -> None:
                args.out)
         return
     repeats = args.repeats or (1 if args.quick else 3)
+    try:
+        codecs = codec_list(args.codecs, args.set) if args.codecs is not None else []
+    except ValueError as exc:
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
+    # (name, method, gossip settings) of each series, in the order they run in a repetition.
+    gossip = ([(f"gossip-{c}", [*args.set, f"averaging.codec={c}"]) for c in codecs]
+              or [("gossip", args.set)])
+    series = [(name, method, settings) for method in METHODS
+              for name, settings in (gossip if method == "gossip" else [(method, [])])]
 
     root = Path(tempfile.mkdtemp(prefix="gossipd-straggler-"))
     started = time.monotonic()
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in NAMES}
+    runs: dict[str, list[dict[str, Any]]] = {
+        f"{name}{suffix}": [] for suffix in ("", "-straggler") for name, _, _ in series}
     delay = 0.0
     try:
         for rep in range(repeats):
@@ -313,13 +337,13 @@ def main() -> None:
                     delay = (SLOWDOWN - 1) * runs["local"][0]["step_s"]
                     progress(f"step compute {runs['local'][0]['step_s'] * 1e3:.2f} ms: the "
                              f"straggler burns {delay * 1e3:.2f} ms more a step")
-                for method in METHODS:
-                    name = f"{method}{'-straggler' if slow else ''}"
+                for base, method, settings in series:
+                    name = f"{base}{'-straggler' if slow else ''}"
                     progress(f"{name} ({rep + 1}/{repeats}): starting {WORKERS} workers")
                     directory = root / f"{name}-{rep}"
                     directory.mkdir()
                     extra = delay if slow else 0.0
-                    run = (run_gossip(directory, extra, min(TARGETS), args.budget, args.set)
+                    run = (run_gossip(directory, extra, min(TARGETS), args.budget, settings)
                            if method == "gossip" else
                            run_distributed(method, directory, extra, args.budget))
                     r = summarize(run, TARGETS)
@@ -331,7 +355,35 @@ def main() -> None:
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
-    report(runs, repeats, args.budget, delay, time.monotonic() - started)
+    report(runs, repeats, args.budget, delay, time.monotonic() - started, codecs)
+
+
+def codec_list(text: str, settings: Sequence[str]) -> list[str]:
+    """The codecs of ``--codecs`` (comma-separated), in order.
+
+    Raises:
+        ValueError: an empty, unknown or repeated codec, or a ``--set`` in ``settings`` that
+            sets ``averaging.codec`` too (whichever came last would silently win).
+    """
+    from daemon.config import ConfigError, parse_override
+    from gossip.tensors import CODECS
+
+    codecs = [c.strip() for c in text.split(",")]
+    for c in codecs:
+        if c not in CODECS:
+            raise ValueError(f"--codecs {text}: {c!r} is not a codec (expected a comma-"
+                             f"separated list of {', '.join(CODECS)})")
+    if len(set(codecs)) < len(codecs):
+        raise ValueError(f"--codecs {text}: a codec is listed twice")
+    for setting in settings:
+        try:
+            section, key, _ = parse_override(setting)
+        except ConfigError:
+            continue  # not a setting at all: the daemons refuse it with a better message
+        if section == "averaging" and (key == "codec" or key.startswith("codec.")):
+            raise ValueError(f"--set {setting} conflicts with --codecs, which sets "
+                             f"averaging.codec itself; drop one of them")
+    return codecs
 
 
 def median(values: list[float | None]) -> float | None:
@@ -345,8 +397,14 @@ def ratio(a: float | None, b: float | None) -> float:
     return a / b if a is not None and b else math.nan
 
 
+def label(base: str) -> str:
+    """A series' row label: ``gossip-int8`` is the gossip daemons with int8 on the wire."""
+    method, _, codec = base.partition("-")
+    return f"{LABELS[method]} ({codec})" if codec else LABELS[method]
+
+
 def report(runs: dict[str, list[dict[str, Any]]], repeats: int, budget: float, delay: float,
-           elapsed: float) -> None:
+           elapsed: float, codecs: Sequence[str] = ()) -> None:
     shape = ", ".join(f"{k} {v}" for k, v in TEACHER_SHAPE.items())
     step_ms = runs["local"][0]["step_s"] * 1e3
     summary: dict[str, dict[str, Any]] = {}
@@ -358,13 +416,13 @@ def report(runs: dict[str, list[dict[str, Any]]], repeats: int, budget: float, d
                                                        for r in reps) for i in range(WORKERS)]}
     rows = []
     for name, r in summary.items():
-        method = name.split("-")[0]
+        base = name.removesuffix("-straggler")
         fast = [x for i, x in enumerate(r["worker_samples_per_s"]) if i != STRAGGLER]
-        rows.append([LABELS[method], "yes" if name.endswith("straggler") else "no",
+        rows.append([label(base), "yes" if name.endswith("straggler") else "no",
                      *(f"> {budget:g}" if r["time_to"][str(t)] is None else r["time_to"][str(t)]
                        for t in TARGETS),
                      r["samples_per_s"],
-                     ratio(r["samples_per_s"], summary[method]["samples_per_s"]),
+                     ratio(r["samples_per_s"], summary[base]["samples_per_s"]),
                      sum(fast) / len(fast), r["worker_samples_per_s"][STRAGGLER]])
     print(f"\n{WORKERS} workers, bench/tasks.py:teacher ({shape}; 400K parameters, SGD "
           f"momentum 0.9), one torch thread each, 127.0.0.1; straggler: worker {STRAGGLER}, "
@@ -377,27 +435,39 @@ def report(runs: dict[str, list[dict[str, Any]]], repeats: int, budget: float, d
 
     headline_t = str(TARGET)
     t = {name: r["time_to"][headline_t] for name, r in summary.items()}
-    speedup = ratio(t["ddp-straggler"], t["gossip-straggler"])
-    speedup_local = ratio(t["local-straggler"], t["gossip-straggler"])
-    no_straggler = ratio(t["gossip"], t["ddp"])
-    kept = ratio(summary["gossip-straggler"]["samples_per_s"], summary["gossip"]["samples_per_s"])
+    # The gossip series by codec ("": the one run with the default codec, without --codecs).
+    gossips = {c: f"gossip-{c}" for c in codecs} or {"": "gossip"}
+    figures = {c: {"gossip_speedup_vs_ddp": ratio(t["ddp-straggler"], t[f"{g}-straggler"]),
+                   "gossip_speedup_vs_local_sgd": ratio(t["local-straggler"],
+                                                        t[f"{g}-straggler"]),
+                   "gossip_vs_ddp_no_straggler": ratio(t[g], t["ddp"]),
+                   "gossip_throughput_kept": ratio(summary[f"{g}-straggler"]["samples_per_s"],
+                                                   summary[g]["samples_per_s"])}
+               for c, g in gossips.items()}
     verdict = {True: "met", False: "MISSED"}
+    kept_says, speedup_says, none_says, exchanges = [], [], [], []
+    for codec, f in figures.items():
+        tag = f"{codec} " if codec else ""
+        kept, speedup = f["gossip_throughput_kept"], f["gossip_speedup_vs_ddp"]
+        no_straggler = f["gossip_vs_ddp_no_straggler"]
+        kept_says.append(f"{tag}{verdict[kept >= TARGET_KEPT]} ({kept:.3f})")
+        speedup_says.append(f"{tag}{verdict[speedup >= TARGET_SPEEDUP]} ({speedup:.2f}x; "
+                            f"local SGD: {f['gossip_speedup_vs_local_sgd']:.2f}x)")
+        none_says.append(f"{tag}{verdict[no_straggler <= TARGET_NO_STRAGGLER]} "
+                         f"({no_straggler:.2f}x)")
+        exchanges.append(f"{tag}{[w['exchanges'] for w in runs[gossips[codec]][0]['workers']]}")
     print(f"target: gossip keeps >= {TARGET_KEPT:.3f} of its no-straggler throughput: "
-          f"{verdict[kept >= TARGET_KEPT]} ({kept:.3f})")
+          + ", ".join(kept_says))
     print(f"target: with the straggler, gossip reaches loss {TARGET:g} >= {TARGET_SPEEDUP:g}x "
-          f"sooner than DDP: {verdict[speedup >= TARGET_SPEEDUP]} ({speedup:.2f}x; local SGD: "
-          f"{speedup_local:.2f}x)")
+          f"sooner than DDP: " + ", ".join(speedup_says))
     print(f"target: without a straggler, gossip's time to loss {TARGET:g} <= "
-          f"{TARGET_NO_STRAGGLER:g}x DDP's: {verdict[no_straggler <= TARGET_NO_STRAGGLER]} "
-          f"({no_straggler:.2f}x)")
-    exchanges = [w["exchanges"] for w in runs["gossip"][0]["workers"]]
-    print(f"gossip exchanges committed per worker (first run, no straggler): {exchanges}; "
-          f"wall time {elapsed:.0f} s; {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}")
+          f"{TARGET_NO_STRAGGLER:g}x DDP's: " + ", ".join(none_says))
+    print(f"gossip exchanges committed per worker (first run, no straggler): "
+          f"{', '.join(exchanges)}; wall time {elapsed:.0f} s; {os.cpu_count()} CPUs, load "
+          f"{os.getloadavg()[0]:.2f}")
 
-    headline = {"gossip_speedup_vs_ddp": round(speedup, 3),
-                "gossip_speedup_vs_local_sgd": round(speedup_local, 3),
-                "gossip_vs_ddp_no_straggler": round(no_straggler, 3),
-                "gossip_throughput_kept": round(kept, 3),
+    rounded = {c: {k: round(v, 3) for k, v in f.items()} for c, f in figures.items()}
+    headline = {**next(iter(rounded.values())),  # the first codec's
                 "throughput_kept_target": round(TARGET_KEPT, 3),
                 "ddp_throughput_kept": round(ratio(summary["ddp-straggler"]["samples_per_s"],
                                                    summary["ddp"]["samples_per_s"]), 3),
@@ -405,6 +475,8 @@ def report(runs: dict[str, list[dict[str, Any]]], repeats: int, budget: float, d
                 "samples_per_s": {n: round(r["samples_per_s"], 1) for n, r in summary.items()},
                 "target_loss": TARGET, "repeats": repeats, "workers": WORKERS,
                 "slowdown": SLOWDOWN, "straggler_delay_s": round(delay, 5)}
+    if codecs:
+        headline |= {"codec": codecs[0], "codecs": rounded}
     save_json("straggler", {**headline, "targets": TARGETS, "budget_s": budget,
                             "wall_s": round(elapsed, 1), "summary": summary, "runs": runs})
     plot({name: reps[0] for name, reps in runs.items()})
@@ -413,10 +485,11 @@ def report(runs: dict[str, list[dict[str, Any]]], repeats: int, budget: float, d
 
 def plot(runs: dict[str, dict[str, Any]]) -> None:
     plt = pyplot()
+    bases = [name for name in runs if not name.endswith("-straggler")]
     figure, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     for ax, slow in zip(axes, (False, True)):
-        for method in METHODS:
-            r = runs[f"{method}{'-straggler' if slow else ''}"]
+        for base in bases:
+            r = runs[f"{base}{'-straggler' if slow else ''}"]
             points = sorted((t, i, loss) for i, w in enumerate(r["workers"])
                             for t, loss in w["evals"])
             latest: dict[int, float] = {}
@@ -425,7 +498,7 @@ def plot(runs: dict[str, dict[str, Any]]) -> None:
                 latest[i] = loss
                 xs.append(t)
                 ys.append(sum(latest.values()) / len(latest))
-            ax.plot(xs, ys, label=LABELS[method])
+            ax.plot(xs, ys, label=label(base))
         ax.axhline(TARGET, color="grey", linestyle=":", label=f"loss {TARGET:g}")
         ax.set_yscale("log")
         ax.set_xlabel("seconds since all workers were up")
