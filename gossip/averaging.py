@@ -104,7 +104,7 @@ class AveragingConfig:
     # steps only (both None: only average_now())
     weight: float = 0.5  # fixed mode: delta = weight * (peer - own); 1/2 keeps the swarm's mean
     by_samples: bool = False  # push-sum: weigh each side by the samples it trained on
-    codec: str = "fp32"  # wire codec of the exchanged states: fp32 (exact), bf16 or fp16
+    codec: str = "fp32"  # wire codec of the exchanged states: fp32 (exact), bf16, fp16 or int8
     correction: bool = True  # keep a drift correction (needs the optimizer; gossip.correction)
     leak: float = DEFAULT_LEAK  # fraction of the correction that fades per committed exchange
     attempts: int = 3  # peers tried per round when they are busy or fail
