@@ -74,6 +74,7 @@ from .tensors import REDUCE_CHUNK, sum_of_squares
 __all__ = ["coefficient", "merged_weight", "DeltaHistory", "Delta", "Verdict", "Difference",
            "make_delta", "judge", "Quarantine"]
 
+ADVANCE_CHUNKS = 2  # REDUCE_CHUNKs one Difference.advance does at most (two fp32 records)
 MAX_QUARANTINED = 4096  # peers remembered by a Quarantine; the oldest entry goes first
 
 
@@ -210,6 +211,11 @@ class Difference:
     ``received`` are final. The sums of :func:`make_delta`'s checks add up on the way; a
     non-finite value stops the subtraction (the payload is refused anyway).
 
+    Each :meth:`advance` does bounded work, whole chunks of :data:`ADVANCE_CHUNKS` ×
+    ``REDUCE_CHUNK`` elements at most: records of a few bytes cost nothing until a chunk has
+    come, and a backlog (what arrived while our snapshot was still being copied) is left to
+    :meth:`sums`, which runs in a worker thread, rather than stalling the caller's loop.
+
     Not thread-safe: advance it from one thread, then hand it to :func:`judge`.
     """
 
@@ -223,10 +229,14 @@ class Difference:
         self._distance_sq = self._own_sq = 0.0
         self._finite = True
 
-    def advance(self, decoded: int) -> None:
-        """Subtract up to element ``decoded`` (elements past :attr:`numel` are not ours), or
+    def advance(self, decoded: int, *, limit: int | None = ADVANCE_CHUNKS) -> None:
+        """Subtract towards element ``decoded`` (elements past :attr:`numel` are not ours):
+        whole chunks, at most ``limit`` of them (None: everything up to ``decoded``), or
         nothing yet if ``own`` is still being written (a later call catches up)."""
         stop = min(decoded, self.numel)
+        if limit is not None:
+            chunks = min((stop - self._done) // REDUCE_CHUNK, limit)
+            stop = self._done + max(chunks, 0) * REDUCE_CHUNK
         if self._finite and stop > self._done and self._own_ready():
             d, o, finite = _subtract(self._received[self._done : stop],
                                      self._own[self._done : stop])
@@ -247,7 +257,7 @@ class Difference:
         must be whole by then)."""
         if not self._own_ready():
             raise RuntimeError("the difference is asked for before our snapshot is whole")
-        self.advance(self.numel)
+        self.advance(self.numel, limit=None)
         if not self._finite:
             return math.nan, math.nan, False
         return self._distance_sq, self._own_sq, True

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from gossip import tensors
 from gossip.mixing import (
-    MAX_QUARANTINED, Delta, DeltaHistory, Difference, Quarantine, coefficient, judge,
+    ADVANCE_CHUNKS, MAX_QUARANTINED, Delta, DeltaHistory, Difference, Quarantine, coefficient,
+    judge,
     make_delta, merged_weight,
 )
 from gossip.standing import Standing
@@ -553,21 +554,37 @@ def test_a_difference_fed_record_by_record_gives_make_deltas_verdict(records: li
 
 
 def test_a_difference_waits_for_our_snapshot_to_be_whole() -> None:
-    received, own = _pair(1000)
+    chunk = tensors.REDUCE_CHUNK
+    received, own = _pair(4 * chunk)
     whole = False
-    difference = Difference(received, own, 1000, lambda: whole)
-    into_before = received.clone()
-    difference.advance(600)  # our copy is still running: nothing is touched
-    torch.testing.assert_close(received, into_before, rtol=0, atol=0)
+    difference = Difference(received, own, 4 * chunk, lambda: whole)
+    before = received.clone()
+    difference.advance(3 * chunk)  # our copy is still running: nothing is touched
+    torch.testing.assert_close(received, before, rtol=0, atol=0)
     with pytest.raises(RuntimeError, match="before our snapshot is whole"):
         difference.sums()
     whole = True
-    difference.advance(800)
-    torch.testing.assert_close(received[:800], into_before[:800] - own[:800], rtol=0, atol=0)
-    torch.testing.assert_close(received[800:], into_before[800:], rtol=0, atol=0)
+    difference.advance(3 * chunk)  # the backlog: ADVANCE_CHUNKS chunks now, the rest later
+    done = ADVANCE_CHUNKS * chunk
+    torch.testing.assert_close(received[:done], before[:done] - own[:done], rtol=0, atol=0)
+    torch.testing.assert_close(received[done:], before[done:], rtol=0, atol=0)
     distance_sq, own_sq, finite = difference.sums()  # the rest, now
-    assert finite and distance_sq == pytest.approx(float(((into_before - own) ** 2).sum()),
-                                                   rel=1e-5)
+    assert finite and distance_sq == pytest.approx(float(((before - own) ** 2).sum()), rel=1e-5)
+    torch.testing.assert_close(received, before - own, rtol=0, atol=0)
+
+
+def test_tiny_records_cost_nothing_until_a_whole_chunk_has_come() -> None:
+    # A peer that sends one element a record gets no pass per record out of us.
+    chunk = tensors.REDUCE_CHUNK
+    received, own = _pair(2 * chunk)
+    before = received.clone()
+    difference = Difference(received, own, 2 * chunk)
+    for decoded in range(1, 1000):
+        difference.advance(decoded)
+    torch.testing.assert_close(received, before, rtol=0, atol=0)
+    difference.advance(chunk + 5)  # one whole chunk now; the 5 wait
+    torch.testing.assert_close(received[:chunk], before[:chunk] - own[:chunk], rtol=0, atol=0)
+    torch.testing.assert_close(received[chunk:], before[chunk:], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf])
