@@ -24,12 +24,18 @@ to each value, and a block's small values lose the most. One exception keeps fin
 finite: a scale is at most :data:`MAX_SCALE`, the largest float32 whose product with 127 is
 finite (``absmax / 127`` rounds above it only for the few largest float32 values).
 
-Rounding is to nearest, so the encoding is a pure function of the state, which the tests and
-a second implementation can check byte for byte. What that costs: with an exchange every step,
-a slowly moving state rounds the same way round after round, so the errors do not average
-out over the mixing as independent ones would; stochastic rounding (``floor(x / scale + u)``,
-``u`` uniform in [0, 1)) would make them independent and unbiased. The decoder takes any
-``q``, so that would change the encoder alone.
+Rounding to nearest makes the encoding a pure function of the state, which the tests and a
+second implementation check byte for byte, but it costs learning: with an exchange every step,
+a slowly moving state rounds the same way round after round, so the errors do not average out
+over the mixing (on the non-IID digits of ``bench/efficiency.py``, 0.3 points at four times
+the budget, in every seed). An exchange therefore rounds **stochastically**:
+``q = floor(x / scale + u)`` with ``u`` uniform in [0, 1), so that ``E[q · scale] = x`` and the
+errors of successive exchanges are independent. One record's worth of ``u`` is drawn per
+payload, from a generator of its own seeded from the OS (the model's own random streams are
+never touched), and reused for each record: every value still gets a ``u`` independent of it,
+which is all that unbiasedness needs, for one extra pass instead of a draw per value. The
+error bound is then a whole ``scale`` instead of half of one. The decoder takes any ``q``, so
+the choice is the encoder's alone (:func:`encode`'s ``generator``).
 
 Non-finite values stay visible to the receiver's checks: a block holding a NaN has a NaN
 scale, and one holding ±inf (and no NaN) an infinite scale; such a block's q are all 0, so
@@ -53,11 +59,12 @@ I/O; :mod:`gossip.tensors` streams records and checks their sizes.
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Iterator
 
 import torch
 
-__all__ = ["BLOCK", "CELL", "LEVELS", "MAX_SCALE", "nbytes", "cells_in", "span", "encode",
+__all__ = ["BLOCK", "CELL", "LEVELS", "MAX_SCALE", "nbytes", "cells_in", "span", "dither", "encode",
            "decode_into"]
 
 BLOCK = 64  # values per block; the last block of a vector may be shorter
@@ -109,14 +116,23 @@ def span(numel: int, received: int, size: int) -> tuple[int, int, int]:
     return index * numel + offset // CELL * BLOCK, body // CELL, tail
 
 
-def encode(flat: torch.Tensor, parts: int, max_record: int) -> Iterator[memoryview]:
+def dither(device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator for :func:`encode`'s stochastic rounding, seeded from the OS, on
+    ``device``: one per payload, so no two payloads share their ``u``."""
+    return torch.Generator(device=device).manual_seed(secrets.randbits(63))
+
+
+def encode(flat: torch.Tensor, parts: int, max_record: int,
+           generator: torch.Generator | None = None) -> Iterator[memoryview]:
     """Records of whole cells, at most ``max_record`` bytes each, encoding ``flat`` as
     ``parts`` vectors back to back; a record never holds cells of two vectors.
 
     ``flat`` is a contiguous 1-D float32 tensor whose size ``parts`` divides, and
     ``max_record >= CELL`` (the caller checks). The quantization runs on ``flat``'s device, one
     record at a time, into scratch buffers made once; each record is a read-only view of one
-    host buffer that the next record overwrites.
+    host buffer that the next record overwrites. Rounding is to nearest without
+    ``generator``, else stochastic, with one record's worth of ``u`` drawn from it (on
+    ``flat``'s device; see the module's docstring).
     """
     numel = flat.numel() // parts
     if numel == 0:
@@ -126,39 +142,47 @@ def encode(flat: torch.Tensor, parts: int, max_record: int) -> Iterator[memoryvi
     view = memoryview(host.numpy()).cast("B").toreadonly()
     device = host if flat.device.type == "cpu" else torch.empty_like(host, device=flat.device)
     work = torch.empty(per, dtype=torch.float32, device=flat.device)
+    u = (None if generator is None else
+         torch.rand(per, generator=generator, dtype=torch.float32, device=flat.device))
     for index in range(parts):
         vector = flat[index * numel : (index + 1) * numel]
         for start in range(0, numel, per):
             values = vector[start : start + per]
-            size = _quantize(values, device, work)
+            size = _quantize(values, device, work, u)
             if device is not host:
                 host[:size].copy_(device[:size])
             yield view[:size]
 
 
-def _quantize(values: torch.Tensor, out: torch.Tensor, work: torch.Tensor) -> int:
-    """Encode ``values`` as cells at the start of the byte tensor ``out``; returns their size."""
+def _quantize(values: torch.Tensor, out: torch.Tensor, work: torch.Tensor,
+              u: torch.Tensor | None) -> int:
+    """Encode ``values`` as cells at the start of the byte tensor ``out``; returns their size.
+    ``u``: the stochastic rounding's offsets (at least as many as ``values``), or None."""
     blocks, tail = divmod(values.numel(), BLOCK)
     body = blocks * CELL
+    whole = blocks * BLOCK
     if blocks:
         cells = out[:body]
-        _quantize_blocks(values[: blocks * BLOCK].view(blocks, BLOCK),
+        _quantize_blocks(values[:whole].view(blocks, BLOCK),
                          cells.view(torch.float32).view(blocks, CELL // 4)[:, 0],
                          cells.view(blocks, CELL)[:, SCALE_BYTES:],
-                         work[: blocks * BLOCK].view(blocks, BLOCK))
+                         work[:whole].view(blocks, BLOCK),
+                         None if u is None else u[:whole].view(blocks, BLOCK))
     if tail:
-        _quantize_blocks(values[blocks * BLOCK :].view(1, tail),
+        _quantize_blocks(values[whole:].view(1, tail),
                          out[body : body + SCALE_BYTES].view(torch.float32),
                          out[body + SCALE_BYTES : body + SCALE_BYTES + tail].view(1, tail),
-                         work[blocks * BLOCK : blocks * BLOCK + tail].view(1, tail))
+                         work[whole : whole + tail].view(1, tail),
+                         None if u is None else u[whole : whole + tail].view(1, tail))
         body += SCALE_BYTES + tail
     return body
 
 
 def _quantize_blocks(x: torch.Tensor, scales: torch.Tensor, q: torch.Tensor,
-                     work: torch.Tensor) -> None:
+                     work: torch.Tensor, u: torch.Tensor | None) -> None:
     """Quantize the rows of ``x`` (one block each) into ``scales`` (float32, one per row) and
-    ``q`` (bytes, shaped as ``x``), using ``work`` (float32, shaped as ``x``)."""
+    ``q`` (bytes, shaped as ``x``), using ``work`` (float32, shaped as ``x``); rounding to
+    nearest, or up with probability the fraction (``u``, shaped as ``x``)."""
     torch.abs(x, out=work)
     scale = torch.amax(work, dim=1).div_(LEVELS)  # NaN if the block has one; inf if ±inf
     finite = None
@@ -168,7 +192,11 @@ def _quantize_blocks(x: torch.Tensor, scales: torch.Tensor, q: torch.Tensor,
     # Zero blocks divide by 1 (0 / 0 would be NaN); a NaN scale also gives 1, harmlessly:
     # its block is zeroed below. A subnormal scale may put x / scale past 127.5: the clamp.
     torch.div(x, torch.where(scale > 0, scale, 1.0).unsqueeze(1), out=work)
-    work.round_().clamp_(-LEVELS, LEVELS)
+    if u is None:
+        work.round_()
+    else:
+        work.add_(u).floor_()  # |x / scale| <= 127, so the floor stays within the clamp
+    work.clamp_(-LEVELS, LEVELS)
     if finite is not None and not bool(finite.all()):
         work[~finite] = 0.0  # the scale carries the NaN or inf; the values must be defined
     scales.copy_(scale)

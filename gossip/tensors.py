@@ -366,7 +366,8 @@ def load_(target: Target, schema: StateSchema, flat: torch.Tensor) -> None:
 
 
 def encode_chunks(
-    flat: torch.Tensor, codec: str, max_record: int = 1 << 20, *, parts: int = 1
+    flat: torch.Tensor, codec: str, max_record: int = 1 << 20, *, parts: int = 1,
+    generator: torch.Generator | None = None,
 ) -> Iterator[memoryview]:
     """Stream the ``codec`` encoding of a flat state as records of whole elements.
 
@@ -388,6 +389,8 @@ def encode_chunks(
             block, 68 bytes).
         parts: how many vectors of equal size ``flat`` holds back to back; only ``int8``
             encodes them differently from one long vector.
+        generator: ``int8`` only: round stochastically with it (:func:`gossip.int8.dither`),
+            as exchanges do; without it, to nearest (the same bytes every time).
 
     Returns:
         An iterator of byte memoryviews, each at most ``max_record`` bytes long.
@@ -407,7 +410,7 @@ def encode_chunks(
     if type(max_record) is not int or max_record < least:
         raise ValueError(f"max_record must be an int >= {least}, not {max_record!r}")
     if dtype is None:
-        return int8.encode(flat, parts, max_record)
+        return int8.encode(flat, parts, max_record, generator)
     return _encode(flat, dtype, max_record // dtype.itemsize)
 
 

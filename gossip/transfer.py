@@ -23,6 +23,7 @@ import torch
 from .channel import MAX_RECORD, SecureChannel
 from .errors import PeerGone, RemoteProtocolError, SchemaMismatch
 from .messages import Close, StateHeader
+from . import int8
 from .tensors import StateDecoder, StateSchema, encode_chunks, encoded_nbytes
 
 __all__ = ["send_state", "receive_state"]
@@ -62,7 +63,10 @@ async def send_state(
     )
     try:
         await channel.send_message(header)
-        for record in encode_chunks(flat, codec, MAX_RECORD, parts=parts):
+        # int8 rounds stochastically, so that the rounding errors of successive exchanges
+        # are independent and average out (gossip.int8).
+        generator = int8.dither(flat.device) if codec == "int8" else None
+        for record in encode_chunks(flat, codec, MAX_RECORD, parts=parts, generator=generator):
             await channel.send(record)
     except PeerGone:
         raise

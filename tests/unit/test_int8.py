@@ -146,6 +146,50 @@ def test_round_trip_error_is_at_most_half_a_scale(numel: int) -> None:
     assert bool((got.abs() <= absmax * (1 + SLACK)).all())
 
 
+def sr_encode(flat: torch.Tensor, seed: int, max_record: int = 1 << 20) -> bytes:
+    generator = torch.Generator().manual_seed(seed)
+    return b"".join(bytes(r) for r in tensors.encode_chunks(flat, "int8", max_record,
+                                                            generator=generator))
+
+
+@pytest.mark.parametrize("numel", [1, 63, 65, 5000])
+def test_stochastic_rounding_stays_within_a_scale_and_keeps_the_scales(numel: int) -> None:
+    x = blocky(numel, seed=8)
+    nearest, payload = encode(x), sr_encode(x, seed=1, max_record=68 * 7)  # several records
+    scale = scales_of(payload, numel)
+    assert torch.equal(scale, scales_of(nearest, numel))  # only the q differ
+    got = decode(payload, numel)
+    assert bool(((got - x).abs() <= scale * (1 + SLACK)).all())
+    absmax = torch.stack([b.abs().max() for b in x.split(64)]).repeat_interleave(64)[:numel]
+    assert bool((got.abs() <= absmax * (1 + SLACK)).all())  # the extremes stay at +-127
+
+
+def test_stochastic_rounding_is_unbiased_where_nearest_is_not() -> None:
+    # 64 copies of one block whose values sit 0.3 of a step above a level: nearest rounds
+    # every one down, every time; stochastic rounding lands on them on average.
+    numel = 64 * 64
+    levels = torch.randint(-126, 126, (64,), generator=torch.Generator().manual_seed(3))
+    block = (levels + 0.3) / 127.0
+    block[-1] = 1.0  # absmax 1: the step is 1/127, and this value is exact
+    x = block.repeat(64)
+    off = x != 1.0
+    nearest = (decode(encode(x), numel) - x)[off]
+    assert float(nearest.mean()) == pytest.approx(-0.3 / 127, rel=1e-3)  # always down
+    draws = torch.stack([decode(sr_encode(x, seed), numel) - x for seed in range(40)])
+    # Each of the block's values: 40 payloads x 64 copies, so the mean error is 0 within
+    # about 0.46 / sqrt(2560) = 0.01 of a step, where nearest is 0.3 off.
+    per_value = draws.view(40, 64, 64).mean(dim=(0, 1))[:-1]
+    assert float(per_value.abs().max()) < 0.05 / 127
+
+
+def test_each_payload_draws_its_own_rounding() -> None:
+    x = blocky(5000, seed=9)
+    assert sr_encode(x, seed=1) == sr_encode(x, seed=1)  # a seeded generator repeats
+    assert sr_encode(x, seed=1) != sr_encode(x, seed=2)
+    from gossip import int8  # exchanges take a generator seeded from the OS each time
+    assert int8.dither().initial_seed() != int8.dither().initial_seed()
+
+
 def test_parts_restart_blocks_so_a_small_vector_keeps_its_precision() -> None:
     numel = 1000  # 15 whole blocks and a short one of 40: blocking must restart
     state = torch.randn(numel)

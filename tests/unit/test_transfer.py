@@ -53,8 +53,9 @@ async def test_int8_payload_of_two_vectors_blocks_each_on_its_own():
         header, got = await receive_state(bob, schema, "int8", parts=2)
     assert header.nbytes == tensors.encoded_nbytes("int8", schema.numel, 2)
     assert header.nbytes == 2 * schema.encoded_size("int8") < 0.55 * schema.encoded_size("fp32")
-    assert torch.allclose(got[: schema.numel], state, atol=1e-3, rtol=0)
-    assert torch.allclose(got[schema.numel :], estimate, atol=2e-5, rtol=0)
+    # Rounded stochastically, as an exchange sends: within a whole scale of each block.
+    assert torch.allclose(got[: schema.numel], state, atol=2e-3, rtol=0)
+    assert torch.allclose(got[schema.numel :], estimate, atol=4e-5, rtol=0)
 
 
 @pytest.mark.parametrize("codec", tensors.CODECS)
