@@ -201,6 +201,9 @@ def measure(root: Path, rounds: int, seconds: float, warmup: float) -> dict[str,
             peers.append({"launched": peer.launched, "events": peer.events,
                           "code": peer.process.returncode})
             sleep_until(time.time() + SETTLE, trainer)
+        # When exchanges move the trainer's step, local_steps falls back on the metrics
+        # events, one a second: let one land after the last window's end.
+        sleep_until(time.time() + 1.5, trainer)
         trainer.stop()
         return {"events": trainer.events, "alone": alone, "paired": paired, "peers": peers,
                 "imports": imports, "code": trainer.process.returncode}
