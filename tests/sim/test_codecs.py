@@ -10,37 +10,22 @@ from trio.testing import MockClock
 
 from gossip.averaging import AveragingConfig
 from gossip.tensors import CODECS
-from gossip.testing import SimNode, open_sim_swarm
+from gossip.testing import open_sim_swarm
+from tests.sim.quadratic import Quadratics
 
 NODES = 4
 SIZE = 200  # three whole int8 blocks and a short one of 8
 
 
-class Point(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.x = torch.nn.Parameter(torch.zeros(SIZE))
-
-
 @pytest.mark.parametrize("codec", CODECS)
 async def test_a_swarm_commits_and_settles_in_every_codec(autojump_clock: MockClock,
                                                           codec: str) -> None:
-    generator = torch.Generator().manual_seed(5)
-    targets = [3 * torch.randn(SIZE, generator=generator) for _ in range(NODES)]
-    models = [Point() for _ in range(NODES)]
-    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in models]
-
-    def train(node: SimNode) -> float:
-        loss = 0.5 * (models[node.index].x - targets[node.index]).square().sum()
-        optimizers[node.index].zero_grad()
-        loss.backward()
-        optimizers[node.index].step()
-        return float(loss.detach())
-
+    swarm = Quadratics(NODES, SIZE, seed=5)
+    models, targets = swarm.models, swarm.targets
     config = AveragingConfig(start="own", trust_after=0.0, codec=codec)
     async with open_sim_swarm(NODES, seed=5, model=lambda i: models[i],
-                              optimizer=lambda i: optimizers[i], train=train, step_time=0.1,
-                              config=config) as sim:
+                              optimizer=lambda i: swarm.optimizers[i], train=swarm.train,
+                              step_time=0.1, config=config) as sim:
         await sim.run_for(30.0)
         stats = [n.node.statistics() for n in sim.nodes if n.node]
         spread = sim.spread()

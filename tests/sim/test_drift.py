@@ -29,6 +29,7 @@ from gossip.node import SwarmNode, open_swarm
 from gossip.simnet import SimNetwork
 from gossip.testing import SimNode, open_sim_swarm
 from tests.sim.digits import BATCH, LR, MOMENTUM, Trainer, accuracy, digits, make_model, shards
+from tests.sim.quadratic import Quadratics
 from tests.util import SWARM
 
 # --- eight label-sorted nodes against all-reduce -------------------------------------------
@@ -87,20 +88,6 @@ async def test_eight_label_sorted_nodes_end_near_all_reduce(autojump_clock: Mock
 
 # --- the sum of the corrections, through crashes, resets and departures -----------------
 
-class Point(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.x = torch.nn.Parameter(torch.zeros(16))
-
-
-def quadratic_swarm(seed: int) -> tuple[list[Point], list[torch.optim.Optimizer], list[torch.Tensor]]:
-    generator = torch.Generator().manual_seed(seed)
-    targets = [3 * torch.randn(16, generator=generator) for _ in range(NODES)]
-    models = [Point() for _ in range(NODES)]
-    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in models]
-    return models, optimizers, targets
-
-
 def corrections(sim) -> list[torch.Tensor]:
     return [n.node.replica.correction_state()["x"] for n in sim.running() if n.node]
 
@@ -121,17 +108,12 @@ def offset(sim) -> float:
 
 async def test_the_corrections_sum_stays_near_zero_and_a_departures_bias_fades(
         autojump_clock: MockClock) -> None:
-    models, optimizers, targets = quadratic_swarm(seed=3)
-
-    def train(node: SimNode) -> float:
-        loss = 0.5 * (models[node.index].x - targets[node.index]).square().sum()
-        optimizers[node.index].zero_grad()
-        loss.backward()
-        optimizers[node.index].step()
-        return float(loss.detach())
+    swarm = Quadratics(NODES, 16, seed=3)
+    models, targets = swarm.models, swarm.targets
 
     async with open_sim_swarm(NODES, seed=3, model=lambda i: models[i],
-                              optimizer=lambda i: optimizers[i], train=train, step_time=0.1,
+                              optimizer=lambda i: swarm.optimizers[i], train=swarm.train,
+                              step_time=0.1,
                               config=AveragingConfig(start="own", trust_after=0.0)) as sim:
         spread = sum(float((t - torch.stack(targets).mean(0)).norm()) for t in targets) / NODES
         await sim.run_for(30.0)  # settled: every c near (mean target - own target)
