@@ -91,6 +91,10 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--cipher", choices=CIPHERS, help="a new swarm's channel cipher (default "
                     "aesgcm; chachapoly for machines without AES instructions; a join line "
                     "names its own)")
+    sp.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="write this value into the config (repeatable): swarm.profile=wan or "
+                    "averaging.codec=bf16 for a new swarm, whose join line then carries them; "
+                    "a joiner cannot change what its line carries")
 
     sp = sub.add_parser("join-line", help="print the join line of this node's swarm as its "
                         "config stands (after editing [task.options], say)")
@@ -113,6 +117,21 @@ def _parser() -> argparse.ArgumentParser:
     group = sp.add_mutually_exclusive_group(required=True)
     group.add_argument("--identity", metavar="PATH", help="a node identity (Ed25519) key")
     group.add_argument("--swarm-key", metavar="PATH", help="a swarm key (32 random bytes)")
+
+    sp = sub.add_parser("rotate-key", help="start rotating the swarm key: a new key, the "
+                        "current one kept as the previous key (docs/OPERATIONS.md)")
+    with_config(sp, overrides=False)
+    group = sp.add_mutually_exclusive_group()
+    group.add_argument("--key-file", metavar="PATH", help="rotate to the key in this swarm key "
+                       "file (a copy of the first rotated node's) instead of a fresh one")
+    group.add_argument("--join", metavar="LINE", help="rotate to the key of this join line "
+                       "(the first rotated node's new line; '-' reads it from standard input)")
+
+    sp = sub.add_parser("retire-key", help="finish rotating the swarm key: drop the previous "
+                        "key, once every node holds the new one")
+    with_config(sp, overrides=False)
+    sp.add_argument("--force", action="store_true", help="finish even if the running daemon "
+                    "still hears peers on the old key only")
 
     sp = sub.add_parser("average", help="average checkpoints or state-dict files of one model")
     sp.add_argument("inputs", nargs="+", metavar="FILE")
@@ -238,12 +257,15 @@ def format_status(s: dict[str, Any]) -> str:
                         + (f" ({total} in all)" if total is not None and total != own else ""))
     lines = [
         f"peer      {s['peer']}  {s['address']}  swarm {s['swarm']}",
+        *([f"reach     {_reach(s['reachability'])}"] if s.get("reachability") else []),
         f"task      {s['task']} on {s['device']}, up {s['uptime_s']:.0f} s"
         + _shard(s),
         *([f"NOT READY {not_ready(s)}"] if not_ready(s) else []),
         f"training  {', '.join(training)}",
         f"step      {s['step']} (the swarm's: the step the task's schedule follows)",
     ]
+    if s.get("rotation"):
+        lines.append(f"rotation  {_rotation(s['rotation'])}")
     if "evaluation" in s:
         lines.append(f"eval      {_evaluation(s['evaluation'], s.get('eval_every', 0))}")
     lines += [
@@ -256,8 +278,22 @@ def format_status(s: dict[str, Any]) -> str:
     for m in sorted(s["members"], key=lambda m: (m["state"], m["peer"])):
         age = f" ({m['step_age_s']:.0f} s ago)" if m.get("step_age_s") is not None else ""
         lines.append(f"  {m['peer'][:8]}  {m['address']:<22} {m['state']:<8} step {m['step']}"
-                     + age + ("" if m["ready"] else "  not ready"))
+                     + age + ("" if m["ready"] else "  not ready")
+                     + ("  outbound only" if m.get("reachable") is False else ""))
     return "\n".join(lines)
+
+
+def _reach(r: dict[str, Any]) -> str:
+    """Whether others can dial this node, and how we know."""
+    if r["mode"] != "auto":
+        return ("reachable (node.reachable = true)" if r["reachable"]
+                else "outbound only (node.reachable = false): peers never dial this node")
+    if r["reachable"]:
+        return f"reachable: {r['detail']}"
+    if not r["checked"]:
+        return f"outbound only until a member dials us back ({r['detail']})"
+    return (f"outbound only: {r['detail']}; this node starts every exchange itself (open the "
+            "port to be a full member)")
 
 
 def _shard(s: dict[str, Any]) -> str:
@@ -278,10 +314,12 @@ def _evaluation(e: dict[str, Any] | None, every: float) -> str:
 def cmd_check_config(args: argparse.Namespace) -> int:
     config = _load(args)
     from .config import render
-    from .keys import KeyFileError, read_swarm_key
+    from .keys import KeyFileError, load_swarm
     from .task import TaskError, load_entry, pick_device
     try:
-        read_swarm_key(config.path(config.swarm.key_file))
+        previous = config.swarm.previous_key_file
+        load_swarm(config.swarm.name, config.path(config.swarm.key_file),
+                   config.path(previous) if previous else None, config.swarm.cipher)
         pick_device(config.task.device)
         load_entry(config.task.entry, config.data_dir())
     except (KeyFileError, TaskError) as exc:
@@ -358,7 +396,7 @@ def guess_address() -> str:
 def cmd_init(args: argparse.Namespace) -> int:
     import secrets
 
-    from .config import ConfigError, from_dict, render
+    from .config import WILDCARDS, ConfigError, _apply_override, from_dict, render
     from .keys import JoinLine, KeyFileError, write_new, write_swarm_key
     from .entry import entry_file
     from gossip.address import format_address, parse_address
@@ -370,8 +408,7 @@ def cmd_init(args: argparse.Namespace) -> int:
         host, port = parse_address(args.listen)
     except ValueError as exc:
         raise UsageError(f"--listen: {exc}") from None
-    advertise = args.advertise or format_address(
-        guess_address() if host in ("0.0.0.0", "::") else host, port)
+    line = None
     if args.join:
         text = sys.stdin.readline() if args.join == "-" else args.join
         try:
@@ -381,29 +418,53 @@ def cmd_init(args: argparse.Namespace) -> int:
         name, key, bootstrap = line.name, line.key, list(line.bootstrap)
         entry, seed, options = args.task or line.task, line.seed, dict(line.options)
         shards = line.shards if args.shards is None else args.shards
-        cipher = line.cipher
-        if args.cipher is not None and args.cipher != cipher:
-            raise UsageError(f"the join line's swarm uses cipher {cipher}; a node of "
+        settings = line.settings()  # the swarm's: written into our config as they are
+        if args.cipher is not None and args.cipher != line.cipher:
+            raise UsageError(f"the join line's swarm uses cipher {line.cipher}; a node of "
                              f"{args.cipher} could not connect to it")
     else:
         name, key, bootstrap = args.swarm, secrets.token_bytes(32), []
         entry, seed, options = args.task or NEW_SWARM_TASK, 0, {}
         shards = 1 if args.shards is None else args.shards
-        cipher = args.cipher or DEFAULT_CIPHER
-    data = {"node": {"listen": args.listen, "advertise": advertise},
-            "swarm": {"name": name, "bootstrap": bootstrap, "cipher": cipher},
-            "task": {"entry": entry, "seed": seed, "shard": "auto", "shards": shards,
-                     "options": options}}
+        settings = {"swarm.cipher": args.cipher or DEFAULT_CIPHER}
+    guessed = not args.advertise and host in WILDCARDS
+    advertise = args.advertise or format_address(guess_address() if guessed else host, port)
+    if guessed and is_loopback(advertise) and not (
+            line is not None and all(map(is_loopback, bootstrap))):  # a swarm on this machine
+        raise UsageError("cannot tell this machine's address (it has no route to other "
+                         "machines): give --advertise HOST:PORT, the address other nodes reach "
+                         "it at, or --listen 127.0.0.1:PORT for a swarm on this machine alone")
+    data: dict[str, Any] = {
+        "node": {"listen": args.listen, "advertise": advertise},
+        "swarm": {"name": name, "bootstrap": bootstrap},
+        "task": {"entry": entry, "seed": seed, "shard": "auto", "shards": shards,
+                 "options": options}}
+    for config_key, value in settings.items():
+        section, setting = config_key.split(".")
+        data.setdefault(section, {})[setting] = value
+    shared, warning = shareable_entry(entry)
     try:
+        for text in args.set:
+            _apply_override(data, text)  # as `gossipd run --set` does to the file's table
         config = from_dict(data, directory.resolve(), str(config_path))
-    except ConfigError as exc:
+        # A new swarm's first line names this node; a joiner's, the swarm it joins through.
+        join = JoinLine.of(config, key, config.swarm.bootstrap if line else
+                           [config.node.advertise], shared)
+    except (ConfigError, KeyFileError) as exc:
         raise UsageError(str(exc)) from None
+    if line is not None:
+        for config_key, value in line.settings().items():
+            if join.settings()[config_key] != value:
+                raise UsageError(f"the join line's swarm has {config_key} = {json.dumps(value)};"
+                                 f" a node with {json.dumps(join.settings()[config_key])} could "
+                                 f"not take part in it (leave out --set {config_key})")
     import gossip
     key_path, identity_path = config.path(config.swarm.key_file), config.path(config.node.identity)
     if key_path.exists():  # checked before anything is written: a failed init leaves nothing
         raise UsageError(f"{key_path} exists; not overwriting it")
     try:
         directory.mkdir(parents=True, exist_ok=True)
+        config.data_dir().mkdir(parents=True, exist_ok=True)  # --set node.data_dir=...
         if identity_path.exists():  # made by `gossipd keygen --identity`: keep it
             identity = gossip.Identity.load(identity_path)
         else:
@@ -415,11 +476,16 @@ def cmd_init(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     print(f"wrote {config_path}, {config.path(config.node.identity)} (peer id "
           f"{identity.peer_id}) and {config.path(config.swarm.key_file)}")
-    if not args.join and not args.advertise and host in ("0.0.0.0", "::"):
+    if guessed and config.node.advertise == advertise:
         print(f"node.advertise = {advertise} (guessed: edit it if peers reach this machine by "
               "another address)")
-    if options:
-        print(f"task.options from the join line: {json.dumps(options, sort_keys=True)}")
+    if line is not None:
+        carried = line.settings(changed=True)
+        if carried:
+            print("swarm settings from the join line: " + ", ".join(
+                f"{k} = {json.dumps(v)}" for k, v in carried.items()))
+        if line.options:
+            print(f"task.options from the join line: {json.dumps(options, sort_keys=True)}")
     task_file = entry_file(entry, config.data_dir())
     if task_file is not None:
         missing = ("" if task_file.is_file() else " (not there yet)"
@@ -427,21 +493,61 @@ def cmd_init(args: argparse.Namespace) -> int:
                    " (not there yet: a relative path starts from node.data_dir)")
         print(f"note: task.entry {entry} runs the code in {task_file}{missing}: read it before "
               "you start")
-        if args.join and not args.task and Path(line.task.rpartition(":")[0]).is_absolute():
+        if line is not None and not args.task and Path(
+                line.task.rpartition(":")[0]).is_absolute():
             print(f"warning: the join line names its task file by a path on the machine that "
                   f"wrote it: check that {task_file} holds the swarm's task, or put the file "
                   f"in {config.data_dir()} and set task.entry to its name (\"{task_file.name}:"
                   f"{entry.rpartition(':')[2]}\")", file=sys.stderr)
-    shared, warning = shareable_entry(entry)
-    if warning and not args.join:
+    elif line is not None and not module_installed(entry):
+        print(f"warning: task module {entry.rpartition(':')[0]} is not installed here: install "
+              "the package that provides it (ask the swarm's operator which) before gossipd "
+              "run", file=sys.stderr)
+    if warning and line is None:
         print(warning, file=sys.stderr)
-    join = JoinLine(name, key, (advertise,) if not args.join else tuple(bootstrap), shared, seed,
-                    shards, options, cipher)
+    note = loopback_note(join)
+    if note:
+        print(note, file=sys.stderr)
     print("start it:   gossipd run -c", config_path)
     print("a volunteer joins with (this line holds the swarm key: share it privately):")
     print(f"  gossipd init --join '{join}'")
     print(f"after editing the config's [task.options]: gossipd join-line -c {config_path}")
     return EXIT_OK
+
+
+def is_loopback(address: str) -> bool:
+    """Whether ``host:port`` names this machine only (127.0.0.0/8, ::1, localhost)."""
+    import ipaddress
+
+    from gossip.address import parse_address
+    host = parse_address(address)[0]
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name
+        return False
+
+
+def loopback_note(line: Any) -> str:
+    """A note when some of the join line's addresses are loopback ones, "" else: another
+    machine dials itself there."""
+    local = [address for address in line.bootstrap if is_loopback(address)]
+    if not local:
+        return ""
+    return (f"note: the join line's {', '.join(local)} {'is' if len(local) == 1 else 'are'} "
+            "loopback: only nodes on this machine can join through "
+            f"{'it' if len(local) == 1 else 'them'} (node.advertise names the address others "
+            "reach)")
+
+
+def module_installed(entry: str) -> bool:
+    """Whether the top-level package of a module entry can be found on this Python path,
+    without importing anything (so without torch)."""
+    from importlib.util import find_spec
+    top = entry.rpartition(":")[0].split(".")[0]
+    try:
+        return find_spec(top) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def shareable_entry(entry: str) -> tuple[str, str]:
@@ -451,14 +557,20 @@ def shareable_entry(entry: str) -> tuple[str, str]:
     machine rarely has: the line carries the file's name alone, which a volunteer's node looks
     for in its own node.data_dir (where a relative task.entry starts), and the warning says to
     send the file along. Refusing the line instead would leave the operator with no line at
-    all, and the file has to reach the volunteer whichever way."""
+    all, and the file has to reach the volunteer whichever way. A relative path travels as it
+    is, with the same warning: it too names a file the volunteer does not have yet."""
     from .entry import is_file_entry, parse_entry
     try:
         target, function = parse_entry(entry)
     except ValueError:
         return entry, ""
-    if not (is_file_entry(target) and Path(target).is_absolute()):
+    if not is_file_entry(target):
         return entry, ""
+    if not Path(target).is_absolute():
+        return entry, (
+            f"warning: task.entry {entry} is a file of this node's; a volunteer's node looks "
+            f"for {target} in its own data directory: send it with the line, or make the task "
+            f"a module volunteers install (package.module:{function})")
     name = Path(target).name
     return f"{name}:{function}", (
         f"warning: task.entry {entry} is a path on this machine; the join line names the file "
@@ -475,12 +587,12 @@ def cmd_join_line(args: argparse.Namespace) -> int:
     if parse_address(address)[1] == 0:
         raise UsageError(f"node.listen {address} has port 0, which nobody can dial: set "
                          "node.advertise")
+    # A node nobody can dial (node.reachable = false) is no address to join through.
+    own = [] if config.node.reachable is False and config.swarm.bootstrap else [address]
     entry, warning = shareable_entry(config.task.entry)
     try:
         key = read_swarm_key(config.path(config.swarm.key_file))
-        line = JoinLine(config.swarm.name, key, tuple(dict.fromkeys(
-            (address, *config.swarm.bootstrap))), entry, config.task.seed, config.task.shards,
-            dict(config.task.options), config.swarm.cipher)
+        line = JoinLine.of(config, key, [*own, *config.swarm.bootstrap], entry)
     except KeyFileError as exc:
         raise UsageError(str(exc)) from None
     if warning:
@@ -498,8 +610,98 @@ def cmd_demo(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
 
 
+def _config_path(args: argparse.Namespace) -> Path:
+    """The config file ``_load`` read: the one to edit."""
+    from .config import DEFAULT_PATH, ENV
+    return Path(args.config if args.config is not None else os.environ.get(ENV) or DEFAULT_PATH)
+
+
+def cmd_rotate_key(args: argparse.Namespace) -> int:
+    config = _load(args)
+    from .keys import JoinLine, KeyFileError, read_swarm_key
+    from .rotation import RotationError, start_rotation
+    config_path = _config_path(args)
+    try:
+        new_key = None
+        if args.key_file:
+            new_key = read_swarm_key(Path(args.key_file))
+        elif args.join:
+            line = JoinLine.parse(sys.stdin.readline() if args.join == "-" else args.join)
+            if (line.name, line.cipher) != (config.swarm.name, config.swarm.cipher):
+                raise UsageError(f"the join line is for swarm {line.name!r} with cipher "
+                                 f"{line.cipher}; this node is in {config.swarm.name!r} with "
+                                 f"cipher {config.swarm.cipher}")
+            new_key = line.key
+        started = start_rotation(config_path, config, new_key)
+    except (KeyFileError, RotationError) as exc:
+        raise UsageError(str(exc)) from None
+    print(f"{'finished an interrupted start: ' if started.resumed else ''}{started.key_file} "
+          f"holds the new swarm key; {started.previous_key_file} the one it replaces "
+          f"(swarm.previous_key_file in {config_path})")
+    print("restart this node now: it accepts both keys and speaks the new one")
+    print("then each other node in turn, restarted before the next, with the same key:")
+    print("  gossipd rotate-key -c CONFIG --join -        and paste the join line below")
+    print(f"  gossipd rotate-key -c CONFIG --key-file F   F a private copy of {started.key_file}")
+    print("the new join line (it holds the new key: share it privately; lines with the old key "
+          "stop working once the rotation is finished):")
+    try:
+        cmd_join_line(argparse.Namespace(config=args.config))
+    except UsageError as exc:
+        print(f"  none: {exc}")
+    print("once every node has restarted on the new key: gossipd retire-key on each, then "
+          "restart it")
+    return EXIT_OK
+
+
+def cmd_retire_key(args: argparse.Namespace) -> int:
+    config = _load(args)
+    from .control import ControlError, query
+    from .keys import KeyFileError
+    from .rotation import RotationError, finish_rotation
+    config_path = _config_path(args)
+    if not config.swarm.previous_key_file:
+        print(f"no swarm key rotation under way in {config_path} (swarm.previous_key_file is "
+              "empty): nothing to finish")
+        return EXIT_OK
+    try:
+        rotation = query(config.path(config.node.control)).get("rotation") or {}
+    except ControlError:
+        rotation = {}  # not running: nothing to ask; the restart comes later anyway
+    if rotation.get("old_key") and not args.force:
+        raise UsageError(f"the running daemon still hears {_listed(rotation['old_key'])} on the "
+                         "old key only: rotate those nodes first (gossipd rotate-key), or "
+                         "finish anyway with --force")
+    try:
+        previous = finish_rotation(config_path, config)
+    except (KeyFileError, RotationError) as exc:
+        raise UsageError(str(exc)) from None
+    print(f"dropped the previous swarm key: deleted {previous}; swarm.previous_key_file "
+          f"cleared in {config_path}")
+    print("restart this node now: it then speaks the new key only, and nodes or join lines "
+          "with the old key alone can no longer reach it")
+    return EXIT_OK
+
+
+def _listed(addresses: list[str], most: int = 5) -> str:
+    shown = ", ".join(addresses[:most])
+    return shown + (f" and {len(addresses) - most} more" if len(addresses) > most else "")
+
+
+def _rotation(r: dict[str, Any]) -> str:
+    """The ``gossipd status`` line of a node mid-rotation."""
+    total = len(r["new_key"]) + len(r["old_key"]) + len(r["unknown"])
+    text = (f"mid-rotation, holding the previous swarm key too: {len(r['new_key'])} of {total} "
+            "peers seen on the new key")
+    if r["old_key"]:
+        text += f"; on the old key only: {_listed(r['old_key'])}"
+    if r["unknown"]:
+        text += f"; not heard from yet: {_listed(r['unknown'])}"
+    return text + "; once every node holds the new key: gossipd retire-key"
+
+
 COMMANDS = {
     "init": cmd_init, "run": cmd_run, "status": cmd_status, "check-config": cmd_check_config,
     "keygen": cmd_keygen, "average": cmd_average, "export": cmd_export, "demo": cmd_demo,
-    "join-line": cmd_join_line,
+    "join-line": cmd_join_line, "rotate-key": cmd_rotate_key,
+    "retire-key": cmd_retire_key,
 }

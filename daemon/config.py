@@ -148,11 +148,12 @@ AT_LEAST_1 = _want(lambda v: v >= 1, "an integer >= 1")
 NOT_EMPTY = _want(bool, "a non-empty string")
 
 
-def _field(default: Any, doc: str, check: Check | None = None, *, words: tuple[str, ...] = ()
-           ) -> Any:
+def _field(default: Any, doc: str, check: Check | None = None, *, words: tuple[str, ...] = (),
+           kind: type | None = None) -> Any:
     """A config field: ``doc`` (with its unit) is the only description the field has.
-    ``words`` are strings it takes besides values of the default's type (``"auto"``)."""
-    metadata = {"doc": doc, "check": check, "words": words}
+    ``words`` are strings it takes besides values of the default's type (``"auto"``), or of
+    ``kind`` when the default is one of the words."""
+    metadata = {"doc": doc, "check": check, "words": words, "kind": kind}
     if isinstance(default, dict):
         return field(default_factory=dict, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -217,7 +218,8 @@ class _Section:
         for f in fields(self):
             key = f"{self.section}.{f.name}"
             try:
-                kind = dict if f.default is MISSING else type(f.default)  # dicts use a factory
+                kind = f.metadata["kind"] or (dict if f.default is MISSING  # dicts: a factory
+                                              else type(f.default))
                 value, words = getattr(self, f.name), f.metadata["words"]
                 if isinstance(value, str) and value in words:  # a word has no other check
                     object.__setattr__(self, f.name, str(value))
@@ -253,6 +255,15 @@ class NodeConfig(_Section):
                           "to data_dir", NOT_EMPTY)
     dial_from: str = _field("", "local IP our outgoing connections come from; \"\" lets the "
                             "system choose (set it on multi-homed hosts)", _ip_or_empty)
+    reachable: bool | str = _field("auto", "whether other members can dial advertise (or "
+                                   "listen): true; false behind a NAT or firewall that lets "
+                                   "nothing in (we then start every exchange ourselves); "
+                                   "\"auto\": a member dials us back after we join",
+                                   words=("auto",), kind=bool)
+
+    def reachable_setting(self) -> bool | None:
+        """What :func:`gossip.open_swarm` takes: True, False, or None for auto."""
+        return None if self.reachable == "auto" else bool(self.reachable)
 
 
 @dataclass(frozen=True)
@@ -264,6 +275,11 @@ class SwarmConfig(_Section):
                        "(required)", _want(lambda v: len(v) <= 64, "at most 64 characters"))
     key_file: str = _field("swarm.key", "swarm key file, relative to data_dir: 32 random bytes "
                            "as 64 hex characters", NOT_EMPTY)
+    previous_key_file: str = _field("", "only while rotating the swarm key: the key being "
+                                    "replaced, a key file like key_file, relative to data_dir; "
+                                    "the node accepts both and speaks key_file's; \"\": none "
+                                    "(gossipd rotate-key sets it, gossipd retire-key "
+                                    "clears it)")
     cipher: str = _field("aesgcm", "channel cipher, the same on every node (a node of the other "
                          "cipher cannot connect): aesgcm (fastest on machines with AES "
                          "instructions) or chachapoly (for swarms of machines without them)",
@@ -284,6 +300,13 @@ class SwarmConfig(_Section):
                               "(> 0); more are closed unread", POSITIVE)
     peer_burst: int = _field(20, "inbound channels one peer may open at once (>= 1)",
                              AT_LEAST_1)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.previous_key_file and self.previous_key_file == self.key_file:
+            raise ConfigError(f"swarm.previous_key_file: expected another file than "
+                              f"swarm.key_file, got {self.previous_key_file!r} for both: the "
+                              "previous key is the one being replaced", "swarm.previous_key_file")
 
     def limits(self) -> gossip.Limits:
         return gossip.Limits(max_connections=self.max_connections,
@@ -372,15 +395,21 @@ class AveragingSection(_Section):
                                   "after joining (>= 0)", NON_NEGATIVE)
     connect_timeout: float = _field(5.0, "s to open a TCP connection (> 0)", POSITIVE)
     handshake_timeout: float = _field(5.0, "s for the whole handshake (> 0)", POSITIVE)
-    record_timeout: float = _field(10.0, "s for one record to cross; a 1 MiB record must cross "
-                                   "within this (> 0)", POSITIVE)
+    record_timeout: float = _field(30.0, "s from a record's first byte to its last (> 0); 30 "
+                                   "lets a 1 MiB record cross at 35 kB/s: keep it above 1 MiB "
+                                   "/ min_rate", POSITIVE)
     offer_timeout: float = _field(5.0, "s from sending an offer to its answer (> 0)", POSITIVE)
-    transfer_timeout: float = _field(10.0, "s for both payloads, plus encoded bytes / min_rate "
-                                     "(> 0)", POSITIVE)
+    transfer_timeout: float = _field(10.0, "s for both payloads, plus encoded bytes at the "
+                                     "peer link's measured rate / 4, or at min_rate if that "
+                                     "is slower or unknown (> 0; docs/OPERATIONS.md, Thin "
+                                     "and slow links)", POSITIVE)
     commit_timeout: float = _field(5.0, "s for the peer's commit, past the transfer deadline "
                                    "(> 0)", POSITIVE)
-    min_rate: float = _field(1e6, "bytes/s of the slowest link we accept (> 0); stretches "
-                             "transfer_timeout", POSITIVE)
+    min_rate: float = _field(5e4, "bytes/s of the slowest link every payload is given time "
+                             "for (> 0): exchanges and downloads (50 kB/s = 400 kbit/s: 100 MB "
+                             "in 2,000 s)", POSITIVE)
+    stall_timeout: float = _field(10.0, "s a payload (exchange or download) may go without a "
+                                  "byte before its peer is dropped (> 0)", POSITIVE)
 
     def to_averaging(self) -> gossip.AveragingConfig:
         """The library's averaging settings: the fields of the same name, plus every and

@@ -1,17 +1,28 @@
 """Swarm key files and the join line a volunteer pastes into ``gossipd init --join``.
 
 A swarm key file holds the 32-byte key as 64 hexadecimal characters and a newline, mode
-0600. The join line carries everything a new node needs to take part::
+0600. While the swarm key is rotated, a node reads two: ``swarm.key_file``, the new key, and
+``swarm.previous_key_file``, the one it replaces (:func:`load_swarm`; the rotation itself is
+:mod:`daemon.rotation`). The join line carries everything a new node needs to take part::
 
     gossip://NAME@HOST:PORT,HOST:PORT?key=64HEX&task=MODULE:FUNCTION&seed=0&shards=8
 
-``shards`` (how many shards the swarm cuts its data into) is left out when it is 1, and
-``cipher`` (the channel cipher, ``swarm.cipher``) when it is the default, ``aesgcm``.
+``shards`` (how many shards the swarm cuts its data into) is left out when it is 1.
+:data:`SETTINGS` are the config settings every node of a swarm must share (``cipher=``,
+``profile=``, ``codec=``, ``mixing=``, ``weight=``, ``correction=``), each left out when it is
+the config's default, so that a line of a swarm that keeps the defaults reads as before.
 ``options`` carries the task's options (the config's ``[task.options]``), left out when there
 are none: their canonical JSON (sorted keys, no spaces, ASCII) in URL-safe base64 without
 padding, at most :data:`MAX_OPTIONS` bytes of JSON. Only what both JSON and TOML hold travels:
 tables, arrays, text, booleans, finite numbers and 64-bit integers, nested at most
-:data:`MAX_OPTIONS_DEPTH` deep. A line is refused whole if its options are malformed.
+:data:`MAX_OPTIONS_DEPTH` deep.
+
+Nothing machine-local travels. The addresses are ones other machines dial (the node's
+advertised address, never a wildcard host or port 0); a task file named by an absolute path
+travels as its name alone (``daemon.cli.shareable_entry``); the writer's identity, data
+directory, control socket, listen address and device stay on its machine. A line is refused
+whole if any field is malformed, unknown (a newer gossipd's setting, which this one would
+silently drop) or given twice.
 
 It holds the swarm key, so it is a secret: share it as you would a password (anyone holding
 it can join the swarm and read its weights).
@@ -25,24 +36,43 @@ import json
 import math
 import os
 import re
-from collections.abc import Mapping
+import reprlib
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, quote, unquote
 
 from gossip.address import parse_address
-from gossip.handshake import CIPHERS, DEFAULT_CIPHER
+from gossip.handshake import DEFAULT_CIPHER, Swarm
 from gossip.messages import MAX_SHARDS
 
+from .config import WILDCARDS, AveragingSection, Config, ConfigError, SwarmConfig
+
 __all__ = ["KeyFileError", "JoinLine", "read_swarm_key", "write_swarm_key", "write_new",
-           "encode_options", "decode_options"]
+           "replace_swarm_key", "same_owner", "load_swarm", "encode_options", "decode_options",
+           "SETTINGS"]
 
 SCHEME = "gossip://"
 MAX_KEY_FILE = 256  # bytes read from a key file at most
 MAX_OPTIONS = 4096  # bytes of the task options' JSON in a join line (a line is pasted in a shell)
 MAX_OPTIONS_DEPTH = 8  # tables and arrays inside one another, the options table included
 _BASE64URL = re.compile(r"[A-Za-z0-9_-]*")
+_NUMBER = re.compile(r"[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?")  # a weight= as the line writes it
+
+# The settings every node of a swarm must share besides its name, key, task, seed and shards:
+# the line's field and the config key it sets. A node that differs in one cannot take part, or
+# pulls the swarm off course: another cipher cannot connect (it is never negotiated); another
+# membership profile suspects its peers falsely (LAN timing against WAN delays); an offer in
+# another codec or mixing mode is refused and its sender quarantined (PROTOCOL.md 9.3);
+# another fixed weight moves the swarm's mean at each of its exchanges, and a node without
+# the drift correction swaps no estimates, so its partners' corrections stop tracking the
+# swarm (9.5). Their defaults, and what values they take, are the config's.
+SETTINGS = (("cipher", "swarm.cipher"), ("profile", "swarm.profile"),
+            ("codec", "averaging.codec"), ("mixing", "averaging.mixing"),
+            ("weight", "averaging.weight"), ("correction", "averaging.correction"))
+_SECTIONS = {"swarm": SwarmConfig, "averaging": AveragingSection}
+_FIELDS = frozenset({"key", "task", "seed", "shards", "options", *(name for name, _ in SETTINGS)})
 
 
 class KeyFileError(Exception):
@@ -100,9 +130,79 @@ def write_swarm_key(path: Path, key: bytes) -> None:
     write_new(path, key.hex().encode() + b"\n")
 
 
+def replace_swarm_key(path: Path, key: bytes) -> None:
+    """Put ``key`` in the swarm key file ``path`` (0600) in place of what it holds: written to
+    a temporary file beside it, fsynced, then renamed over it, so that a crash leaves either
+    key whole, never a torn file.
+
+    Raises:
+        KeyFileError: it cannot be written.
+    """
+    if len(key) != 32:
+        raise ValueError("a swarm key is 32 bytes")
+    temporary = path.with_name(path.name + ".new")
+    temporary.unlink(missing_ok=True)  # left by a crash here: never a key anyone uses
+    write_new(temporary, key.hex().encode() + b"\n")
+    if path.exists():
+        same_owner(temporary, path)
+    try:
+        os.replace(temporary, path)
+        _fsync_directory(path.parent)
+    except OSError as exc:
+        raise KeyFileError(f"cannot replace {path}: {exc.strerror}") from None
+
+
+def same_owner(path: Path, like: Path) -> None:
+    """Give ``path`` the owner of ``like`` when we run as root (``sudo gossipd rotate-key``):
+    a key file the daemon's own user cannot read would stop the daemon at its next start.
+
+    Raises:
+        KeyFileError: the owner cannot be changed.
+    """
+    if os.geteuid() != 0:
+        return
+    try:
+        st = like.stat()
+        os.chown(path, st.st_uid, st.st_gid)
+    except OSError as exc:
+        raise KeyFileError(f"cannot give {path} the owner of {like}: {exc.strerror}") from None
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make a rename in ``directory`` durable."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def load_swarm(name: str, key_path: Path, previous_path: Path | None = None,
+               cipher: str = DEFAULT_CIPHER) -> Swarm:
+    """The swarm a node runs in: its key from ``key_path`` and, mid-rotation, the key being
+    replaced from ``previous_path``.
+
+    Raises:
+        KeyFileError: a key file is missing, unreadable or malformed, or both hold the same
+            key (one line, naming the files).
+    """
+    key = read_swarm_key(key_path)
+    previous = None if previous_path is None else read_swarm_key(previous_path)
+    if previous is not None and previous == key:
+        raise KeyFileError(f"swarm key files {key_path} and {previous_path} hold the same key: "
+                           "the previous key must be the one being replaced (gossipd "
+                           "rotate-key writes a new one)")
+    return Swarm(name, key, cipher, previous)
+
+
 @dataclass(frozen=True)
 class JoinLine:
-    """What a volunteer needs to join a swarm."""
+    """What a volunteer needs to join a swarm (see the module's docstring).
+
+    Raises:
+        KeyFileError: a field no line may carry: options (:func:`encode_options`), a setting
+            of :data:`SETTINGS` its config key refuses, a bootstrap address nobody can dial.
+    """
 
     name: str
     key: bytes
@@ -111,31 +211,74 @@ class JoinLine:
     seed: int = 0
     shards: int = 1  # task.shards: every node cuts the data the same way
     options: Mapping[str, Any] = field(default_factory=dict)  # [task.options]
-    cipher: str = DEFAULT_CIPHER  # swarm.cipher: never negotiated, so the line must carry it
+    # SETTINGS, their defaults the config's:
+    cipher: str = SwarmConfig.cipher
+    profile: str = SwarmConfig.profile
+    codec: str = AveragingSection.codec
+    mixing: str = AveragingSection.mixing
+    weight: float = AveragingSection.weight
+    correction: bool = AveragingSection.correction
 
-    def __post_init__(self) -> None:
-        encode_options(self.options)  # a KeyFileError now, not when the line is printed
-        if self.cipher not in CIPHERS:
-            raise KeyFileError(f"the cipher must be one of {', '.join(CIPHERS)}, not "
-                               f"{self.cipher!r}")
+    def __post_init__(self) -> None:  # a KeyFileError now, not when the line is printed
+        encode_options(self.options)
+        if not self.bootstrap:
+            raise KeyFileError("a join line needs a bootstrap address")
+        for address in self.bootstrap:
+            _check_dialable(address)
+        tables: dict[str, dict[str, Any]] = {}
+        for config_key, value in self.settings().items():
+            section, setting = config_key.split(".")
+            tables.setdefault(section, {})[setting] = value
+        try:
+            for section, table in tables.items():
+                _SECTIONS[section](**table)  # the config's checks: one declaration of each
+        except ConfigError as exc:  # "averaging.codec: expected ..., got 'x'"
+            field_name = dict((k, n) for n, k in SETTINGS).get(exc.key or "")
+            raise KeyFileError(f"{field_name}= ({exc})" if field_name else str(exc)) from None
+
+    def settings(self, *, changed: bool = False) -> dict[str, Any]:
+        """The :data:`SETTINGS` of the line by config key (``{"swarm.profile": "wan", ...}``):
+        what ``gossipd init --join`` writes into the joiner's config. ``changed``: only those
+        that differ from the config's defaults (those the line's text names)."""
+        return {config_key: getattr(self, name) for name, config_key in SETTINGS
+                if not changed or getattr(self, name) != _default(config_key)}
+
+    @classmethod
+    def of(cls, config: Config, key: bytes, bootstrap: Iterable[str], task: str) -> JoinLine:
+        """The line of the swarm ``config`` runs in: its name, seed, shards, options and
+        :data:`SETTINGS`, with the swarm ``key``, the ``bootstrap`` addresses (duplicates
+        dropped) and the ``task`` volunteers run (``config.task.entry``, unless that names a
+        path on this machine).
+
+        Raises:
+            KeyFileError: the config holds options a line cannot carry.
+        """
+        settings = {name: getattr(getattr(config, config_key.split(".")[0]),
+                                  config_key.split(".")[1]) for name, config_key in SETTINGS}
+        return cls(config.swarm.name, key, tuple(dict.fromkeys(bootstrap)), task,
+                   config.task.seed, config.task.shards, dict(config.task.options), **settings)
 
     def __str__(self) -> str:
         peers = ",".join(self.bootstrap)
+        changed = self.settings(changed=True)
+        settings = "".join(f"&{name}={_setting_text(changed[config_key])}"
+                           for name, config_key in SETTINGS if config_key in changed)
         return (f"{SCHEME}{quote(self.name, safe='')}@{peers}?key={self.key.hex()}"
                 f"&task={quote(self.task, safe=':/.')}&seed={self.seed}"
                 + (f"&shards={self.shards}" if self.shards != 1 else "")
-                + (f"&cipher={self.cipher}" if self.cipher != DEFAULT_CIPHER else "")
+                + settings
                 + (f"&options={encode_options(self.options)}" if self.options else ""))
 
     def __repr__(self) -> str:  # never print the key
         return f"JoinLine(name={self.name!r}, bootstrap={self.bootstrap!r}, task={self.task!r})"
 
     @classmethod
-    def parse(cls, text: str) -> "JoinLine":
-        """Read a join line.
+    def parse(cls, text: str) -> JoinLine:
+        """Read a join line. A field left out takes its default: lines written before a field
+        existed stay valid.
 
         Raises:
-            KeyFileError: it is not a well-formed join line.
+            KeyFileError: it is not a well-formed join line (one line, never the key).
         """
         text = text.strip()
         if not text.startswith(SCHEME) or "@" not in text or "?" not in text:
@@ -143,8 +286,15 @@ class JoinLine:
         rest = text[len(SCHEME):]
         head, _, query = rest.partition("?")
         name, _, peers = head.rpartition("@")
-        fields = parse_qs(query, strict_parsing=False)
+        fields = parse_qs(query, keep_blank_values=True)
         try:
+            unknown = sorted(set(fields) - _FIELDS)
+            if unknown:  # a newer gossipd's setting, which a node must not silently go without
+                raise ValueError(f"unknown field {reprlib.repr(unknown[0])}: a line from a "
+                                 "newer gossipd? Upgrade this one")
+            twice = sorted(given for given, values in fields.items() if len(values) > 1)
+            if twice:
+                raise ValueError(f"{twice[0]}= is given twice")
             bootstrap = tuple(p for p in peers.split(",") if p)
             for address in bootstrap:
                 parse_address(address)
@@ -154,6 +304,8 @@ class JoinLine:
             if len(key) != 32:
                 raise ValueError("the key must be 64 hex characters")
             task = fields["task"][0]  # parse_qs has decoded it
+            if not task:
+                raise ValueError("task= is empty")
             seed_text = fields.get("seed", ["0"])[0]
             if not (seed_text.isascii() and seed_text.isdigit()):
                 raise ValueError(f"the seed must be a non-negative integer, not {seed_text!r}")
@@ -165,10 +317,8 @@ class JoinLine:
                                  f"{shards_text!r}")
             shards = int(shards_text)
             options = decode_options(fields["options"][0]) if "options" in fields else {}
-            cipher = fields.get("cipher", [DEFAULT_CIPHER])[0]
-            if cipher not in CIPHERS:
-                raise ValueError(f"the cipher must be one of {', '.join(CIPHERS)}, not "
-                                 f"{cipher!r}")
+            settings = {setting: _setting_value(setting, fields[setting][0], _default(config_key))
+                        for setting, config_key in SETTINGS if setting in fields}
             name = unquote(name)
             if not name:
                 raise ValueError("no swarm name")
@@ -176,7 +326,60 @@ class JoinLine:
             raise KeyFileError("the join line lacks key= or task=") from None
         except ValueError as exc:
             raise KeyFileError(f"bad join line: {exc}") from None
-        return cls(name, key, bootstrap, task, seed, shards, options, cipher)
+        try:
+            return cls(name, key, bootstrap, task, seed, shards, options, **settings)
+        except KeyFileError as exc:  # a setting the config refuses, an address nobody dials
+            raise KeyFileError(f"bad join line: {exc}") from None
+
+
+def _default(config_key: str) -> Any:
+    """The config's default for one of :data:`SETTINGS`."""
+    section, setting = config_key.split(".")
+    return getattr(_SECTIONS[section], setting)
+
+
+def _setting_text(value: Any) -> str:
+    """A setting's value as a line writes it: ``true``/``false``, a float's repr, or text."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(float(value))
+    return quote(str(value), safe="")
+
+
+def _setting_value(name: str, text: str, default: Any) -> Any:
+    """A setting's value from its text in a line, of its default's type; whether the setting
+    takes it is the config's check (in :meth:`JoinLine.__post_init__`).
+
+    Raises:
+        ValueError: not text of that type.
+    """
+    if isinstance(default, bool):
+        if text not in ("true", "false"):
+            raise ValueError(f"{name}= must be true or false, not {reprlib.repr(text)}")
+        return text == "true"
+    if isinstance(default, float):
+        if not _NUMBER.fullmatch(text):
+            raise ValueError(f"{name}= must be a number, not {reprlib.repr(text)}")
+        return float(text)
+    return text
+
+
+def _check_dialable(address: str) -> None:
+    """Refuse a bootstrap address that no other machine can dial.
+
+    Raises:
+        KeyFileError: malformed, port 0, or a wildcard host.
+    """
+    try:
+        host, port = parse_address(address)
+    except ValueError as exc:
+        raise KeyFileError(str(exc)) from None
+    if port == 0:
+        raise KeyFileError(f"bootstrap address {address} has port 0, which nobody can dial")
+    if host in WILDCARDS:
+        raise KeyFileError(f"bootstrap address {address} cannot be dialed: {host} means every "
+                           "address of the machine that listens, not one to reach it at")
 
 
 def encode_options(options: Mapping[str, Any]) -> str:

@@ -34,7 +34,7 @@ import random
 import signal
 import socket
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -48,9 +48,10 @@ from gossip.groups import one_error
 from . import checkpoint, sharding
 from .config import Config
 from .control import ControlError, bind_control, serve_control
-from .keys import KeyFileError, encode_options, read_swarm_key
+from .keys import KeyFileError, encode_options, load_swarm
 from .logs import LiveLine
 from .metrics import Metrics, MetricsLog
+from .rotation import rotation_status
 from .status import PeerSteps
 from .task import Context, Shard, Task, TaskError, entry_file, load_entry, pick_device
 from .train import Chunk, Trainer
@@ -146,8 +147,12 @@ def _prepare(config: Config, control: socket.socket) -> Prepared:
     data_dir = config.data_dir()
     try:
         identity = gossip.Identity.load_or_generate(config.path(config.node.identity))
-        swarm = gossip.Swarm(config.swarm.name, read_swarm_key(config.path(config.swarm.key_file)),
-                             config.swarm.cipher)
+        previous = config.swarm.previous_key_file
+        swarm = load_swarm(config.swarm.name, config.path(config.swarm.key_file),
+                           config.path(previous) if previous else None, config.swarm.cipher)
+        if previous:
+            log.info("rotating the swarm key: accepting the previous key too previous_key_file=%s",
+                     config.path(previous))
         device = pick_device(config.task.device)
         file = entry_file(config.task.entry, data_dir)
         log.info("importing task entry=%s%s", config.task.entry, f" file={file}" if file else "")
@@ -335,7 +340,7 @@ class _Service:
                 membership=c.membership(), timeouts=c.averaging.to_timeouts(), task=task_meta,
                 counters=p.counters, optimizer=p.task.optimizer, correction=p.correction,
                 allow=c.swarm.allow or None, on_exchange=self.on_exchange,
-                limits=c.swarm.limits(),
+                limits=c.swarm.limits(), reachable=c.node.reachable_setting(),
                 network=p.network or gossip.TcpNetwork(c.node.dial_from or None),
             ) as node:
                 self.node = p.step.node = node
@@ -605,7 +610,8 @@ class _Service:
         self.peer_steps.keep(m.peer for m in members)
         peers = [{"peer": m.peer, "address": m.address, "state": m.state.name.lower(),
                   **self.peer_steps.of(m, now), "ready": m.ready,
-                  "shard": m.shard if m.shards else None} for m in members]
+                  "shard": m.shard if m.shards else None, "reachable": m.reachable}
+                 for m in members]
         evaluation = None
         if self.evaluation is not None:
             e = self.evaluation
@@ -625,6 +631,10 @@ class _Service:
             "joined": node.roster.joined,
             "join_trouble": self.join_trouble(node),
             "clash": node.roster.clash,
+            "rotation": rotation_status(self.p.swarm, (
+                m.address for m in members
+                if m.state in (gossip.State.ALIVE, gossip.State.SUSPECT))),
+            "reachability": asdict(node.roster.reachability),
             "members": peers,
             "downloaded_from": node.downloaded.peer if node.downloaded else None,
             "shard": None if self.shard is None else self.shard.index,  # None: auto, not yet

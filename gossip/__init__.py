@@ -35,6 +35,7 @@ _API: dict[str, tuple[str, ...]] = {
     "node": ("SwarmNode", "open_swarm"),
     "replica": ("Counters",),
     "roster": ("Roster", "RosterStatistics", "open_roster"),
+    "rotation": ("Holds", "RotationStatistics"),
     "simnet": ("SimNetwork",),
     "tensors": ("StateSchema",),
     "threaded": ("Averager",),
@@ -73,6 +74,7 @@ if TYPE_CHECKING:
     from .node import SwarmNode, open_swarm
     from .replica import Counters
     from .roster import Roster, RosterStatistics, open_roster
+    from .rotation import Holds, RotationStatistics
     from .simnet import SimNetwork
     from .tensors import StateSchema
     from .threaded import Averager

@@ -26,7 +26,10 @@ never waiting, so two nodes that offer to each other, or a whole swarm offering 
 instant, cannot deadlock. The initiator then tries another peer after a short randomized
 backoff (the busy one again if nobody else is left), up to ``attempts`` tries per round.
 Every phase runs under its own deadline (connect, handshake, offer, transfer, commit), so a
-silent peer costs one deadline.
+silent peer costs one deadline. The transfer's follows the link (:mod:`gossip.linkrate`): each
+node times its transfers with each peer host, and gives the next one with that host its
+payload's bytes at a quarter of the measured rate, never less time than at ``min_rate``; a
+payload that goes ``stall_timeout`` seconds without a byte ends it sooner.
 
 A peer whose payload fails the checks gets a strike; ``strikes`` in a row quarantine it for
 ``quarantine`` seconds: we neither offer to it nor accept its offers. A peer whose schema,
@@ -57,7 +60,7 @@ import math
 import random
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -73,6 +76,7 @@ from .exchange import CLOSE_TIMEOUT, Deadlines, Ending, Outcome
 from .groups import one_error
 from .handshake import Swarm
 from .identity import Identity, PeerId
+from .linkrate import MIN_RATE, STALL, LinkRates
 from .member import Member, State
 from .messages import Accept, Close, Offer, StateRequest
 from .mismatch import describe
@@ -117,9 +121,12 @@ class AveragingConfig:
     quarantine: float = 600.0  # how long a quarantine lasts
     trust_after: float = 10.0  # s alive before its offers move us, if we never picked it (standing)
     offer_timeout: float = 5.0  # from sending Offer to its answer
-    transfer_timeout: float = 10.0  # both payloads: this + encoded bytes / min_rate
-    min_rate: float = 1e6  # bytes/s the slowest link we accept moves (100 MB: 110 s)
+    transfer_timeout: float = 10.0  # both payloads: this + encoded bytes / rate, where rate
+    # is the peer host's measured rate / 4, at least min_rate (gossip.linkrate)
+    min_rate: float = MIN_RATE  # bytes/s the slowest link is given time for (50 kB/s, 400
+    # kbit/s: 100 MB in 2,000 s); also a state download's
     commit_timeout: float = 5.0  # for the peer's Commit, past the end of the transfer deadline
+    stall_timeout: float = STALL  # s a payload (exchange or download) may go without a byte
     start: str = "auto"  # "auto": download if a ready peer exists, else own init; "own"; "download"
     download_wait: float = 5.0  # "auto": after joining, how long to look for a ready peer
 
@@ -134,7 +141,7 @@ class AveragingConfig:
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"averaging.{name} must be a bool, not {getattr(self, name)!r}")
         positive = ("backoff", "offer_timeout", "transfer_timeout", "min_rate", "commit_timeout",
-                    "max_norm_ratio")
+                    "stall_timeout", "max_norm_ratio")
         for name in positive:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and type(value) is not bool
@@ -169,12 +176,14 @@ class AveragingConfig:
             raise ValueError(f"averaging.start must be auto, own or download, not {self.start!r}")
 
     def deadlines(self) -> Deadlines:
-        """The deadlines of one exchange's phases."""
+        """The deadlines of one exchange's phases, for a link never measured (at
+        ``min_rate``)."""
         return Deadlines(self.offer_timeout, self.transfer_timeout, self.min_rate,
-                         self.commit_timeout)
+                         self.commit_timeout, self.stall_timeout)
 
     def transfer_deadline(self, nbytes: int) -> float:
-        """The deadline for both payloads of ``nbytes`` each."""
+        """The deadline for both payloads of ``nbytes`` each over a link never measured: the
+        longest any transfer is given."""
         return self.deadlines().transfer_for(nbytes)
 
 
@@ -285,10 +294,9 @@ class Averaging:
         self._tally = _Tally()
         self.ready = trio.Event()
         self._deadlines = config.deadlines()
+        self._rates = LinkRates(config.min_rate)  # per peer host: what its link carried
         self._serving = [0]  # downloads being served
         self._said = Said()  # download failures logged so far: each once out loud
-        self._download_deadline = config.offer_timeout + config.transfer_deadline(
-            replica.schema.encoded_size(DOWNLOAD_CODEC))
 
     # ---- public -----------------------------------------------------------------------
 
@@ -418,6 +426,7 @@ class Averaging:
         corrected = (offer.correction and rank is not Standing.NEWCOMER
                      and self.replica.estimating)
         own = theirs = None
+        failure: BaseException | None = None
         try:
             own, theirs = self.replica.buffer(), self.replica.buffer()
             with one_error():
@@ -427,15 +436,18 @@ class Averaging:
                     check, difference = self._checker(own, theirs, mine, rank, ready)
                     outcome = await exchange.respond(channel, offer, accept, own, theirs,
                                                      self.replica.schema, check,
-                                                     self._deadlines, ready, difference.advance)
+                                                     self._link_deadlines(channel), ready,
+                                                     difference.advance)
             result = self._settle(peer, outcome, mine, rank, theirs, started, initiated=False)
             theirs = None  # handed over
         except (GossipError, trio.TooSlowError) as exc:
+            failure = exc
             result = self._failure(peer, "accept", exc)
         finally:
             self._busy = False
             self._release(own, theirs)
             self._count(channel)
+            self._time_link(channel, started, failure)
         self._ended(peer, False, result, started, offer.step)
 
     async def serve_download(self, channel: SecureChannel, request: StateRequest,
@@ -452,7 +464,30 @@ class Averaging:
         a refusing peer's."""
         return await download(self.replica, candidates, self._network, self._identity,
                               self._swarm, self._timeouts, deadline=self._download_deadline,
-                              rng=self._rng, task=task, said=self._said)
+                              rng=self._rng, task=task, said=self._said, rates=self._rates,
+                              stall=self.config.stall_timeout)
+
+    def _download_deadline(self, host: str) -> float:
+        """Seconds a state download with ``host`` may take once connected: the request's
+        answer, and the state at the rate its link is given (:mod:`gossip.linkrate`)."""
+        return self.config.offer_timeout + self._rates.deadline(
+            host, self.config.transfer_timeout, self.replica.schema.encoded_size(DOWNLOAD_CODEC))
+
+    def _link_deadlines(self, channel: SecureChannel) -> Deadlines:
+        """An exchange's deadlines, its transfer's at the rate the peer's link is given."""
+        return replace(self._deadlines, min_rate=self._rates.rate(channel.host))
+
+    def _time_link(self, channel: SecureChannel, started: float,
+                   failure: BaseException | None) -> None:
+        """Count what an exchange's channel carried since ``started`` towards its link's
+        measured rate: a whole exchange, or one whose transfer ran out of time."""
+        stats = channel.statistics()
+        carried = max(stats.bytes_sent, stats.bytes_received)
+        seconds = trio.current_time() - started
+        if failure is None:
+            self._rates.observe(channel.host, carried, seconds, complete=True)
+        elif isinstance(failure, PeerTimeout) and failure.phase in ("transfer", "record"):
+            self._rates.observe(channel.host, carried, seconds, complete=False)
 
     # ---- the exchange -----------------------------------------------------------------
 
@@ -464,7 +499,7 @@ class Averaging:
 
     def _pick(self, skip: set[str]) -> Member | None:
         now = trio.current_time()
-        return pick([m for m in self.allowed(self._roster.alive(ready=True))
+        return pick([m for m in self.allowed(self._roster.alive(ready=True, reachable=True))
                      if m.peer not in skip and not self._quarantine.barred(m.peer, now)],
                     self._rng)
 
@@ -477,6 +512,7 @@ class Averaging:
         corrected = self.replica.estimating  # decided before the snapshot that holds it
         own = theirs = None
         told: int | None = None  # the peer's step, once its Accept says it
+        failure: BaseException | None = None
         try:
             own, theirs = self.replica.buffer(), self.replica.buffer()
             with one_error():
@@ -493,12 +529,13 @@ class Averaging:
                                                           ready)
                         outcome = await exchange.initiate(
                             channel, offer, own, theirs, self.replica.schema, check,
-                            self._deadlines, ready, difference.advance)
+                            self._link_deadlines(channel), ready, difference.advance)
             told = None if outcome.peer is None else outcome.peer.step
             result = self._settle(peer, outcome, mine, Standing.CHOSEN, theirs, started,
                                   initiated=True)
             theirs = None  # handed over
         except (GossipError, trio.TooSlowError) as exc:
+            failure = exc
             result = self._failure(peer, phase, exc)
             if isinstance(exc, (PeerGone, PeerTimeout)) and phase == "connect":
                 self._roster.report_failure(peer)
@@ -507,6 +544,7 @@ class Averaging:
             self._release(own, theirs)
             if channel is not None:
                 self._count(channel)
+                self._time_link(channel, started, failure)
         self._ended(peer, True, result, started, told)
         return result
 

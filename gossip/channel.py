@@ -22,7 +22,10 @@ Every read is bounded before allocation: a record header announcing more than
 ``MAX_RECORD + 16`` bytes is a protocol error, and the body is read into a buffer allocated
 once per channel. Every read is bounded in time too: the wait for the *next* record is the
 caller's phase deadline (``trio.fail_after`` around the call), and once a record has begun,
-the rest of it must arrive within ``Timeouts.record`` (the slowloris guard).
+the rest of it must arrive within ``Timeouts.record`` (the slowloris guard). While a payload
+streams (:meth:`SecureChannel.stall_guard`), a stall deadline moves with every byte received:
+``stall`` seconds without one, inside a record or between two, drop the peer however long
+the payload's own deadline is (:mod:`gossip.linkrate`).
 
 Any failure to receive (bad length, failed authentication, truncation, a reset) breaks the
 channel: the stream is closed, the error is raised, nothing from the bad record is delivered,
@@ -43,8 +46,9 @@ from __future__ import annotations
 
 import logging
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Iterator
 
 import trio
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
@@ -69,6 +73,7 @@ from .handshake import (
     x25519_public_bytes,
     check_hello,
     make_hello,
+    read_first_message,
 )
 from .identity import Identity, PeerId
 from .limits import Admission
@@ -116,13 +121,17 @@ class Timeouts:
     These are the only timeouts the library takes as arguments (everywhere else the caller
     wraps its awaits in ``trio.fail_after``): ``connect`` and ``serve`` compose two phases, and
     the record deadline is a property of the connection that guards every read, whoever the
-    caller is. A 1 MiB record must cross the link within ``record`` seconds; on links slower
-    than about 1 Mbit/s raise it, or state transfers can never complete.
+    caller is. A 1 MiB record must cross the link within ``record`` seconds: the default
+    gives it 35 kB/s, below the slowest link a transfer is given time for
+    (:data:`gossip.linkrate.MIN_RATE`, 50 kB/s), so on a thin link a payload's own deadline,
+    which follows the link, decides first. Below about 35 kB/s (280 kbit/s) raise both.
+    A peer that stops sending mid-payload is dropped by the stall deadline
+    (:meth:`SecureChannel.stall_guard`), long before this one.
     """
 
     connect: float = 5.0  # opening the TCP connection
     handshake: float = 5.0  # the whole three-message handshake
-    record: float = 10.0  # from a record's first byte to its last: 1 MiB needs >= 105 kB/s
+    record: float = 30.0  # from a record's first byte to its last: 1 MiB needs >= 35 kB/s
 
 
 @dataclass(frozen=True)
@@ -140,17 +149,34 @@ class _Reader:
     def __init__(self, stream: trio.abc.ReceiveStream) -> None:
         self._stream = stream
         self._sock = stream.socket if isinstance(stream, trio.SocketStream) else None
+        self.last = -math.inf  # trio time of the latest byte read
+        # While a record is read under a stall deadline: the record's scope, which every
+        # byte moves on to min(end, now + stall).
+        self._scope: trio.CancelScope | None = None
+        self._end = self._stall = math.inf
+
+    def watch(self, scope: trio.CancelScope | None, end: float = math.inf,
+              stall: float = math.inf) -> None:
+        """Move ``scope``'s deadline on with each byte read, to ``min(end, now + stall)``
+        (None: stop)."""
+        self._scope, self._end, self._stall = scope, end, stall
 
     async def read_some_into(self, view: memoryview) -> int:
         """Read at least one byte into ``view`` (at most ``len(view)``); 0 at end of stream."""
         if self._sock is not None:
             try:
-                return await self._sock.recv_into(view)
+                n = await self._sock.recv_into(view)
             except OSError as exc:
                 raise trio.BrokenResourceError(str(exc)) from exc
-        chunk = await self._stream.receive_some(len(view))
-        view[: len(chunk)] = chunk
-        return len(chunk)
+        else:
+            chunk = await self._stream.receive_some(len(view))
+            n = len(chunk)
+            view[:n] = chunk
+        if n:
+            self.last = trio.current_time()
+            if self._scope is not None:
+                self._scope.deadline = min(self._end, self.last + self._stall)
+        return n
 
     async def read_into(self, view: memoryview) -> int:
         """Fill ``view``; returns the number of bytes read, less than ``len(view)`` only at
@@ -196,6 +222,7 @@ class SecureChannel(trio.abc.AsyncResource):
         self._send_buf = bytearray(_INITIAL_BUFFER)
         self._receive_buf = bytearray(_INITIAL_BUFFER)
         self._sending = self._receiving = self._mid_record = False
+        self._stall: float | None = None  # s without a byte, while a stall guard is on
         self._closed = False
         self._broken: GossipError | None = None
         self._send_lost = ""  # why sending failed (the peer went away); receiving may go on
@@ -203,6 +230,28 @@ class SecureChannel(trio.abc.AsyncResource):
 
     def statistics(self) -> ChannelStatistics:
         return ChannelStatistics(*self._stats)
+
+    @contextmanager
+    def stall_guard(self, seconds: float) -> Iterator[None]:
+        """Within the block, receiving may not go ``seconds`` without a byte, counted from
+        the block's start and then from each byte received: between records as well as
+        inside one (where the record deadline applies too). For a payload that streams
+        record after record (:func:`gossip.transfer.receive_state`): a peer that stops
+        sending is dropped after ``seconds``, however long the payload's own deadline, sized
+        for the slowest link, still runs.
+
+        Raises (from a receive inside the block):
+            PeerTimeout: ``seconds`` passed without a byte; the channel is broken.
+            ValueError: ``seconds`` is not positive.
+        """
+        if not seconds > 0:
+            raise ValueError(f"a stall guard needs a positive number of seconds, not {seconds!r}")
+        previous, self._stall = self._stall, float(seconds)
+        self._reader.last = trio.current_time()
+        try:
+            yield
+        finally:
+            self._stall = previous
 
     def _check_usable(self) -> None:
         if self._closed:
@@ -270,7 +319,8 @@ class SecureChannel(trio.abc.AsyncResource):
             PeerGone: the peer closed the connection between records, or reset it.
             RemoteProtocolError: oversized length, failed authentication, or a record cut
                 short; the channel is closed.
-            PeerTimeout: a record started but did not complete within the record deadline.
+            PeerTimeout: a record started but did not complete within the record deadline,
+                or, under a stall guard, no byte came for its seconds.
             ChannelClosed: we closed the channel.
         """
         result = await self._receive_guarded(None)
@@ -316,14 +366,24 @@ class SecureChannel(trio.abc.AsyncResource):
 
     async def _receive(self, out: memoryview | None) -> bytes | int:
         header = bytearray(_HEADER)
-        # The wait for a record's first byte is the caller's deadline; from that byte on the
-        # record is in progress, under the record deadline, and cannot be abandoned half-read.
-        got = await self._reader.read_some_into(memoryview(header))
+        reader, stall = self._reader, self._stall
+        # The wait for a record's first byte is the caller's deadline (and, under a stall
+        # guard, at most `stall` after the last byte); from that byte on the record is in
+        # progress, under the record deadline (and the stall deadline, which each byte
+        # moves on), and cannot be abandoned half-read.
+        with trio.CancelScope(deadline=math.inf if stall is None else reader.last + stall) as idle:
+            got = await reader.read_some_into(memoryview(header))
+        if idle.cancelled_caught:
+            raise PeerTimeout(self.peer.short, f"a stall (no byte for {stall:g} s)")
         if got == 0:
             raise PeerGone(f"{self.peer.short} closed the connection")
         self._mid_record = True
-        try:
-            with trio.fail_after(self._record_timeout):
+        end = reader.last + self._record_timeout
+        with trio.CancelScope(deadline=end if stall is None else min(end, reader.last + stall)
+                              ) as scope:
+            if stall is not None:
+                reader.watch(scope, end, stall)
+            try:
                 if got < _HEADER:
                     got += await self._reader.read_into(memoryview(header)[got:])
                     if got < _HEADER:
@@ -342,8 +402,12 @@ class SecureChannel(trio.abc.AsyncResource):
                 body = memoryview(self._receive_buf)[:size]
                 if await self._reader.read_into(body) < size:
                     raise RemoteProtocolError("connection closed inside a record (truncated)")
-        except trio.TooSlowError:
-            raise PeerTimeout(self.peer.short, "record") from None
+            finally:
+                reader.watch(None)
+        if scope.cancelled_caught:
+            if trio.current_time() >= end:
+                raise PeerTimeout(self.peer.short, "record")
+            raise PeerTimeout(self.peer.short, f"a stall (no byte for {stall:g} s)")
         result: bytes | int
         if out is None:
             result = self._receive_cipher.decrypt(bytes(header), body)
@@ -405,6 +469,7 @@ async def handshake(
     allow: frozenset[str] | None = None,
     record_timeout: float = Timeouts.record,
     on_proved: Callable[[], None] | None = None,
+    previous: bool = False,
 ) -> SecureChannel:
     """Run the secure handshake over ``stream`` and return the channel. Takes no deadline:
     wrap it in ``trio.fail_after`` (``connect`` and ``serve`` do). On any failure the stream
@@ -415,16 +480,20 @@ async def handshake(
             key. An initiator that knows whom it dials passes ``frozenset({peer_id})``: a
             different holder of the swarm key is then refused before we reveal who we are.
         on_proved: responder only: called once message 1 has authenticated under the swarm
-            key, before we answer (``serve`` lifts its first-message deadline then).
+            key (or its previous one), before we answer (``serve`` lifts its first-message
+            deadline then).
+        previous: initiator only: initiate under ``swarm.previous``, the key being rotated
+            away from, instead of ``swarm.key`` (:func:`connect` decides). A responder
+            accepts message 1 under either of its keys (:func:`read_first_message`).
 
     Raises:
         HandshakeError: a wrong swarm key (seen by the responder), bad signature, version or
             swarm mismatch, or a peer not on the allow-list.
         PeerGone: the connection closed or reset before the handshake completed; this is
             what an initiator sees when the responder does not hold its swarm key.
+        LocalProtocolError: ``previous`` for a responder, or for a swarm without one.
     """
     static = X25519PrivateKey.generate()  # per connection: the Ed25519 identity is what lasts
-    hs = NoiseHandshake(initiator=initiator, psk=swarm.key, static=static, cipher=swarm.cipher)
     reader = _Reader(stream)
 
     async def send(message: bytes) -> None:
@@ -432,13 +501,21 @@ async def handshake(
 
     try:
         if initiator:
+            if previous and swarm.previous is None:
+                raise LocalProtocolError("initiating under the previous swarm key, but the "
+                                         "swarm has none")
+            psk = swarm.previous if previous and swarm.previous is not None else swarm.key
+            hs = NoiseHandshake(initiator=True, psk=psk, static=static, cipher=swarm.cipher)
             await send(hs.write_message())
             payload = hs.read_message(await _read_handshake_message(reader))
             peer = check_hello(payload, hs.remote_static, swarm, allow)
             await send(hs.write_message(make_hello(identity, x25519_public_bytes(static), swarm)))
         else:
-            if hs.read_message(await _read_handshake_message(reader)) != b"":
-                raise HandshakeError("unexpected payload in the first handshake message")
+            if previous:
+                raise LocalProtocolError("only an initiator chooses the key to initiate under")
+            # Under the swarm key, or mid-rotation the previous one: whichever the dialer used.
+            hs, answered_previous = read_first_message(await _read_handshake_message(reader),
+                                                       swarm, static)
             if on_proved is not None:
                 on_proved()
             # Signed only now: a dialer without the swarm key costs us no signature.
@@ -451,6 +528,8 @@ async def handshake(
     except BaseException:
         await trio.aclose_forcefully(stream)
         raise
+    if not initiator and swarm.previous is not None:
+        swarm.peer_keys.answered(previous=answered_previous)
     send_cipher, receive_cipher = hs.split()
     return SecureChannel(stream, send_cipher, receive_cipher, peer, record_timeout=record_timeout)
 
@@ -466,10 +545,38 @@ async def connect(
 ) -> SecureChannel:
     """Dial ``address`` and run the handshake as initiator, each under its deadline.
 
+    Mid-rotation (``swarm.previous`` set) the handshake is tried under the key the peer at
+    ``address`` is believed to hold (:attr:`Swarm.peer_keys <gossip.handshake.Swarm>`; the
+    swarm key if nothing is known), and if the peer closes the connection after message 1,
+    which is how a node without that key answers, ``address`` is dialed once more under the
+    other key. The outcome is remembered for the next dial. So a dial costs at most two
+    connections, each under its own deadlines.
+
     Raises:
         PeerTimeout: the connect or handshake phase ran past its deadline.
-        PeerGone, HandshakeError: as for :meth:`Network.dial` and :func:`handshake`.
+        PeerGone, HandshakeError: as for :meth:`Network.dial` and :func:`handshake`;
+            :class:`HandshakeClosed` mid-rotation means the peer refused both keys.
     """
+    if swarm.previous is None:
+        return await _connect(network, address, identity, swarm, allow, timeouts, False)
+    first = swarm.peer_keys.dial_previous_first(address)
+    try:
+        channel = await _connect(network, address, identity, swarm, allow, timeouts, first)
+    except HandshakeClosed:
+        log.debug("handshake refused under the %s swarm key; trying the %s one address=%s",
+                  "previous" if first else "current", "current" if first else "previous",
+                  address)
+        channel = await _connect(network, address, identity, swarm, allow, timeouts,
+                                 not first)
+        swarm.peer_keys.dialed(address, previous=not first, refused=True)
+        return channel
+    swarm.peer_keys.dialed(address, previous=first, refused=False)
+    return channel
+
+
+async def _connect(network: Network, address: str, identity: Identity, swarm: Swarm,
+                   allow: frozenset[str] | None, timeouts: Timeouts,
+                   previous: bool) -> SecureChannel:
     try:
         with trio.fail_after(timeouts.connect):
             stream = await network.dial(address)
@@ -479,7 +586,7 @@ async def connect(
         with trio.fail_after(timeouts.handshake):
             return await handshake(
                 stream, identity=identity, swarm=swarm, initiator=True, allow=allow,
-                record_timeout=timeouts.record,
+                record_timeout=timeouts.record, previous=previous,
             )
     except trio.TooSlowError:
         raise PeerTimeout(address, "handshake") from None

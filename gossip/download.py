@@ -27,6 +27,12 @@ and nothing in it is ever executed or unpickled.
 A node serves at most :data:`MAX_SERVING` downloads at once (each holds a snapshot, one copy
 of the model); more are answered ``Close(BUSY)``.
 
+Deadlines follow the link, as an exchange's do (:mod:`gossip.linkrate`): an attempt may take
+the request's answer plus the state at the rate the peer host's link is given (its measured
+rate over a slack, never below ``min_rate``), the joiner times the transfer for the next one,
+and drops a server whose state goes ``stall`` seconds without a byte and asks the
+next candidate.
+
 A request of another schema (another model, or other task options) is answered with the
 server's own schema and task metadata (a bounded ``SchemaInfo``) before the ``Close``, and the
 joiner logs which tensors and metadata differ (:mod:`gossip.mismatch`). It goes on asking, as
@@ -49,6 +55,7 @@ from .channel import SecureChannel, Timeouts, connect
 from .errors import AveragingFailed, GossipError, PeerTimeout, RemoteProtocolError, SchemaRefused
 from .handshake import Swarm
 from .identity import Identity, PeerId
+from .linkrate import STALL, LinkRates
 from .member import Member
 from .messages import MAX_META, Close, SchemaInfo, StateInfo, StateRequest
 from .mismatch import describe, explain
@@ -175,7 +182,7 @@ def _check_plain(value: Any, where: str) -> None:
 
 async def serve_download(channel: SecureChannel, request: StateRequest, replica: Replica,
                          task: Callable[[], Mapping[str, Any]], *, ready: bool,
-                         serving: list[int], deadline: float) -> bool:
+                         serving: list[int], deadline: Callable[[str], float]) -> bool:
     """Answer a :class:`StateRequest` on ``channel``: our state, or Close with the reason.
     Returns whether the whole state was sent.
 
@@ -183,7 +190,7 @@ async def serve_download(channel: SecureChannel, request: StateRequest, replica:
         task: returns the task metadata to publish, called once per download.
         ready: whether we hold a state worth copying (not fetching our own).
         serving: a one-element counter of downloads in progress, shared between calls.
-        deadline: seconds the whole answer may take.
+        deadline: seconds the whole answer may take, given the joiner's host.
     """
     peer = channel.peer
     refusal = None
@@ -216,7 +223,7 @@ async def serve_download(channel: SecureChannel, request: StateRequest, replica:
     flat = buffer[:replica.schema.numel]  # the state alone: a joiner starts with no correction
     try:
         counters = await offload(replica, replica.snapshot, buffer, 1)
-        with trio.fail_after(deadline):
+        with trio.fail_after(deadline(channel.host)):
             await channel.send_message(StateInfo(counters.step, counters.samples,
                                                  counters.weight, meta))
             await send_state(channel, flat, replica.schema, CODEC, step=counters.step,
@@ -242,9 +249,10 @@ def _task_meta(task: Callable[[], Mapping[str, Any]]) -> bytes:
 
 async def download(replica: Replica, candidates: list[Member], network: Network,
                    identity: Identity, swarm: Swarm, timeouts: Timeouts, *,
-                   deadline: float, rng: random.Random,
+                   deadline: Callable[[str], float], rng: random.Random,
                    task: Callable[[], Mapping[str, Any]] | None = None,
-                   said: Said | None = None) -> Download:
+                   said: Said | None = None, rates: LinkRates | None = None,
+                   stall: float = STALL) -> Download:
     """Fetch the state of the most advanced candidate (not above the median) that answers,
     and load it.
 
@@ -252,10 +260,12 @@ async def download(replica: Replica, candidates: list[Member], network: Network,
         candidates: alive, ready members; tried by announced step, highest first, those
             above their median step (:func:`~gossip.standing.step_ceiling`) last. The step
             we take is bounded by that median.
-        deadline: seconds one attempt may take once connected.
+        deadline: seconds one attempt may take once connected, given the peer's host.
         task: our task metadata, to compare with a refusing peer's.
         said: what earlier calls logged: a peer that fails the same way again is logged at
             DEBUG (a joiner retries every second). None: log everything.
+        rates: where each transfer's time is counted towards its peer's link (None: not).
+        stall: seconds the state may go without a byte before the next candidate is tried.
 
     Raises:
         AveragingFailed: every candidate failed (each failure is logged).
@@ -269,7 +279,7 @@ async def download(replica: Replica, candidates: list[Member], network: Network,
                 "step=%d", member.peer.short, member.address, member.step)
         try:
             result = await _fetch(replica, member, network, identity, swarm, timeouts,
-                                  deadline, ceiling, task)
+                                  deadline, ceiling, task, rates, stall)
         except SchemaRefused as exc:
             # Keyed by peer alone: the text is the peer's to vary, and one that changed
             # its schema every second must not get a fresh warning every second.
@@ -290,16 +300,20 @@ async def download(replica: Replica, candidates: list[Member], network: Network,
 
 
 async def _fetch(replica: Replica, member: Member, network: Network, identity: Identity,
-                 swarm: Swarm, timeouts: Timeouts, deadline: float, ceiling: int,
-                 task: Callable[[], Mapping[str, Any]] | None) -> Download:
+                 swarm: Swarm, timeouts: Timeouts, deadline: Callable[[str], float], ceiling: int,
+                 task: Callable[[], Mapping[str, Any]] | None, rates: LinkRates | None,
+                 stall: float) -> Download:
     channel = await connect(network, member.address, identity=identity, swarm=swarm,
                             allow=frozenset({member.peer}), timeouts=timeouts)
     async with channel:
         buffer = replica.buffer()
         flat = buffer[:replica.schema.numel]
+        started = trio.current_time()
         try:
             try:
-                with trio.fail_after(deadline):
+                # The answer comes after the server's snapshot (seconds for the largest
+                # models), the state right after it: a server silent for `stall` is dropped.
+                with trio.fail_after(deadline(channel.host)), channel.stall_guard(stall):
                     await channel.send_message(StateRequest(replica.schema.fingerprint, CODEC))
                     info = await channel.receive_message()
                     if isinstance(info, SchemaInfo):
@@ -310,7 +324,13 @@ async def _fetch(replica: Replica, member: Member, network: Network, identity: I
                         raise RemoteProtocolError(f"expected StateInfo, got {type(info).__name__}")
                     await receive_state(channel, replica.schema, CODEC, flat)
             except trio.TooSlowError:
+                _time_link(rates, channel, started, complete=False)
                 raise PeerTimeout(member.peer.short, "download") from None
+            except PeerTimeout as exc:
+                if exc.phase == "record":
+                    _time_link(rates, channel, started, complete=False)
+                raise
+            _time_link(rates, channel, started, complete=True)
             buffers, task = decode_meta(info.meta)
             if not await offload(replica, all_finite, flat):
                 raise RemoteProtocolError("downloaded state holds non-finite values")
@@ -319,6 +339,15 @@ async def _fetch(replica: Replica, member: Member, network: Network, identity: I
         finally:
             replica.release(buffer)
     return Download(member.peer, step, info.samples, task)
+
+
+def _time_link(rates: LinkRates | None, channel: SecureChannel, started: float, *,
+               complete: bool) -> None:
+    """Count what ``channel`` carried since ``started`` towards its peer's link."""
+    if rates is not None:
+        stats = channel.statistics()
+        rates.observe(channel.host, max(stats.bytes_sent, stats.bytes_received),
+                      trio.current_time() - started, complete=complete)
 
 
 def _differences(replica: Replica, info: SchemaInfo,

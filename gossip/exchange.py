@@ -52,6 +52,7 @@ import trio
 from .channel import SecureChannel
 from .errors import GossipError, PeerTimeout, RemoteProtocolError, SchemaMismatch
 from .groups import first_error
+from .linkrate import STALL
 from .messages import Accept, Close, Commit, Offer, SchemaInfo
 from .mismatch import explain
 from .tensors import StateSchema, encoded_nbytes
@@ -65,12 +66,20 @@ CLOSE_TIMEOUT = 1.0  # s to say Close(REJECTED) after refusing a payload
 
 @dataclass(frozen=True)
 class Deadlines:
-    """How long each phase of an exchange may take, in seconds."""
+    """How long each phase of an exchange may take, in seconds.
+
+    The transfer's deadline follows the link: the caller passes as ``min_rate`` the rate it
+    gives this peer's link time for (:meth:`gossip.linkrate.LinkRates.rate`: the link's
+    measured rate over a slack, never below the configured floor), and the peer's payload
+    may go no more than ``stall`` seconds without a byte, so that a peer that stops
+    mid-payload is dropped in seconds, not at the end of a deadline sized for a thin link.
+    """
 
     offer: float  # from sending Offer to its answer (the responder: to send Accept)
     transfer: float  # both payloads: this, plus the payload's bytes at ``min_rate``
-    min_rate: float  # bytes/s: the slowest link an exchange is given time for
+    min_rate: float  # bytes/s the exchange's link is given time for
     commit: float  # for the peer's Commit, past the end of the transfer deadline
+    stall: float = STALL  # s the peer's payload may go without a byte
 
     def transfer_for(self, nbytes: int) -> float:
         """The deadline for both payloads of ``nbytes`` each."""
@@ -199,12 +208,17 @@ async def _swap(channel: SecureChannel, peer: Offer | Accept, codec: str, parts:
         with trio.fail_at(transfer_end), first_error():
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(send)
-                await receive_state(channel, schema, codec, into, parts=parts,
-                                    on_decoded=on_decoded)
+                with channel.stall_guard(deadlines.stall):
+                    await receive_state(channel, schema, codec, into, parts=parts,
+                                        on_decoded=on_decoded)
         if lost:
             raise lost[0]
     except trio.TooSlowError:
         raise PeerTimeout(channel.peer.short, "transfer") from None
+    except PeerTimeout as exc:
+        if exc.phase == "record":
+            raise
+        raise PeerTimeout(channel.peer.short, f"transfer, {exc.phase}") from None
     except (SchemaMismatch, RemoteProtocolError) as exc:
         return Outcome(Ending.INVALID, f"bad payload: {exc}", peer, parts)
     # Our send waited for the snapshot, so it is whole by now.

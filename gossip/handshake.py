@@ -30,6 +30,15 @@ The responder reveals its identity in message 2 only after checking the PSK; the
 checks the responder (signature, version, swarm, allow-list) before it sends message 3, so
 an initiator never reveals its identity to a peer it will refuse.
 
+Rotating the swarm key: a :class:`Swarm` may hold a second, ``previous`` key for the length
+of a rotation. Message 1 is the only message the PSK alone decides, so the responder reads it
+under the swarm key and then under the previous one (:func:`read_first_message`) and goes on
+under whichever authenticated it; a dialer initiates under the swarm key and dials again
+under the previous one if the responder closes after message 1 (:func:`gossip.channel.connect`,
+with the memory of :mod:`gossip.rotation`). Until the rotation finishes, a holder of the
+previous key is as much a member as a holder of the new one: a rotation that shuts someone
+out takes effect when the last node drops the previous key.
+
 The cipher is a property of the swarm (:attr:`Swarm.cipher`), never negotiated: ``aesgcm``
 (the default, ``Noise_XXpsk0_25519_AESGCM_SHA256``) or ``chachapoly``
 (``Noise_XXpsk0_25519_ChaChaPoly_SHA256``) for a swarm of machines without AES instructions.
@@ -48,7 +57,7 @@ import hashlib
 import hmac
 import secrets
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import serialization
@@ -58,6 +67,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
 from .errors import HandshakeError, LocalProtocolError, RemoteProtocolError, WireError
 from .identity import Identity, PeerId, peer_id_from_public_key, verify_signature
 from .messages import Hello
+from .rotation import PeerKeys
 from .wire import decode, encode
 
 __all__ = [
@@ -72,6 +82,7 @@ __all__ = [
     "Swarm",
     "CipherState",
     "NoiseHandshake",
+    "read_first_message",
     "make_hello",
     "check_hello",
     "x25519_public_bytes",
@@ -113,17 +124,32 @@ MAX_NONCE = 2**64 - 1  # reserved by Noise; reaching it means the channel must b
 @dataclass(frozen=True)
 class Swarm:
     """What a node must share with its swarm: a name, a 32-byte secret key and the channel
-    cipher (one of :data:`CIPHERS`; every node of a swarm must use the same one)."""
+    cipher (one of :data:`CIPHERS`; every node of a swarm must use the same one).
+
+    While the swarm key is being rotated, ``previous`` is the key it replaces: the node then
+    accepts both (handshake message 1 and datagrams under either), and initiates and seals
+    under ``key``, falling back to ``previous`` for peers that have not rotated yet
+    (:mod:`gossip.rotation`). :attr:`peer_keys` is this process's bounded memory of which key
+    each peer address holds; it is not part of the swarm's value (equality ignores it)."""
 
     name: str
     key: bytes
     cipher: str = DEFAULT_CIPHER
+    previous: bytes | None = None
+    peer_keys: PeerKeys = field(default_factory=PeerKeys, init=False, compare=False,
+                                repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not 0 < len(self.name) <= 64:
             raise ValueError("swarm name must be 1 to 64 characters")
         if not isinstance(self.key, bytes) or len(self.key) != 32:
             raise ValueError("swarm key must be 32 bytes")
+        if self.previous is not None:
+            if not isinstance(self.previous, bytes) or len(self.previous) != 32:
+                raise ValueError("the previous swarm key must be 32 bytes")
+            if hmac.compare_digest(self.previous, self.key):
+                raise ValueError("the previous swarm key is the swarm key itself: a rotation "
+                                 "needs a new key")
         _suite(self.cipher)
 
     @classmethod
@@ -134,26 +160,52 @@ class Swarm:
         return cls(name, secrets.token_bytes(32), cipher)
 
     @classmethod
-    def from_hex(cls, name: str, key_hex: str, cipher: str = DEFAULT_CIPHER) -> "Swarm":
+    def from_hex(cls, name: str, key_hex: str, cipher: str = DEFAULT_CIPHER,
+                 previous_hex: str | None = None) -> "Swarm":
         """The swarm named ``name`` whose key is ``key_hex``: 64 hexadecimal characters, as
         ``swarm.key.hex()`` gives them and as ``gossipd init`` writes its swarm key file
-        (surrounding whitespace, a final newline say, is ignored).
+        (surrounding whitespace, a final newline say, is ignored). ``previous_hex``, in the
+        same form, is the key being rotated away from, if any.
 
         Raises:
-            ValueError: ``key_hex`` is not 64 hexadecimal characters, ``name`` is not
-                1 to 64 characters, or ``cipher`` is not one of :data:`CIPHERS`.
+            ValueError: ``key_hex`` or ``previous_hex`` is not 64 hexadecimal characters,
+                the two are the same key, ``name`` is not 1 to 64 characters, or ``cipher``
+                is not one of :data:`CIPHERS`.
         """
-        text = key_hex.strip()
-        try:
-            key = bytes.fromhex(text) if len(text) == 64 else b""
-        except ValueError:
-            key = b""
-        if len(key) != 32:  # fromhex skips inner spaces: "00 00 ..." is 64 characters
-            raise ValueError("a swarm key is 64 hexadecimal characters")
-        return cls(name, key, cipher)
+        previous = None if previous_hex is None else _key_from_hex(previous_hex, "previous ")
+        return cls(name, _key_from_hex(key_hex), cipher, previous)
+
+    def rotate(self, key: bytes | None = None) -> "Swarm":
+        """This swarm mid-rotation to ``key`` (a fresh random key if None): ``key`` is the
+        swarm key, and this swarm's key its previous one.
+
+        Raises:
+            ValueError: already mid-rotation (finish that first), or ``key`` is not 32 bytes
+                or is the current key.
+        """
+        if self.previous is not None:
+            raise ValueError("already rotating the swarm key: finish that rotation first")
+        return Swarm(self.name, secrets.token_bytes(32) if key is None else key, self.cipher,
+                     self.key)
+
+    def finish_rotation(self) -> "Swarm":
+        """This swarm without its previous key: once every node holds the current one."""
+        return Swarm(self.name, self.key, self.cipher)
 
     def __repr__(self) -> str:  # never print the key
-        return f"Swarm(name={self.name!r}, key=<secret>, cipher={self.cipher!r})"
+        rotating = "" if self.previous is None else ", previous=<secret>"
+        return f"Swarm(name={self.name!r}, key=<secret>, cipher={self.cipher!r}{rotating})"
+
+
+def _key_from_hex(key_hex: str, which: str = "") -> bytes:
+    text = key_hex.strip()
+    try:
+        key = bytes.fromhex(text) if len(text) == 64 else b""
+    except ValueError:
+        key = b""
+    if len(key) != 32:  # fromhex skips inner spaces: "00 00 ..." is 64 characters
+        raise ValueError(f"a {which}swarm key is 64 hexadecimal characters")
+    return key
 
 
 def _hmac(key: bytes, data: bytes) -> bytes:
@@ -407,6 +459,42 @@ class NoiseHandshake:
         k1, k2 = _hkdf(self._ck, b"", 2)
         c1, c2 = CipherState(k1, self.cipher), CipherState(k2, self.cipher)
         return (c1, c2) if self.initiator else (c2, c1)
+
+
+def read_first_message(
+    message: bytes, swarm: Swarm, static: X25519PrivateKey, *, prologue: bytes = PROLOGUE,
+) -> tuple[NoiseHandshake, bool]:
+    """The responder's side of message 1, under whichever of the swarm's keys the initiator
+    used: the swarm key, and then, mid-rotation, the previous key.
+
+    psk0 mixes the PSK in before message 1's payload is encrypted, so the payload's tag tells
+    which key the initiator holds. Message 1 costs no Diffie-Hellman operation (a few hashes
+    and one AEAD on an empty payload), so a second try at most doubles what a failed message
+    1 costs us, and nothing else is done twice.
+
+    Returns:
+        The handshake, continued under the key that authenticated message 1, and whether
+        that was the previous key.
+
+    Raises:
+        HandshakeError: message 1 authenticates under neither key (the error the swarm key
+            gave: as a node without a previous key reports it), or its payload is not empty.
+    """
+    keys = (swarm.key,) if swarm.previous is None else (swarm.key, swarm.previous)
+    first_error: HandshakeError | None = None
+    for index, psk in enumerate(keys):
+        hs = NoiseHandshake(initiator=False, psk=psk, static=static, prologue=prologue,
+                            cipher=swarm.cipher)
+        try:
+            payload = hs.read_message(message)
+        except HandshakeError as exc:
+            first_error = first_error or exc
+            continue
+        if payload != b"":
+            raise HandshakeError("unexpected payload in the first handshake message")
+        return hs, index == 1
+    assert first_error is not None
+    raise first_error
 
 
 def make_hello(identity: Identity, static_public: bytes, swarm: Swarm) -> bytes:

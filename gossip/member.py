@@ -95,6 +95,7 @@ class Member:
     heard: float = 0.0  # when this node took its latest announcement (``step`` is as of then)
     shard: int = 0  # the data shard it trains on, in [0, shards)
     shards: int = 0  # how many shards that data is cut into; 0: it announces none
+    reachable: bool = True  # False: outbound only (behind a NAT): never dialed nor probed
 
 
 class PeerPool:
@@ -151,10 +152,12 @@ class _Record:
     heard: float
     shard: int = 0
     shards: int = 0
+    reachable: bool = True
 
     def view(self) -> Member:
         return Member(self.peer, self.address, self.incarnation, self.state, self.version,
-                      self.step, self.ready, self.since, self.heard, self.shard, self.shards)
+                      self.step, self.ready, self.since, self.heard, self.shard, self.shards,
+                      self.reachable)
 
 
 @dataclass

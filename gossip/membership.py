@@ -112,6 +112,9 @@ __all__ = [
 MAX_MEMBERS = 16384  # members a table holds; news of more is ignored until some are reaped
 JOIN_CATCH_UP = 5  # periods after a join until a second push-pull
 CLASH_CLAIMS = 3  # claims to be us, from other addresses, that mark an identity clash
+# meta_intervals without news of an outbound-only member before a reachable node suspects it
+# (it announces itself every meta_interval: up to two may be lost or late)
+OVERDUE_HEARTBEATS = 3
 MAX_PACKET = MAX_DATAGRAM - SEAL_OVERHEAD  # plaintext bytes of one datagram
 _PACKET_OVERHEAD = 40  # Packet's array, tag and sender id around its parts
 
@@ -166,13 +169,15 @@ class Membership(Probing):
         version: int = 1,
         step: int = 0,
         ready: bool = False,
+        reachable: bool = True,
     ) -> None:
         self.me = PeerId(me)
         self.config = config
         self.rng = rng or random.Random()
         self.leaving = False
         self.counters = _Counters()
-        self._self = _Record(self.me, address, 0, State.ALIVE, version, step, ready, now, now)
+        self._self = _Record(self.me, address, 0, State.ALIVE, version, step, ready, now, now,
+                             reachable=reachable)
         self._announced = now
         self._foreign_claims = 0  # announcements of us, from elsewhere, that we had to refute
         self._claimed: str | None = None  # where they say we are, once they are many
@@ -203,6 +208,7 @@ class Membership(Probing):
         self._next_gossip = now
         self._next_push_pull = now + self.rng.random() * config.push_pull_interval
         self._next_reconnect = now + self.rng.random() * config.reconnect_interval
+        self._next_overdue = now + config.probe_interval
         self._broadcast_self()
 
     # ---- queries ----------------------------------------------------------------------
@@ -256,13 +262,15 @@ class Membership(Probing):
         a = self._announcement
         state = State.LEFT if self.leaving else State.ALIVE
         return MemberState(a.peer, a.incarnation, int(state), a.address, a.version, a.step,
-                           a.ready, a.shard, a.shards)
+                           a.ready, a.shard, a.shards, a.reachable)
 
     def next_deadline(self) -> float:
         """The latest time :meth:`tick` must be called again."""
         deadlines = [self._next_push_pull, self._next_reconnect]
         if not self.leaving:
             deadlines.append(self._next_probe)
+            deadlines.append(self._announced + self.config.meta_interval if not self._self.reachable
+                             else self._next_overdue)
         if self._probe is not None:
             deadlines.append(self._probe.end)
             if not self._probe.helpers_asked:
@@ -295,19 +303,22 @@ class Membership(Probing):
         # After the probe: a probe that just failed starts a suspicion due for verification now.
         for peer in [p for p, t in self._verify.items() if t <= now]:
             self._send_verification(now, peer)
+        if not self.leaving:
+            self._keep_alive(now)
         if now >= self._next_gossip and self._broadcasts:
             self._next_gossip = now + self.config.gossip_interval
             self._gossip(now)
         if now >= self._next_push_pull:
             self._next_push_pull = now + self._push_pull_interval()
-            candidates = [r for r in self._members.values() if r.state == State.ALIVE]
+            candidates = [r for r in self._members.values()
+                          if r.state == State.ALIVE and r.reachable]
             if candidates and not self.leaving:
                 chosen = self.rng.choice(candidates)
                 self._effects.append(PushPullWith(chosen.address, chosen.peer))
         if now >= self._next_reconnect:
             self._next_reconnect = now + self.config.reconnect_interval
             self._reap(now)
-            dead = [r for r in self._members.values() if r.state == State.DEAD]
+            dead = [r for r in self._members.values() if r.state == State.DEAD and r.reachable]
             if dead and not self.leaving:
                 chosen = self.rng.choice(dead)
                 self._effects.append(PushPullWith(chosen.address, chosen.peer))
@@ -339,7 +350,7 @@ class Membership(Probing):
         for r in records:
             if r.state == State.ALIVE:
                 self._on_alive(now, Alive(r.peer, r.incarnation, r.address, r.version, r.step,
-                                          r.ready, r.shard, r.shards))
+                                          r.ready, r.shard, r.shards, r.reachable))
             elif r.state == State.LEFT:
                 self._on_left(now, Left(r.peer, r.incarnation))
             else:  # SUSPECT or DEAD: suspect it ourselves, if we know it; it may still refute
@@ -370,7 +381,7 @@ class Membership(Probing):
         """Evidence from elsewhere (a failed exchange) that ``peer`` may be down: probe it
         soon, out of turn. Evidence is never a verdict; only the probe is."""
         record = self._members.get(peer)  # type: ignore[call-overload]
-        if record is None or record.state > State.SUSPECT or self.leaving:
+        if record is None or record.state > State.SUSPECT or self.leaving or not record.reachable:
             return []
         if self._probe is not None and self._probe.target == peer:
             return []
@@ -380,10 +391,11 @@ class Membership(Probing):
         return self._drain()
 
     def set_meta(self, now: float, *, step: int | None = None, ready: bool | None = None,
-                 shard: int | None = None, shards: int | None = None) -> list[Effect]:
-        """Update our metadata. A change of ``ready`` or of the data shard (``shard`` of
-        ``shards``; ``shards`` 0: none) is announced at once; a new ``step`` rides on the next
-        announcement, or is announced after ``meta_interval``.
+                 shard: int | None = None, shards: int | None = None,
+                 reachable: bool | None = None) -> list[Effect]:
+        """Update our metadata. A change of ``ready``, of the data shard (``shard`` of
+        ``shards``; ``shards`` 0: none) or of whether others can reach us is announced at once;
+        a new ``step`` rides on the next announcement, or is announced after ``meta_interval``.
 
         Raises:
             ValueError: ``shard`` is not in ``[0, shards)`` (0 when ``shards`` is 0), or
@@ -398,9 +410,12 @@ class Membership(Probing):
         if self.leaving or me.incarnation >= MAX_COUNT:
             return []  # announcing ourselves now would undo the departure, or cannot be done
         urgent = ((ready is not None and ready != me.ready)
+                  or (reachable is not None and reachable != me.reachable)
                   or (shard, shards) != (me.shard, me.shards))
         if ready is not None:
             me.ready = ready
+        if reachable is not None:
+            me.reachable = reachable
         me.shard, me.shards = shard, shards
         if step is not None:
             me.step = step
@@ -426,7 +441,7 @@ class Membership(Probing):
                 self._send(source, [encode(self._announcement)])
         elif isinstance(message, Ping):
             if message.target == self.me:
-                self._send(source, [encode(Ack(message.seq))])
+                self._send(source, [encode(Ack(message.seq)), *self._verdict_for(now, sender)])
         elif isinstance(message, Ack):
             self._on_ack(now, message.seq)
         elif isinstance(message, Nack):
@@ -464,7 +479,7 @@ class Membership(Probing):
                 return
             peer = PeerId(m.peer)
             record = _Record(peer, m.address, m.incarnation, State.ALIVE, m.version, m.step,
-                             m.ready, now, now, m.shard, m.shards)
+                             m.ready, now, now, m.shard, m.shards, m.reachable)
             self._members[peer] = record
             self._up.add(peer)
             # A newcomer goes to a random place in the probe order, so it is probed this round.
@@ -479,7 +494,7 @@ class Membership(Probing):
             record.incarnation = m.incarnation
             record.address, record.version = m.address, m.version
             record.step, record.ready, record.heard = m.step, m.ready, now
-            record.shard, record.shards = m.shard, m.shards
+            record.shard, record.shards, record.reachable = m.shard, m.shards, m.reachable
             self._forget_suspicion(record.peer)
         else:
             return
@@ -522,7 +537,8 @@ class Membership(Probing):
         # See for ourselves, a little later: by then a live suspect's refutation has usually
         # reached us and no ping is needed; only members that missed it (or a silent suspect)
         # verify, so a suspect is not met by a ping from every member at once.
-        self._verify[record.peer] = now + self.config.probe_interval * (1 + self.rng.random())
+        if record.reachable:  # an outbound-only suspect cannot be pinged: see _verdict_for
+            self._verify[record.peer] = now + self.config.probe_interval * (1 + self.rng.random())
         self._broadcasts.enqueue(record.peer, encode(m))
         self._effects.append(Changed(record.view()))
 
@@ -559,20 +575,61 @@ class Membership(Probing):
             self._adjust_awareness(+1)  # being suspected hints that we are the slow one
         self._broadcast_self()
 
+    # ---- outbound-only members -------------------------------------------------------
+
+    def _keep_alive(self, now: float) -> None:
+        """Liveness without probes. An outbound-only node re-announces itself every
+        ``meta_interval`` (a heartbeat: a training node does so anyway, with its step). A
+        reachable node suspects an outbound-only member whose latest announcement is
+        :data:`OVERDUE_HEARTBEATS` intervals old; the suspicion then runs its course as any
+        other, and the member's next heartbeat refutes it. Outbound-only nodes judge only
+        the members they can probe: they hear of the others second-hand."""
+        me = self._self
+        if not me.reachable:
+            # Compared as next_deadline computes it, or rounding could leave it due for ever.
+            if now >= self._announced + self.config.meta_interval and me.incarnation < MAX_COUNT:
+                me.incarnation += 1
+                self._announced = now
+                self._broadcast_self()
+            return
+        if now < self._next_overdue:
+            return
+        self._next_overdue = now + self.config.probe_interval
+        horizon = now - OVERDUE_HEARTBEATS * self.config.meta_interval
+        for record in list(self._members.values()):
+            if not record.reachable and record.state == State.ALIVE and record.heard < horizon:
+                self._on_suspect(now, Suspect(record.peer, record.incarnation, self.me))
+
+    def _verdict_for(self, now: float, sender: str) -> list[bytes]:
+        """What to attach to our Ack to ``sender``: an outbound-only member that we suspect
+        or hold dead cannot be pinged with the news, so it gets it in the answer to its own
+        ping, and refutes. Its ping is also a sign of life: our suspicion starts over."""
+        record = self._members.get(sender)  # type: ignore[call-overload]
+        if record is None or record.reachable or record.state not in (State.SUSPECT, State.DEAD):
+            return []
+        suspicion = self._suspicions.get(record.peer)
+        if suspicion is not None:
+            suspicion.restart(now)
+        verdict = Suspect if record.state == State.SUSPECT else Dead
+        return [encode(verdict(record.peer, record.incarnation, self.me))]
+
     # ---- sending ----------------------------------------------------------------------
 
     def _gossip(self, now: float) -> None:
         # The recently dead get gossip too, so that a member wrongly declared dead hears it
         # and refutes. They are few; collect them.
         horizon = now - self.config.gossip_to_the_dead
-        recent = [p for p in self._recently_dead if p in self._members
-                  and self._members[p].state == State.DEAD and self._members[p].since >= horizon]
+        members = self._members
+        recent = [p for p in self._recently_dead if p in members
+                  and members[p].state == State.DEAD and members[p].since >= horizon]
         self._recently_dead = recent
+        recent = [p for p in recent if members[p].reachable]
         k = self.config.gossip_nodes
+        reachable = lambda p: members[p].reachable  # noqa: E731 - the others hear it in Acks
         if recent and self.rng.random() < len(recent) / (len(recent) + len(self._up)):
-            targets = [self.rng.choice(recent)] + self._up.sample(self.rng, k - 1, lambda p: True)
+            targets = [self.rng.choice(recent)] + self._up.sample(self.rng, k - 1, reachable)
         else:
-            targets = self._up.sample(self.rng, k, lambda p: True)
+            targets = self._up.sample(self.rng, k, reachable)
         for peer in targets:
             if not self._broadcasts:
                 break
@@ -592,7 +649,7 @@ class Membership(Probing):
     def _broadcast_self(self) -> None:
         me = self._self
         self._announcement = Alive(self.me, me.incarnation, me.address, me.version, me.step,
-                                   me.ready, me.shard, me.shards)
+                                   me.ready, me.shard, me.shards, me.reachable)
         self._broadcasts.enqueue(self.me, encode(self._announcement))
 
     # ---- housekeeping -----------------------------------------------------------------
@@ -623,4 +680,4 @@ class Membership(Probing):
 
 def _member_state(r: _Record) -> MemberState:
     return MemberState(r.peer, r.incarnation, int(r.state), r.address, r.version, r.step, r.ready,
-                       r.shard, r.shards)
+                       r.shard, r.shards, r.reachable)

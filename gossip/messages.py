@@ -42,11 +42,13 @@ __all__ = [
     "Commit",
     "StateInfo",
     "SchemaInfo",
+    "DialBack",
     "TAGS",
     "MAX_TEXT",
     "MAX_COUNT",
     "MAX_WEIGHT",
     "MAX_SHARDS",
+    "DIAL_BACK_NONCE",
 ]
 
 # Limits shared by every message. Anything larger is a protocol violation.
@@ -56,6 +58,7 @@ MAX_TEXT = 256  # characters in any text field
 # valid everywhere downstream: exact as a float64 (Prometheus samples, JSON readers), as an
 # int64 (torch), and in a checkpoint's 16-digit file name. Local counters saturate at it.
 MAX_COUNT = 2**53 - 1
+DIAL_BACK_NONCE = 16  # bytes of a DialBack's nonce
 FINGERPRINT_BYTES = 16
 PEER_ID_CHARS = 26  # gossip.identity: base32 of 16 bytes, lowercase, no padding
 MAX_SEQUENCE = 2**32 - 1  # probe sequence numbers wrap here
@@ -327,6 +330,9 @@ class Alive(Message):
     ready: bool  # whether it will take part in averaging now
     shard: int = 0  # the data shard it trains on, in [0, shards)
     shards: int = 0  # how many shards that data is cut into; 0: it announces no shard
+    # False: it cannot accept connections or unsolicited datagrams (behind a NAT or a
+    # firewall): nobody dials it or probes it, and it keeps its record alive itself.
+    reachable: bool = True
 
     def __post_init__(self) -> None:
         _peer(Alive, "peer", self.peer)
@@ -336,6 +342,7 @@ class Alive(Message):
         _uint(Alive, "step", self.step)
         _bool(Alive, "ready", self.ready)
         _shard(Alive, self.shard, self.shards)
+        _bool(Alive, "reachable", self.reachable)
 
 
 @dataclass(frozen=True, slots=True)
@@ -400,6 +407,7 @@ class MemberState(Message):
     ready: bool
     shard: int = 0  # as in Alive
     shards: int = 0
+    reachable: bool = True  # as in Alive
 
     def __post_init__(self) -> None:
         _peer(MemberState, "peer", self.peer)
@@ -410,6 +418,7 @@ class MemberState(Message):
         _uint(MemberState, "step", self.step)
         _bool(MemberState, "ready", self.ready)
         _shard(MemberState, self.shard, self.shards)
+        _bool(MemberState, "reachable", self.reachable)
 
 
 @dataclass(frozen=True, slots=True)
@@ -551,6 +560,21 @@ class SchemaInfo(Message):
         _bytes(SchemaInfo, "meta", self.meta, maximum=MAX_META)
 
 
+@dataclass(frozen=True, slots=True)
+class DialBack(Message):
+    """Reachability check, over a secure channel. A joining node sends it to a member to ask
+    "dial me back": the member dials the address in the requester's own member record,
+    sends the same ``DialBack`` as the first message of that new channel, then sends it again
+    on the request's channel to say it has tried. The requester believes only the channel
+    that reached it: an answer on the request's channel just ends its wait early."""
+
+    TAG: ClassVar[int] = 21
+    nonce: bytes  # DIAL_BACK_NONCE random bytes chosen by the requester
+
+    def __post_init__(self) -> None:
+        _bytes(DialBack, "nonce", self.nonce, size=DIAL_BACK_NONCE)
+
+
 # The tag table. ONLY APPEND: never reuse or renumber a tag.
 TAGS: dict[int, type[Message]] = {
     1: Hello,
@@ -573,6 +597,7 @@ TAGS: dict[int, type[Message]] = {
     18: Commit,
     19: StateInfo,
     20: SchemaInfo,
+    21: DialBack,
 }
 
 for _tag, _cls in TAGS.items():

@@ -145,7 +145,7 @@ class SwarmNode:
             last = ""  # the last failure logged
             said = False
             while True:
-                candidates = averaging.allowed(self.roster.alive(ready=True))
+                candidates = averaging.allowed(self.roster.alive(ready=True, reachable=True))
                 if not candidates and not said:  # said once: what start-up waits for
                     said = True
                     log.info("waiting for a ready peer to download the swarm's state from%s",
@@ -199,6 +199,7 @@ async def open_swarm(
     on_change: Callable[[Member], None] | None = None,
     on_exchange: Callable[[Exchange], None] | None = None,
     limits: Limits = Limits(),
+    reachable: bool | None = True,
 ) -> AsyncIterator[SwarmNode]:
     """Join (or start) a swarm and average ``model`` with it in the background.
 
@@ -228,6 +229,10 @@ async def open_swarm(
             (synchronously, so keep it quick): for logs, metrics, or a test waiting on one.
         limits: inbound connections open at once, and how often one peer may open one
             (:class:`~gossip.limits.Limits`).
+        reachable: whether other members can dial ``advertise`` (or ``listen``). False, behind
+            a NAT or a firewall: the node initiates every exchange and download itself and is
+            never chosen by others. None: find out after joining, with a dial-back check
+            (:mod:`gossip.reachability`).
 
     Raises:
         SchemaMismatch, ValueError: the model cannot be averaged (unsupported dtype).
@@ -262,7 +267,8 @@ async def open_swarm(
         async with open_roster(network, identity, swarm, listen, bootstrap=bootstrap,
                                advertise=advertise, config=membership, timeouts=timeouts,
                                rng=random.Random(rng.getrandbits(64)), handler=handle,
-                               on_change=on_change, limits=limits) as roster:
+                               on_change=on_change, limits=limits,
+                               reachable=reachable) as roster:
             averaging = Averaging(replica, roster, network, identity, swarm, config, timeouts, rng,
                                   on_exchange, allow=None if allow is None else frozenset(allow))
             node = SwarmNode(roster, replica, averaging, task_fn)

@@ -159,7 +159,7 @@ class Probing:
             peer = next(iter(self._urgent))
             del self._urgent[peer]
             record = self._members.get(peer)
-            if record is not None and record.state <= State.SUSPECT:
+            if record is not None and record.state <= State.SUSPECT and record.reachable:
                 return peer
         return None
 
@@ -169,7 +169,8 @@ class Probing:
                 peer = self._probe_order[self._probe_index]
                 self._probe_index += 1
                 record = self._members.get(peer)
-                if record is not None and record.state <= State.SUSPECT:
+                # An outbound-only member cannot be probed (see Membership._keep_alive).
+                if record is not None and record.state <= State.SUSPECT and record.reachable:
                     return peer
             # End of a round: forget what is long gone, reshuffle, start over.
             self._reap(now)
@@ -186,7 +187,7 @@ class Probing:
         members = self._members
         chosen = self._up.sample(
             self.rng, self.config.indirect_checks,
-            lambda p: p != probe.target and members[p].state == State.ALIVE,
+            lambda p: p != probe.target and members[p].state == State.ALIVE and members[p].reachable,
         )
         probe.expected_nacks = len(chosen)
         request = encode(PingReq(probe.seq, probe.target, record.address))

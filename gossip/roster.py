@@ -63,8 +63,10 @@ from .membership import (
     Send,
     State,
 )
-from .messages import Close, MemberState, Message, PushPull
+from .messages import DIAL_BACK_NONCE, Close, DialBack, MemberState, Message, PushPull
 from .network import Network
+from . import reachability
+from .reachability import DialBacks, Reachability
 from .seal import Sealer
 from .wire import decode, encode
 
@@ -120,7 +122,7 @@ class Roster:
 
     def __init__(self, machine: Membership, identity: Identity, swarm: Swarm, network: Network,
                  endpoint, config: MembershipConfig, timeouts: Timeouts,
-                 limits: Limits = Limits()) -> None:
+                 limits: Limits = Limits(), *, reachable: bool | None = True) -> None:
         self._m = machine
         self._identity = identity
         self._swarm = swarm
@@ -150,6 +152,14 @@ class Roster:
         self._trouble: JoinTrouble | None = None  # bootstrap attempts failing since
         self._warned_at = -math.inf  # when the last join warning was logged
         self._warning_gap = FIRST_WARNING_GAP  # until the next one; doubles each time
+        # Whether others can dial us: configured, or (None) found out by a dial-back check.
+        self._reachability = (Reachability(reachable, "set", False, "configured")
+                              if reachable is not None
+                              else Reachability(machine.myself().reachable, "auto", False,
+                                                "not checked yet"))
+        self._dial_back: tuple[bytes, trio.Event] | None = None  # our check in flight
+        self._dial_backs = DialBacks()  # the checks we run for others
+        self._next_reach_check = math.inf  # when to check again (auto, while unreachable)
 
     # ---- the averager's API -----------------------------------------------------------
 
@@ -169,14 +179,17 @@ class Roster:
         """What we know of ``peer``, in any state; None if it is not in our table."""
         return self._m.get(peer)
 
-    def alive(self, *, ready: bool | None = None) -> list[Member]:
-        """Members in state ALIVE (not suspect), optionally only those (not) ready."""
+    def alive(self, *, ready: bool | None = None, reachable: bool | None = None) -> list[Member]:
+        """Members in state ALIVE (not suspect), optionally only those (not) ready, and
+        only those that do (not) accept connections (``reachable=True``: whom we may dial)."""
         return [m for m in self._m.members()
-                if m.state == State.ALIVE and (ready is None or m.ready == ready)]
+                if m.state == State.ALIVE and (ready is None or m.ready == ready)
+                and (reachable is None or m.reachable == reachable)]
 
-    def random_alive(self, *, ready: bool | None = None, rng: random.Random | None = None) -> Member | None:
+    def random_alive(self, *, ready: bool | None = None, reachable: bool | None = None,
+                     rng: random.Random | None = None) -> Member | None:
         """A member chosen uniformly among :meth:`alive`; None if there is none."""
-        candidates = self.alive(ready=ready)
+        candidates = self.alive(ready=ready, reachable=reachable)
         return (rng or self._m.rng).choice(candidates) if candidates else None
 
     async def wait_changed(self) -> None:
@@ -191,6 +204,12 @@ class Roster:
         key holder can forge: claims in gossip only make us dial the address to check (see
         :meth:`_watch_clash`). Cleared once that address no longer proves our identity."""
         return self._clash
+
+    @property
+    def reachability(self) -> Reachability:
+        """Whether others can dial us: configured, or what the last dial-back check found
+        (:mod:`gossip.reachability`)."""
+        return self._reachability
 
     @property
     def trouble(self) -> JoinTrouble | None:
@@ -265,7 +284,7 @@ class Roster:
                 self._dead = True  # our own endpoint is gone (the host crashed)
                 raise
             try:
-                effects = m.receive(trio.current_time(), source, sealer.open(data))
+                effects = m.receive(trio.current_time(), source, sealer.open(data, source))
             except GossipError as exc:
                 self._rejected += 1
                 log.debug("datagram rejected source=%s: %s", source, exc)
@@ -307,7 +326,9 @@ class Roster:
                 # hold up the Acks behind it. A datagram that misses the deadline is lost.
                 with trio.move_on_after(SEND_TIMEOUT):
                     try:
-                        await self._endpoint.send(self._sealer.seal(effect.data), effect.address)
+                        # Mid-rotation, maybe two: one under each swarm key (gossip.rotation).
+                        for datagram in self._sealer.seal_for(effect.data, effect.address):
+                            await self._endpoint.send(datagram, effect.address)
                     except (OSError, ValueError) as exc:  # unroutable or invalid address
                         self._rejected += 1
                         log.debug("datagram not sent address=%s: %s", effect.address, exc)
@@ -374,6 +395,9 @@ class Roster:
             return
         with trio.fail_after(self._config.push_pull_timeout):
             first = await channel.receive_message()
+        if isinstance(first, DialBack):
+            await self._on_dial_back(channel, first)
+            return
         if not isinstance(first, PushPull):
             if handler is not None:
                 await handler(channel, first)
@@ -408,11 +432,14 @@ class Roster:
                 delay = config.join_retry_min
                 self._trouble = None  # company came back, through others' push-pulls
                 self._warning_gap = FIRST_WARNING_GAP
+                if trio.current_time() >= self._next_reach_check:
+                    await self._check_reachable()
                 await trio.sleep(config.reconnect_interval)
             elif await self._try_bootstrap(bootstrap):
                 self._joined.set()
                 self._trouble = None
                 self._warning_gap = FIRST_WARNING_GAP
+                await self._check_reachable()
                 # Alone even so (the bootstrap list named only us, or its members have
                 # nobody else): look again later, not in a loop.
                 await trio.sleep(config.reconnect_interval)
@@ -449,6 +476,87 @@ class Roster:
                                                                  self._trouble.attempts)
         self._trouble = JoinTrouble(since, attempts + 1, reasons)
         return False
+
+    async def _check_reachable(self) -> None:
+        """In auto mode, until one check has found us reachable: ask up to three members, in
+        turn, to dial us back, until one gives a verdict; announce the outcome (see
+        :mod:`gossip.reachability`)."""
+        if self._reachability.mode != "auto" or self._reachability.reachable or self._left:
+            return
+        # Reachable members first; then the others, which may only be unchecked yet (every
+        # node of a swarm started together with "auto" announces itself unreachable at
+        # first): a dial-back needs only that we can dial the member, and it us.
+        rng = self._m.rng
+        reachable, others = self.alive(reachable=True), self.alive(reachable=False)
+        asked = (rng.sample(reachable, len(reachable)) + rng.sample(others, len(others)))[:3]
+        detail, verdict = "no member to ask yet", False
+        for member in asked:
+            nonce = self._m.rng.randbytes(DIAL_BACK_NONCE)
+            reached = trio.Event()
+            self._dial_back = (nonce, reached)
+            tried = False
+            try:
+                tried, detail = await reachability.ask(
+                    self._network, member.peer, member.address, identity=self._identity,
+                    swarm=self._swarm, timeouts=self._timeouts, nonce=nonce, reached=reached)
+            except (GossipError, trio.TooSlowError) as exc:
+                detail = f"asking {member.peer.short} failed: {exc or 'no answer in time'}"
+            finally:
+                self._dial_back = None
+            verdict = reached.is_set() or tried
+            if verdict:
+                break  # a request that failed, or was refused, is none: ask the next
+            log.info("dial-back check got no verdict: %s", detail)
+        reachable = verdict and reached.is_set()
+        # No verdict (nobody to ask, or nobody tried): ask again at the join loop's next turn.
+        self._next_reach_check = (math.inf if reachable else trio.current_time()
+                                  + (reachability.RECHECK if verdict else 0.0))
+        self._dial_back_verdict(reachable, detail, checked=verdict)
+        if reachable:
+            self._queue(self._m.set_meta(trio.current_time(), reachable=True))
+            # Tell the member we asked at once, by push-pull: gossip goes to reachable members
+            # only, and in a swarm started together, with every node checking, it may hold
+            # no member reachable yet, nor anyone us.
+            try:
+                await self._push_pull(member.address, member.peer, join=False)
+            except (GossipError, trio.TooSlowError) as exc:
+                log.debug("push-pull after the dial-back failed peer=%s: %s", member.peer.short,
+                          exc)
+
+    def _dial_back_verdict(self, reachable: bool, detail: str, *, checked: bool) -> None:
+        self._reachability = Reachability(reachable, "auto",
+                                          checked or self._reachability.checked, detail)
+        address = self._m.myself().address
+        if reachable:
+            log.info("reachable: other members can dial us at %s (%s)", address, detail)
+        elif checked:
+            log.warning("not reachable at %s (%s): this node trains and averages outbound "
+                        "only, and nobody dials it; to be a full member, let TCP and UDP in "
+                        "to that address (forward the port) or set node.advertise; checking "
+                        "again in %.0f s", address, detail, reachability.RECHECK)
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def _on_dial_back(self, channel: SecureChannel, first: DialBack) -> None:
+        """A ``DialBack`` opening a channel: the answer to our own check (its nonce), or a
+        member's request that we dial it back."""
+        pending = self._dial_back
+        if pending is not None and first.nonce == pending[0]:
+            pending[1].set()
+            return
+        refusal = self._dial_backs.refusal(str(channel.peer), trio.current_time())
+        if refusal is not None:
+            with trio.move_on_after(1.0):
+                await channel.send_message(Close(Close.BUSY, refusal))
+            return
+        try:
+            record = self._m.get(channel.peer)
+            await reachability.answer(
+                channel, first, record.address if record is not None else None,
+                network=self._network, identity=self._identity, swarm=self._swarm,
+                timeouts=self._timeouts)
+        finally:
+            self._dial_backs.done()
 
     def _warn_join(self, delay: float) -> None:
         """Say why we cannot join, at WARNING: at once, then at a slowing pace (the gap
@@ -573,6 +681,7 @@ async def open_roster(
     handler: ChannelHandler | None = None,
     on_change: Callable[[Member], None] | None = None,
     limits: Limits = Limits(),
+    reachable: bool | None = True,
 ) -> AsyncIterator[Roster]:
     """Join (or start) a swarm and keep a live view of its members.
 
@@ -592,6 +701,11 @@ async def open_roster(
         on_change: called (synchronously, so keep it quick) with every member whose state,
             address or metadata changed, in the order the changes happened.
         limits: how many inbound connections at once, and how often one peer may open one.
+        reachable: whether other members can dial us (False: behind a NAT or a firewall
+            that lets nothing in; we then initiate every exchange ourselves). None: find out
+            with a dial-back check after joining (:mod:`gossip.reachability`), announcing
+            ourselves unreachable until one succeeds; a node that starts a swarm (no
+            ``bootstrap``) is taken to be reachable, as others must dial it to join.
     """
     any_port = parse_address(address)[1] == 0
     endpoint = await network.open_datagram(address)
@@ -629,11 +743,13 @@ async def open_roster(
                     await endpoint.aclose()
                     endpoint = await network.open_datagram(address)
                 bound = endpoint.local_address
+                if reachable is None and not bootstrap:
+                    reachable = True
                 machine = Membership(identity.peer_id, advertise or bound, trio.current_time(),
                                      config, rng or random.Random(), version=PROTOCOL_VERSION,
-                                     step=step, ready=ready)
+                                     step=step, ready=ready, reachable=bool(reachable))
                 roster = Roster(machine, identity, swarm, network, endpoint, config, timeouts,
-                                limits)
+                                limits, reachable=reachable)
                 roster._on_change = on_change
                 roster._nursery = nursery
                 nursery.start_soon(roster._receiver)

@@ -27,7 +27,7 @@ import math
 import operator
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import trio
 
@@ -120,8 +120,9 @@ class SimHost:
         """Connect after one round trip (the handler starts after the first half).
 
         Raises:
-            PeerGone: nobody listens there, the target or this host crashed, or the host
-                name is unknown. Across a cut (a partition or a pause) the dial waits.
+            PeerGone: nobody listens there, the target or this host crashed, a firewall
+                refuses (``nat(..., refuse=True)``), or the host name is unknown. Across a
+                cut (a partition or a pause), or to a host behind a NAT, the dial waits.
         """
         host, port = parse_address(address)
         net = self._net
@@ -129,9 +130,15 @@ class SimHost:
         net._check_up(self.name)
         if host not in net._hosts:
             raise PeerGone(f"cannot connect to {address}: unknown host")
-        await net._travel(self.name, host, self.name)  # SYN
+        while True:
+            await net._travel(self.name, host, self.name)  # SYN
+            nat = net._nat_before(self.name, host)
+            if nat is None or nat.refuse:
+                break
+            await net._topology.park()  # dropped at the NAT; a retry may pass after unnat
+            net._check_up(self.name)
         target = net._hosts[host]
-        listener = target.listeners.get(port) if target.up else None
+        listener = target.listeners.get(port) if target.up and nat is None else None
         if listener is None:
             net._stats["connections_refused"] += 1
             await trio.sleep(net._link(host, self.name).latency)  # the refusal comes back
@@ -356,10 +363,10 @@ class SimDatagramEndpoint:
         if self._inbox[0] is item:
             self._lot.unpark_all()  # a new head: the reader's deadline moved earlier
 
-    def _drop_in_flight(self, now: float) -> int:
-        """Drop datagrams on a link that a new partition or pause cuts; returns how many."""
-        blocked = self._net._blocked
-        kept = [d for d in self._inbox if d[0] <= now or not blocked(d[4], self._host)]
+    def _drop_in_flight(self, now: float, cut: Callable[[str], bool]) -> int:
+        """Drop datagrams not yet arrived from the hosts that ``cut(sender host)`` names (a
+        new partition, pause or NAT stops them); returns how many."""
+        kept = [d for d in self._inbox if d[0] <= now or not cut(d[4])]
         dropped = len(self._inbox) - len(kept)
         if dropped:
             heapq.heapify(kept)

@@ -45,6 +45,22 @@ Faults are state changes that wake every parked task, which then re-checks the s
   datagram, stream segment and handshake packet it sends or receives is handled late by a
   random delay, exponential with mean ``lag`` seconds (drawn once at each end). Stream order
   is kept; datagrams may overtake each other, as they would.
+* ``nat(host, udp_timeout=30.0, refuse=False)``: the host sits behind a NAT (or a stateful
+  firewall) until ``unnat(host)``: what it opens works both ways, nothing from outside gets
+  in. A dial to it reaches the NAT and is dropped there, so it waits as across a partition
+  (for ``unnat``, or the caller's deadline, as SYN retries would); with ``refuse`` it is
+  refused at once, exactly as at a closed port. A datagram gets through only if, when it
+  arrives, the host sent one from the port it is addressed to, to the sender's exact
+  ``host:port``, at most ``udp_timeout`` seconds before (endpoint-dependent filtering; each
+  datagram sent refreshes its mapping, and addresses are not translated, so peers see the
+  host's own). Others are lost and counted in ``nat_dropped``. A datagram is judged when it
+  is sent, by the mapping as it stands then: a refresh sent while it is in flight does not
+  save it. Sends from a paused host refresh nothing (they never leave it); sends across a
+  partition do (the NAT is before the cut). The NAT is the host's network, not its
+  process: a crash and restart keep it, mappings included, and it hides the crash (dials
+  still hang or are refused). Connections open when ``nat`` is applied stay open both ways,
+  as established state; the mappings start empty, so datagrams then in flight to the host
+  are lost. Calling ``nat`` again changes the settings and keeps the mappings.
 
 Randomness: each link direction draws from its own ``random.Random`` seeded from the
 network's seed and the two names, so the faults a link sees depend only on the seed and the
@@ -54,6 +70,7 @@ operations on that link, not on how trio happened to interleave other links' tas
 from __future__ import annotations
 
 import errno
+import functools
 import math
 import random
 from dataclasses import dataclass, field
@@ -80,6 +97,7 @@ __all__ += ["SEGMENT", "MAX_DATAGRAM_QUEUE"]
 
 MAX_DATAGRAM_QUEUE = 1024  # datagrams an endpoint holds (in flight + unread) before dropping
 FIRST_EPHEMERAL_PORT = 49152  # ports handed out for port 0 and for the dialing side
+MIN_NAT_PRUNE = 64  # NAT mappings a host holds before expired ones are swept
 
 HostLike = Union[str, SimHost]  # faults and links accept a name or the host itself
 
@@ -89,13 +107,14 @@ class SimStatistics:
     """Counters since the network was created (``bytes_buffered`` is a gauge)."""
 
     connections_opened: int
-    connections_refused: int  # dials that found no listener or a crashed host
+    connections_refused: int  # dials that found no listener, a crashed host or a firewall
     connections_reset: int  # by crash() or reset()
     bytes_sent: int  # stream payload handed to send_all
     bytes_buffered: int  # stream bytes sent but not yet read, over all open streams
     segments_retransmitted: int  # stream segments "lost" and delivered one rto late
     datagrams_sent: int
-    datagrams_dropped: int  # lost, partitioned, unbound or crashed destination, queue full
+    datagrams_dropped: int  # lost, partitioned, unbound or crashed destination, queue full, NAT
+    nat_dropped: int  # of those, datagrams that would have been delivered but a NAT filtered
 
 
 @dataclass
@@ -109,6 +128,27 @@ class _Link:
 class _Direction:
     rng: random.Random
     busy_until: float = -_NEVER  # virtual time the link finishes serializing what it has
+
+
+@dataclass(eq=False)
+class _Nat:
+    udp_timeout: float  # seconds a mapping lives after the last datagram through it
+    refuse: bool  # dials are refused at once instead of dropped
+    mappings: dict[tuple[int, str], float] = field(default_factory=dict)  # see map()
+    prune_at: int = MIN_NAT_PRUNE  # sweep expired mappings once there are this many
+
+    def map(self, port: int, remote: str, now: float) -> None:
+        """Record a datagram sent from local ``port`` to ``remote`` (host:port) at ``now``."""
+        self.mappings[(port, remote)] = now
+        if len(self.mappings) >= self.prune_at:  # amortized O(1): the bound doubles
+            live = {key: sent for key, sent in self.mappings.items()
+                    if now - sent <= self.udp_timeout}
+            self.mappings = live
+            self.prune_at = max(MIN_NAT_PRUNE, 2 * len(live))
+
+    def admits(self, port: int, sender: str, arrival: float) -> bool:
+        sent = self.mappings.get((port, sender))
+        return sent is not None and arrival - sent <= self.udp_timeout
 
 
 @dataclass(eq=False)
@@ -166,6 +206,7 @@ class SimNetwork:
         self._groups: dict[str, int] = {}  # host -> partition group; absent = group 0
         self._paused: set[str] = set()  # hosts cut off from every other host
         self._lag: dict[str, float] = {}  # host -> mean extra handling delay, seconds
+        self._nats: dict[str, _Nat] = {}  # hosts behind a NAT or firewall
         self._connections: dict[_Connection, None] = {}  # insertion-ordered set
         self._topology = trio.lowlevel.ParkingLot()  # woken on any change of who reaches whom
         self._stats = dict.fromkeys(SimStatistics.__dataclass_fields__, 0)
@@ -266,6 +307,42 @@ class SimNetwork:
         else:
             self._lag.pop(_name(host), None)
 
+    def nat(self, host: HostLike, *, udp_timeout: float = 30.0, refuse: bool = False) -> None:
+        """Put ``host`` behind a NAT until :meth:`unnat`: its own dials and the replies to its
+        datagrams work, dials to it wait (``refuse``: are refused at once), and a datagram
+        reaches it only within ``udp_timeout`` seconds of one it sent from that port to the
+        sender's address. Open connections are kept. Again on a host behind a NAT: new
+        settings, same mappings.
+
+        Raises:
+            ValueError: ``udp_timeout`` is not > 0 (``math.inf``: mappings never expire).
+        """
+        if not udp_timeout > 0:
+            raise ValueError(f"udp_timeout must be > 0 seconds, not {udp_timeout!r}")
+        name = self.host(_name(host)).name
+        nat = self._nats.get(name)
+        if nat is not None:
+            nat.udp_timeout, nat.refuse = udp_timeout, refuse
+        else:
+            self._nats[name] = _Nat(udp_timeout, refuse)
+            now = trio.current_time()
+            for endpoint in self._hosts[name].endpoints.values():
+                # What is in flight to the host was sent before any mapping: unsolicited.
+                dropped = endpoint._drop_in_flight(now, lambda sender: sender != name)
+                self._stats["datagrams_dropped"] += dropped
+                self._stats["nat_dropped"] += dropped
+        self._topology.unpark_all()  # waiting dials look again (refuse may have changed)
+
+    def unnat(self, host: HostLike) -> None:
+        """Undo :meth:`nat`: dials waiting at the NAT go on, and every datagram gets in.
+        A host not behind a NAT is left as it is."""
+        self._nats.pop(_name(host), None)
+        self._topology.unpark_all()
+
+    def behind_nat(self, host: HostLike) -> bool:
+        """Whether ``host`` is behind a NAT (or a firewall: :meth:`nat` with ``refuse``)."""
+        return _name(host) in self._nats
+
     def reset(self, a: HostLike, b: HostLike) -> None:
         """Reset every open stream between a and b (either direction of dial)."""
         pair = {_name(a), _name(b)}
@@ -292,6 +369,10 @@ class SimNetwork:
         if src in self._paused or dst in self._paused:
             return True
         return self._groups.get(src, 0) != self._groups.get(dst, 0)
+
+    def _nat_before(self, src: str, dst: str) -> _Nat | None:
+        """dst's NAT, which what src sends to dst must cross (none from a host to itself)."""
+        return None if src == dst else self._nats.get(dst)
 
     def _check_up(self, name: str) -> None:
         if not self._hosts[name].up:
@@ -374,6 +455,9 @@ class SimNetwork:
         self._stats["datagrams_sent"] += 1
         host, port = parse_address(address)
         src = source._host
+        own_nat = self._nat_before(host, src)
+        if own_nat is not None and src not in self._paused:
+            own_nat.map(source._port, format_address(host, port), trio.current_time())
         state = self._hosts.get(host)
         if state is not None:
             _, arrival = self._serialize(src, host, len(data))
@@ -384,8 +468,12 @@ class SimNetwork:
                 and not self._lost(src, host)
                 and len(target._inbox) < MAX_DATAGRAM_QUEUE
             ):
-                target._deliver(arrival, data, source.local_address, src)
-                return
+                # Judged last, so a NAT leaves the link's loss draws as they were.
+                nat = self._nat_before(src, host)
+                if nat is None or nat.admits(port, source.local_address, arrival):
+                    target._deliver(arrival, data, source.local_address, src)
+                    return
+                self._stats["nat_dropped"] += 1
         self._stats["datagrams_dropped"] += 1
 
     def _change_reachability(self, change: Callable[[], None]) -> None:
@@ -404,9 +492,10 @@ class SimNetwork:
                         segment.arrival = pipe.last_arrival = _NEVER
             elif was_blocked and not blocked:
                 self._restamp(pipe)
-        for state in self._hosts.values():
+        for name, state in self._hosts.items():
             for endpoint in state.endpoints.values():
-                self._stats["datagrams_dropped"] += endpoint._drop_in_flight(now)
+                cut = functools.partial(self._blocked, dst=name)
+                self._stats["datagrams_dropped"] += endpoint._drop_in_flight(now, cut)
         self._topology.unpark_all()
 
     def _restamp(self, pipe: _Pipe) -> None:

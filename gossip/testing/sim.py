@@ -5,7 +5,7 @@ Theory of operation
 :func:`open_sim_swarm` runs ``n`` nodes (:func:`gossip.open_swarm`), each on its own host of
 one :class:`~gossip.simnet.SimNetwork`, in a nursery it owns, and hands the test a
 :class:`SimSwarm` that scripts faults in the words of the scenario: ``crash``, ``restart``,
-``stop``, ``pause``, ``partition``, ``slow``, ``set_link``. Run it under
+``stop``, ``pause``, ``partition``, ``slow``, ``set_link``, ``nat``. Run it under
 ``trio.testing.MockClock(autojump_threshold=0)`` (pytest-trio's ``autojump_clock``): every
 delay is virtual, so a minute of swarm time costs only the CPU work done in it.
 
@@ -23,7 +23,8 @@ identity (``start="own"``), joining through the running nodes. ``stop`` is a gra
 and checkpoints too. ``pause`` freezes the host: its links carry nothing
 (:meth:`SimNetwork.pause`) and its trainer waits, though its protocol timers still run, so on
 ``resume`` it has given up on everyone, as a process under SIGSTOP finds when continued. A
-pause outlives a crash and composes with partitions. Everything else is the network's.
+pause outlives a crash and composes with partitions. ``nat`` puts the host behind a NAT
+(:meth:`SimNetwork.nat`): it dials out, nobody dials in. Everything else is the network's.
 
 Waiting: every membership change any node sees, every exchange that ends anywhere, every
 training step and every start or end of a node wakes :meth:`SimSwarm.wait_until`, which
@@ -46,7 +47,7 @@ import random
 import sys
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Iterable, Sequence, Union
+from typing import AsyncIterator, Callable, Collection, Iterable, Sequence, Union
 
 import torch
 import trio
@@ -177,7 +178,8 @@ class SimSwarm:
 
     def __init__(self, net: SimNetwork, nursery: trio.Nursery, seed: int, *,
                  config: AveragingConfig, membership: MembershipConfig, timeouts: Timeouts,
-                 train: Callable[[SimNode], float] | None, step_time: float) -> None:
+                 train: Callable[[SimNode], float] | None, step_time: float,
+                 reachable: bool | None = True) -> None:
         self.net = net
         self.rng = random.Random(f"{seed}:test")
         self.nodes: list[SimNode] = []
@@ -187,6 +189,7 @@ class SimSwarm:
         self._swarm = Swarm("sim", _digest(seed, "swarm key"))
         self._config, self._membership, self._timeouts = config, membership, timeouts
         self._train, self._step_time = train, step_time
+        self._reachable = reachable
         self._changed = _Signal()
         self._by_peer: dict[PeerId, SimNode] = {}
 
@@ -308,6 +311,17 @@ class SimSwarm:
         a, b = self._pair(a, b)
         self.net.set_link(a.name, b.name, latency=latency, bandwidth=bandwidth, loss=loss)
 
+    def nat(self, node: NodeLike, *, udp_timeout: float = 30.0, refuse: bool = False) -> None:
+        """Put the node's host behind a NAT until :meth:`unnat`: it dials out and hears
+        replies, but dials to it wait (``refuse``: are refused at once) and datagrams reach
+        it only from addresses it sent to in the last ``udp_timeout`` seconds. Its open
+        connections stay; a crash and restart keep the NAT (see :meth:`SimNetwork.nat`)."""
+        self.net.nat(self._node(node).name, udp_timeout=udp_timeout, refuse=refuse)
+
+    def unnat(self, node: NodeLike) -> None:
+        """Take the node's host out from behind its NAT: dials waiting on it go on."""
+        self.net.unnat(self._node(node).name)
+
     def reset(self, a: NodeLike, b: NodeLike) -> None:
         """Reset every connection between two nodes (exchanges on them fail)."""
         a, b = self._pair(a, b)
@@ -410,6 +424,8 @@ class SimSwarm:
                     counters=counters, optimizer=node.optimizer, correction=correction,
                     on_change=self._changed.fire,
                     on_exchange=functools.partial(self._exchanged, node),
+                    reachable=(self._reachable if self._reachable is None
+                               or not self.net.behind_nat(node.name) else False),
                 ) as swarm_node:
                     node.node, node._down = swarm_node, None
                     self._changed.fire()
@@ -465,6 +481,8 @@ async def open_sim_swarm(
     latency: float = 0.001,
     bandwidth: float | None = None,
     loss: float = 0.0,
+    nat: Collection[int] = (),
+    reachable: bool | None = True,
 ) -> AsyncIterator[SimSwarm]:
     """Run ``n`` nodes on a fresh simulated network; returns once every node runs (not yet
     ready: see :meth:`SimSwarm.wait_ready`). On exit every running node leaves.
@@ -486,6 +504,13 @@ async def open_sim_swarm(
             starts from its checkpoint.
         membership, timeouts: as :func:`gossip.open_swarm` takes them.
         latency, bandwidth, loss: every link's defaults (see :class:`SimNetwork`).
+        nat: the indices of the nodes whose hosts are behind a NAT from the start
+            (:meth:`SimSwarm.nat`), outbound-only volunteers. Node 0, which the others join
+            through, cannot be one of them.
+        reachable: what each node tells :func:`gossip.open_swarm`: None lets every node but
+            node 0 find out with a dial-back check after joining; True (the default) says
+            every node is reachable, except a node behind a NAT when it starts, which is
+            told False.
 
     Raises:
         ValueError: a bad argument (the message says which).
@@ -494,6 +519,9 @@ async def open_sim_swarm(
         raise ValueError(f"n must be an integer >= 1, not {n!r}")
     if not (isinstance(step_time, (int, float)) and math.isfinite(step_time) and step_time > 0):
         raise ValueError(f"step_time must be a positive number of seconds, not {step_time!r}")
+    nat = sorted(set(nat))
+    if any(type(i) is not int or not 0 < i < n for i in nat):
+        raise ValueError(f"nat must name nodes 1..{n - 1} (node 0 is the bootstrap), not {nat!r}")
     if train is not None and not callable(train):
         raise ValueError(f"train must be a function of a SimNode, not {train!r}")
     make = functools.partial(_default_model, seed) if model is None else model
@@ -507,12 +535,15 @@ async def open_sim_swarm(
     with one_error():
         async with trio.open_nursery() as nursery:
             sim = SimSwarm(net, nursery, seed, config=config, membership=membership,
-                           timeouts=timeouts, train=train, step_time=step_time)
+                           timeouts=timeouts, train=train, step_time=step_time,
+                           reachable=reachable)
             for i, m in enumerate(models):
                 key = Ed25519PrivateKey.from_private_bytes(_digest(seed, f"identity n{i}"))
                 sim.nodes.append(SimNode(i, m, Identity(key),
                                          None if optimizer is None else optimizer(i)))
             first = sim.nodes[0]
+            for i in nat:
+                net.nat(sim.nodes[i].name)
             for node in sim.nodes:
                 await sim._start(node, [] if node is first else [first.address], config, None)
             try:

@@ -15,9 +15,11 @@ import trio
 import trio.testing
 from trio.testing import MockClock
 
+from gossip.averaging import Result
 from gossip.errors import PeerGone
 from gossip.network import MAX_DATAGRAM, Handler, Network
-from gossip.simnet import MAX_DATAGRAM_QUEUE, SimNetwork
+from gossip.simnet import MAX_DATAGRAM_QUEUE, SimDatagramEndpoint, SimNetwork
+from gossip.testing import open_sim_swarm
 from tests.conformance import (
     CHECKS,
     Check,
@@ -497,3 +499,213 @@ async def test_statistics_and_argument_checks(autojump_clock: MockClock) -> None
         await again.send(b"%d" % i, "a:5")
     stats = net.statistics()
     assert (stats.datagrams_sent, stats.datagrams_dropped) == (MAX_DATAGRAM_QUEUE + 10, 10)
+
+
+# ---- hosts behind a NAT or a firewall ------------------------------------------------------
+
+
+async def test_nat_lets_out_and_keeps_out(autojump_clock: MockClock) -> None:
+    net = SimNetwork(latency=0.01)
+    a, b, c = net.host("a"), net.host("b"), net.host("c")
+    async with trio.open_nursery() as nursery:
+        at_a = await nursery.start(a.serve, "a:80", echo)
+        at_b = await nursery.start(b.serve, "b:80", echo)
+        before = await b.dial(at_a)  # opened inbound before the NAT: kept, as established
+
+        net.nat(a)
+        assert net.behind_nat(a) and not net.behind_nat(b)
+        out, took = await timed_dial(a, at_b)  # outbound: as if no NAT
+        assert took == pytest.approx(0.02)
+        for stream in (out, before):
+            await stream.send_all(b"both ways")
+            assert await receive_exactly(stream, 9) == b"both ways"
+        start = trio.current_time()
+        with pytest.raises(trio.TooSlowError):
+            with trio.fail_after(LONG):
+                await b.dial(at_a)  # the SYN is dropped: only the caller's deadline ends it
+        assert trio.current_time() - start == pytest.approx(LONG)
+        assert net.statistics().connections_refused == 0
+
+        # A dial waiting at the NAT goes through once the NAT is gone, as a SYN retry would.
+        dialed = trio.Event()
+
+        async def dial_a() -> None:
+            stream = await c.dial(at_a)
+            await stream.send_all(b"in")
+            assert await receive_exactly(stream, 2) == b"in"
+            dialed.set()
+
+        nursery.start_soon(dial_a)
+        await trio.testing.wait_all_tasks_blocked()
+        net.unnat(a)
+        net.unnat(a)  # idempotent
+        assert not net.behind_nat(a)
+        with trio.fail_after(1):
+            await dialed.wait()
+        nursery.cancel_scope.cancel()
+
+
+async def test_firewall_refuses_dials_at_once(autojump_clock: MockClock) -> None:
+    net = SimNetwork(latency=0.01)
+    a, b = net.host("a"), net.host("b")
+    async with trio.open_nursery() as nursery:
+        at_a = await nursery.start(a.serve, "a:80", echo)
+        net.nat(a)
+        waiting = trio.Event()
+
+        async def dial_until_refused() -> None:
+            with pytest.raises(PeerGone, match="connection refused"):
+                await b.dial(at_a)
+            waiting.set()
+
+        nursery.start_soon(dial_until_refused)
+        await trio.testing.wait_all_tasks_blocked()
+        net.nat(a, refuse=True)  # a dial waiting at the NAT meets the firewall's RST
+        with trio.fail_after(1):
+            await waiting.wait()
+        start = trio.current_time()
+        with pytest.raises(PeerGone, match="connection refused"):  # as at a closed port
+            await b.dial(at_a)
+        assert trio.current_time() - start == pytest.approx(0.02)  # one round trip
+        assert net.statistics().connections_refused == 2
+        out = await a.dial(await nursery.start(b.serve, "b:80", echo))
+        await out.send_all(b"out")
+        assert await receive_exactly(out, 3) == b"out"
+        nursery.cancel_scope.cancel()
+
+
+async def test_nat_admits_datagrams_from_addresses_it_sent_to(autojump_clock: MockClock) -> None:
+    net = SimNetwork(latency=0.01)
+    net.nat("a", udp_timeout=30.0)
+    a, b, c = net.host("a"), net.host("b"), net.host("c")
+    ea, other_port = await a.open_datagram("a:5000"), await a.open_datagram("a:5001")
+    eb, eb2 = await b.open_datagram("b:53"), await b.open_datagram("b:54")
+    ec = await c.open_datagram("c:53")
+
+    async def lost(endpoint: SimDatagramEndpoint) -> None:
+        with trio.move_on_after(LONG):
+            await endpoint.receive()
+            pytest.fail("a datagram got through the NAT")
+
+    await ea.send(b"query", eb.local_address)  # maps a:5000 <-> b:53, nothing else
+    assert await eb.receive() == (b"query", ea.local_address)  # the host's own address
+    await eb.send(b"reply", ea.local_address)
+    assert await ea.receive() == (b"reply", eb.local_address)
+    await eb2.send(b"other port", ea.local_address)  # the exact address, not just the host
+    await ec.send(b"unsolicited", ea.local_address)
+    await eb.send(b"to another port", other_port.local_address)  # the mapping is per port
+    await lost(ea)
+    await lost(other_port)
+    assert net.statistics().nat_dropped == 3
+
+    # Time the mapping out: a reply arriving 30 s after the query passes, one later does not.
+    sent = trio.current_time()
+    await ea.send(b"refresh", eb.local_address)  # each datagram sent refreshes its mapping
+    await trio.sleep(30.0 - 0.01 - (trio.current_time() - sent))
+    await eb.send(b"just in time", ea.local_address)
+    assert await ea.receive() == (b"just in time", eb.local_address)
+    await eb.send(b"too late", ea.local_address)  # arrives 30.01 s after the last send
+    await lost(ea)
+    await ea.send(b"again", eb.local_address)
+    await eb.send(b"answer", ea.local_address)
+    assert await ea.receive() == (b"answer", eb.local_address)
+
+    net.unnat("a")
+    await ec.send(b"welcome", ea.local_address)
+    assert await ea.receive() == (b"welcome", ec.local_address)
+    stats = net.statistics()
+    assert stats.nat_dropped == 4 and stats.datagrams_dropped == 4
+
+
+async def test_nat_hole_punching_and_datagrams_in_flight(autojump_clock: MockClock) -> None:
+    net = SimNetwork(latency=0.01)
+    ea, eb = await net.host("a").open_datagram("a:1"), await net.host("b").open_datagram("b:1")
+    await eb.send(b"in flight", ea.local_address)
+    net.nat("a")  # the mappings start empty: what is on its way to a was unsolicited
+    assert net.statistics().nat_dropped == 1
+    net.nat("b")
+    await ea.send(b"punch", eb.local_address)  # dropped at b's NAT, but opens a's
+    await eb.send(b"through", ea.local_address)  # passes a's NAT, opens b's
+    assert await ea.receive() == (b"through", eb.local_address)
+    await ea.send(b"and back", eb.local_address)
+    assert await eb.receive() == (b"and back", ea.local_address)
+    assert net.statistics().nat_dropped == 2
+    with pytest.raises(ValueError):
+        net.nat("a", udp_timeout=0)
+
+
+async def test_nat_outlives_crash_and_composes_with_faults(autojump_clock: MockClock) -> None:
+    net = SimNetwork(latency=0.01)
+    a, b = net.host("a"), net.host("b")
+    net.nat(a)
+    ea, eb = await a.open_datagram("a:1"), await b.open_datagram("b:1")
+    await ea.send(b"map", eb.local_address)
+    net.crash(a)
+    net.restart(a)
+    assert net.behind_nat(a)  # the host's network, not its process: mappings included
+    ea = await a.open_datagram("a:1")
+    await eb.send(b"after restart", ea.local_address)
+    assert await ea.receive() == (b"after restart", eb.local_address)
+
+    async def serve_a(task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
+        with pytest.raises(PeerGone):  # when a crashes
+            await a.serve("a:80", echo, task_status=task_status)
+
+    async with trio.open_nursery() as nursery:
+        at_a = await nursery.start(serve_a)
+        net.crash(a)  # a crashed host behind a NAT looks the same from outside: no answer
+        with pytest.raises(trio.TooSlowError):
+            with trio.fail_after(LONG):
+                await b.dial(at_a)
+        net.restart(a)
+        ea = await a.open_datagram("a:1")
+        await nursery.start(a.serve, at_a, echo)
+
+        net.partition(["a"])
+        await ea.send(b"across the cut", eb.local_address)  # lost, but maps (NAT before cut)
+        net.heal()
+        net.pause(a)
+        await ea.send(b"paused", "b:2")  # never leaves the host: maps nothing
+        net.resume(a)
+        eb2 = await b.open_datagram("b:2")
+        await eb.send(b"mapped", ea.local_address)
+        await eb2.send(b"not mapped", ea.local_address)
+        assert await ea.receive() == (b"mapped", eb.local_address)
+        with trio.move_on_after(LONG):
+            await ea.receive()
+            pytest.fail("a datagram got through the NAT")
+
+        net.partition(["a"])  # the NAT ends while a partition still cuts: the dial waits on
+        dialed = trio.Event()
+
+        async def dial_a() -> None:
+            await b.dial(at_a)
+            dialed.set()
+
+        nursery.start_soon(dial_a)
+        await trio.testing.wait_all_tasks_blocked()
+        net.unnat(a)
+        with trio.move_on_after(LONG):
+            await dialed.wait()
+        assert not dialed.is_set()
+        net.heal()
+        with trio.fail_after(1):
+            await dialed.wait()
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_sim_swarm_node_behind_nat_averages_through_its_own_offers(
+    autojump_clock: MockClock,
+) -> None:
+    async with open_sim_swarm(3, seed=1) as sim:
+        with trio.fail_after(120):
+            await sim.wait_ready()
+        sim.nat(2)  # SimSwarm passes it through to the network
+        assert sim.net.behind_nat("n2")
+        since = trio.current_time()
+        with trio.fail_after(120):  # n2 dials out, so what it starts still commits
+            await sim.wait_until(lambda: any(
+                e.node.index == 2 and e.initiated and e.result is Result.COMMITTED
+                and e.started >= since for e in sim.exchanges))
+        sim.unnat(sim.nodes[2])
+        assert not sim.net.behind_nat("n2")

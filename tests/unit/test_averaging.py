@@ -47,6 +47,7 @@ BAD_VALUES = [
     ("transfer_timeout", 0.0), ("transfer_timeout", -5.0),
     ("min_rate", 0.0), ("min_rate", math.inf),
     ("commit_timeout", 0.0), ("commit_timeout", None),
+    ("stall_timeout", 0.0), ("stall_timeout", math.inf), ("stall_timeout", None),
     ("start", "checkpoint"), ("start", ""), ("start", None),
     ("download_wait", -1.0), ("download_wait", math.inf), ("download_wait", math.nan),
     # Wrong types, as a config file or a command line could give them.

@@ -612,6 +612,26 @@ def test_format_status_says_only_what_it_knows(changes: dict[str, Any], line: st
     assert any(x.startswith(line) for x in format_status(status_reply(**changes)).splitlines())
 
 
+@pytest.mark.parametrize("reachability, says", [
+    ({"reachable": True, "mode": "auto", "checked": True, "detail": "dialed back by kq3f2x7a"},
+     "reach     reachable: dialed back by kq3f2x7a"),
+    ({"reachable": False, "mode": "auto", "checked": False, "detail": "not checked yet"},
+     "reach     outbound only until a member dials us back (not checked yet)"),
+    ({"reachable": False, "mode": "auto", "checked": True,
+      "detail": "kq3f2x7a could not dial us: no connection"},
+     "reach     outbound only: kq3f2x7a could not dial us: no connection; this node starts"),
+    ({"reachable": False, "mode": "set", "checked": False, "detail": "configured"},
+     "reach     outbound only (node.reachable = false): peers never dial this node"),
+])
+def test_format_status_says_whether_others_can_dial_us(reachability, says) -> None:
+    members = [{"peer": "mmmmnnnnoooo2222333344445", "address": "10.0.0.3:7070",
+                "state": "alive", "step": 1199, "step_age_s": 3.2, "ready": True,
+                "reachable": False}]
+    lines = format_status(status_reply(reachability=reachability, members=members)).splitlines()
+    assert lines[1].startswith(says)
+    assert lines[-1].endswith("step 1199 (3 s ago)  outbound only")
+
+
 def test_format_status_of_a_daemon_of_an_older_version() -> None:
     """A reply without the newer keys (an older daemon still running after an upgrade) is
     printed without them: nothing is made up."""

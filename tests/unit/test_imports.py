@@ -85,7 +85,7 @@ def test_status_with_no_daemon_imports_neither(config: str) -> None:
 
 @pytest.mark.parametrize("kind", ["init", "identity", "swarm-key"])
 def test_init_and_keygen_import_neither(tmp_path: Path, kind: str) -> None:
-    argv = {"init": ["init", "--swarm", "s", "--dir", str(tmp_path / "n")],
+    argv = {"init": ["init", "--swarm", "s", "--dir", str(tmp_path / "n"), "--advertise", "192.0.2.1:7070"],
             "identity": ["keygen", "--identity", str(tmp_path / "id.key")],
             "swarm-key": ["keygen", "--swarm-key", str(tmp_path / "swarm.key")]}[kind]
     assert run(argv) == {"code": 0, "heavy": []}

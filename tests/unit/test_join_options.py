@@ -134,7 +134,7 @@ def test_join_line_prints_the_options_edited_after_init_and_init_join_writes_the
     assert "gossipd join-line -c" in out  # says how to print it again
     set_options(a / "gossipd.toml", 'hidden = 128\nlr = 0.001\nkind = "mlp"')
     out, err = run(capsys, "join-line", "-c", str(a / "gossipd.toml"))
-    assert err == ""
+    assert err == ""  # the operator asked for loopback (init said what it means)
     join = JoinLine.parse(out.strip())
     assert join.options == {"hidden": 128, "lr": 0.001, "kind": "mlp"}
     assert join.bootstrap == ("127.0.0.1:7070",) and join.name == "lab"
@@ -174,10 +174,19 @@ def test_an_absolute_task_path_travels_as_the_file_name_with_a_warning(
     assert JoinLine.parse(out.strip()).task == "mine.py:task" and "send mine.py" in err
 
 
-@pytest.mark.parametrize("entry", ["pkg.mod:task", "tasks/mine.py:task", "mine.py:task",
-                                   "../mine.py:task"])
-def test_other_entries_travel_as_they_are(entry: str) -> None:
-    assert cli.shareable_entry(entry) == (entry, "")
+def test_a_module_entry_travels_as_it_is() -> None:
+    assert cli.shareable_entry("pkg.mod:task") == ("pkg.mod:task", "")
+
+
+@pytest.mark.parametrize("entry", ["tasks/mine.py:task", "mine.py:task", "../mine.py:task"])
+def test_a_relative_task_file_travels_as_it_is_with_a_warning(entry: str) -> None:
+    shared, warning = cli.shareable_entry(entry)
+    target = entry.rpartition(":")[0]
+    assert shared == entry
+    assert warning == (f"warning: task.entry {entry} is a file of this node's; a volunteer's "
+                       f"node looks for {target} in its own data directory: send it with the "
+                       "line, or make the task a module volunteers install "
+                       "(package.module:task)")
 
 
 def test_init_join_warns_of_an_absolute_path_in_an_older_line(
@@ -199,3 +208,165 @@ def test_init_join_writes_no_options_for_a_line_without_them(
     assert "task.options from" not in out
     assert dict(config_module.load(tmp_path / "gossipd.toml").task.options) == {}
     assert json.loads(json.dumps(OPTIONS)) == OPTIONS  # the fixture is JSON as it is
+
+
+# --- the swarm's settings, and nothing of the machine that wrote the line ---------------------
+
+
+def one_line_error(capsys: pytest.CaptureFixture[str]) -> str:
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith("gossipd init: "), err
+    return err
+
+
+WAN_BF16 = ["--set", "swarm.profile=wan", "--set", "averaging.codec=bf16", "--set",
+            "averaging.correction=false"]
+
+
+def test_init_set_swarm_settings_travel_and_init_join_writes_them(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    out, _ = run(capsys, "init", "--swarm", "lab", "--dir", str(a), "--listen",
+                 "127.0.0.1:7070", *WAN_BF16)
+    text = printed_line(out)
+    assert text.endswith("&seed=0&profile=wan&codec=bf16&correction=false")
+    first = config_module.load(a / "gossipd.toml")
+    assert (first.swarm.profile, first.averaging.codec, first.averaging.correction) == (
+        "wan", "bf16", False)
+
+    out, _ = run(capsys, "init", "--join", text, "--dir", str(b), "--listen", "127.0.0.1:7071")
+    assert ('swarm settings from the join line: swarm.profile = "wan", averaging.codec = '
+            '"bf16", averaging.correction = false') in out
+    joined = config_module.load(b / "gossipd.toml")
+    assert (joined.swarm.profile, joined.averaging.codec, joined.averaging.correction) == (
+        "wan", "bf16", False)
+    assert joined.averaging.mixing == "fixed" and joined.averaging.weight == 0.5
+    assert JoinLine.parse(printed_line(out)) == JoinLine.parse(text)  # passed on as it came
+
+
+def test_join_line_carries_settings_edited_after_init(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run(capsys, "init", "--swarm", "lab", "--dir", str(tmp_path), "--listen", "127.0.0.1:7070")
+    path = tmp_path / "gossipd.toml"
+    text = path.read_text()
+    for old, new in [('mixing = "fixed"', 'mixing = "samples"'), ("weight = 0.5", "weight = 1"),
+                     ('codec = "fp32"', 'codec = "int8"')]:
+        assert text.count(old) == 1
+        text = text.replace(old, new)
+    path.write_text(text)
+    out, _ = run(capsys, "join-line", "-c", str(path))
+    join = JoinLine.parse(out.strip())
+    assert (join.mixing, join.weight, join.codec, join.profile) == ("samples", 1.0, "int8", "lan")
+    assert out.strip().endswith("&seed=0&codec=int8&mixing=samples&weight=1.0")
+
+
+def test_a_joiner_cannot_set_another_value_of_what_its_line_carries(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    text = str(line(profile="wan", codec="bf16"))
+    for setting in ("averaging.codec=fp32", "swarm.profile=lan"):
+        assert main(["init", "--join", text, "--dir", str(tmp_path / "x"), "--listen",
+                     "127.0.0.1:7071", "--set", setting]) == 2
+        err = one_line_error(capsys)
+        key = setting.partition("=")[0]
+        assert f"the join line's swarm has {key} = " in err and f"--set {key}" in err
+        assert not (tmp_path / "x").exists()
+    # What the line does not carry is the joiner's own to set.
+    run(capsys, "init", "--join", text, "--dir", str(tmp_path / "y"), "--listen",
+        "127.0.0.1:7071", "--set", "task.device=cpu", "--set", "averaging.codec=bf16")
+    config = config_module.load(tmp_path / "y" / "gossipd.toml")
+    assert (config.task.device, config.averaging.codec) == ("cpu", "bf16")
+
+
+@pytest.mark.parametrize("field", ["codec=fp8", "profile=WAN", "weight=2", "correction=no",
+                                   "relay=on"])
+def test_init_join_refuses_a_line_with_a_bad_setting(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], field: str) -> None:
+    assert main(["init", "--join", f"{line()}&{field}", "--dir", str(tmp_path / "x"),
+                 "--listen", "127.0.0.1:7071"]) == 2
+    assert one_line_error(capsys).startswith("gossipd init: bad join line: ")
+    assert not (tmp_path / "x").exists()
+
+
+def test_init_set_is_checked_like_the_config(tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["init", "--swarm", "lab", "--dir", str(tmp_path / "x"), "--listen",
+                 "127.0.0.1:7070", "--set", "averaging.codec=fp8"]) == 2
+    assert "averaging.codec: expected fp32, bf16, fp16 or int8" in one_line_error(capsys)
+    assert not (tmp_path / "x").exists()
+
+
+def test_no_guessable_address_is_refused_rather_than_loopback_in_the_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cli, "guess_address", lambda: "127.0.0.1")  # no route off the machine
+    assert main(["init", "--swarm", "lab", "--dir", str(tmp_path / "x")]) == 2  # 0.0.0.0:7070
+    err = one_line_error(capsys)
+    assert "cannot tell this machine's address" in err and "--advertise HOST:PORT" in err
+    assert main(["init", "--join", str(line()), "--dir", str(tmp_path / "x")]) == 2
+    one_line_error(capsys)
+    assert not (tmp_path / "x").exists()
+    # A swarm on this machine alone: loopback is the right answer, and said to be.
+    run(capsys, "init", "--join", str(line(bootstrap=("127.0.0.1:7070",))), "--dir",
+        str(tmp_path / "y"), "--listen", "0.0.0.0:7071")
+    assert config_module.load(tmp_path / "y" / "gossipd.toml").node.advertise == \
+        "127.0.0.1:7071"
+    out, err = run(capsys, "init", "--swarm", "lab", "--dir", str(tmp_path / "z"),
+                   "--advertise", "192.0.2.5:7070")
+    assert JoinLine.parse(printed_line(out)).bootstrap == ("192.0.2.5:7070",) and err == ""
+
+
+def test_init_on_loopback_says_the_line_works_on_this_machine_only(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _, err = run(capsys, "init", "--swarm", "lab", "--dir", str(tmp_path), "--listen",
+                 "127.0.0.1:7070")
+    assert err == ("note: the join line's 127.0.0.1:7070 is loopback: only nodes on this "
+                   "machine can join through it (node.advertise names the address others "
+                   "reach)\n")
+
+
+def test_nothing_machine_local_travels(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    local = ["--set", f"node.data_dir={tmp_path / 'alice'}", "--set", "node.identity=alice.key",
+             "--set", "node.control=/run/alice.sock", "--set", "node.dial_from=10.1.2.3",
+             "--set", "node.reachable=true", "--set", "task.device=cuda:1",
+             "--set", "task.threads=3", "--set", "checkpoint.dir=/mnt/ckpt",
+             "--set", "metrics.prometheus=10.1.2.3:9100", "--set", "swarm.max_connections=9"]
+    monkeypatch.setattr(cli, "guess_address", lambda: "192.0.2.7")
+    out, _ = run(capsys, "init", "--swarm", "lab", "--dir", str(a), "--listen", "0.0.0.0:7070",
+                 *local)
+    assert (tmp_path / "alice" / "alice.key").is_file()
+    text = printed_line(out)
+    for word in ("alice", "10.1.2.3", "cuda", "ckpt", "threads", "9100", "0.0.0.0"):
+        assert word not in text, word
+    assert JoinLine.parse(text).bootstrap == ("192.0.2.7:7070",)
+
+    monkeypatch.setattr(cli, "guess_address", lambda: "198.51.100.4")
+    run(capsys, "init", "--join", text, "--dir", str(b), "--listen", "0.0.0.0:7171")
+    joined = config_module.load(b / "gossipd.toml")
+    defaults = config_module.Config(complete=False)
+    assert joined.node == config_module.NodeConfig(listen="0.0.0.0:7171",
+                                                   advertise="198.51.100.4:7171")
+    assert joined.swarm.bootstrap == ("192.0.2.7:7070",)
+    for section in ("checkpoint", "metrics"):
+        assert getattr(joined, section) == getattr(defaults, section)
+    assert (joined.task.device, joined.task.threads, joined.swarm.max_connections) == (
+        "auto", 0, 256)
+
+
+def test_join_line_leaves_out_the_address_of_a_node_nobody_can_dial(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run(capsys, "init", "--join", str(line()), "--dir", str(tmp_path), "--listen",
+        "127.0.0.1:7071", "--set", "node.reachable=false")
+    out, _ = run(capsys, "join-line", "-c", str(tmp_path / "gossipd.toml"))
+    assert JoinLine.parse(out.strip()).bootstrap == ("10.0.0.1:7070",)
+
+
+def test_init_join_warns_when_the_task_module_is_not_installed(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _, err = run(capsys, "init", "--join", str(line(task="no_such_pkg_x.mod:task")), "--dir",
+                 str(tmp_path / "a"), "--listen", "127.0.0.1:7071")
+    assert err.startswith("warning: task module no_such_pkg_x.mod is not installed here")
+    _, err = run(capsys, "init", "--join", str(line(task="daemon.tasks.digits:task")), "--dir",
+                 str(tmp_path / "b"), "--listen", "127.0.0.1:7071")
+    assert "not installed" not in err

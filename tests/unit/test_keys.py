@@ -186,8 +186,88 @@ def test_join_line_carries_the_cipher_unless_the_default() -> None:
     assert str(line(cipher="chachapoly")).endswith("&seed=0&cipher=chachapoly")
     assert "cipher" not in str(line())
     assert JoinLine.parse(f"gossip://lab@h:1?key={HEX}&task=m:f").cipher == "aesgcm"
-    with pytest.raises(KeyFileError, match="cipher must be one of aesgcm, chachapoly"):
+    with pytest.raises(KeyFileError, match="cipher= .swarm.cipher: expected aesgcm or "
+                       "chachapoly, got 'rot13'"):
         line(cipher="rot13")
+
+
+# The swarm-wide settings: each as the line writes it when it is not the config's default.
+SETTINGS = [("profile", "wan", "wan"), ("codec", "bf16", "bf16"), ("codec", "int8", "int8"),
+            ("mixing", "samples", "samples"), ("weight", 0.25, "0.25"),
+            ("correction", False, "false")]
+
+
+@pytest.mark.parametrize("name, value, text", SETTINGS)
+def test_join_line_carries_each_swarm_setting_unless_the_default(name: str, value: object,
+                                                                 text: str) -> None:
+    join = line(**{name: value})
+    assert str(join).endswith(f"&seed=0&{name}={text}")
+    assert JoinLine.parse(str(join)) == join
+    assert f"&{name}=" not in str(line())
+    assert JoinLine.parse(f"gossip://lab@h:1?key={HEX}&task=m:f") == JoinLine(
+        "lab", KEY, ("h:1",), "m:f")  # an older line: every setting its default
+
+
+def test_join_line_settings_by_config_key() -> None:
+    from daemon.config import AveragingSection, SwarmConfig
+    assert line().settings() == {
+        "swarm.cipher": SwarmConfig().cipher, "swarm.profile": SwarmConfig().profile,
+        "averaging.codec": AveragingSection().codec, "averaging.mixing": "fixed",
+        "averaging.weight": 0.5, "averaging.correction": True}
+    assert line().settings(changed=True) == {}
+    assert line(profile="wan", weight=1).settings(changed=True) == {
+        "swarm.profile": "wan", "averaging.weight": 1}
+
+
+def test_join_line_with_every_setting_round_trips_in_a_fixed_order() -> None:
+    join = line(cipher="chachapoly", profile="wan", codec="fp16", mixing="samples",
+                weight=1e-05, correction=False, shards=3, options={"a": 1})
+    text = str(join)
+    assert text.endswith("&seed=0&shards=3&cipher=chachapoly&profile=wan&codec=fp16"
+                         "&mixing=samples&weight=1e-05&correction=false&options=eyJhIjoxfQ")
+    assert JoinLine.parse(text) == join
+
+
+@pytest.mark.parametrize("field, match", [
+    ("profile=WAN", r"profile= \(swarm.profile: expected lan or wan, got 'WAN'\)"),
+    ("codec=fp8", r"codec= \(averaging.codec: expected fp32, bf16, fp16 or int8"),
+    ("codec=", "codec= "),
+    ("mixing=push-sum", r"mixing= \(averaging.mixing: expected fixed or samples"),
+    ("weight=0", r"weight= \(averaging.weight: expected a number in \(0, 1\]"),
+    ("weight=1.5", "weight= "),
+    ("weight=1e999", "finite"),
+    ("weight=nan", "weight= must be a number, not 'nan'"),
+    ("weight=-0.5", "weight= must be a number"),
+    ("weight=0_5", "weight= must be a number"),
+    ("weight=%200.5", "weight= must be a number"),
+    ("correction=yes", "correction= must be true or false, not 'yes'"),
+    ("correction=True", "correction= must be true or false"),
+    ("codec=bf16&codec=fp16", "codec= is given twice"),
+    ("seed=1&seed=2", "seed= is given twice"),
+    ("relay=on", "unknown field 'relay': a line from a newer gossipd"),
+    ("weight=0.5%0A", "weight= must be a number"),
+])
+def test_join_line_with_a_bad_setting_is_refused_in_one_line(field: str, match: str) -> None:
+    with pytest.raises(KeyFileError, match=match) as info:
+        JoinLine.parse(f"gossip://lab@h:1?key={HEX}&task=m:f&{field}")
+    assert str(info.value).startswith("bad join line: ")
+    assert "\n" not in str(info.value) and HEX not in str(info.value)
+
+
+@pytest.mark.parametrize("bootstrap, match", [
+    ("0.0.0.0:7070", "0.0.0.0 means every address"),
+    ("[::]:7070", ":: means every address"),
+    ("h:0", "port 0"),
+    ("h:1,0.0.0.0:2", "0.0.0.0"),
+])
+def test_join_line_refuses_a_bootstrap_address_nobody_can_dial(bootstrap: str,
+                                                               match: str) -> None:
+    with pytest.raises(KeyFileError, match=match):
+        JoinLine.parse(f"gossip://lab@{bootstrap}?key={HEX}&task=m:f")
+    with pytest.raises(KeyFileError, match=match):
+        line(bootstrap=tuple(bootstrap.split(",")))
+    with pytest.raises(KeyFileError, match="needs a bootstrap address"):
+        line(bootstrap=())
 
 
 def test_join_line_repr_hides_the_key() -> None:
@@ -207,6 +287,7 @@ def test_join_line_repr_hides_the_key() -> None:
     f"gossip://lab@h:1?key={HEX}00&task=m:f",  # long key
     f"gossip://lab@h:1?key={'g' * 64}&task=m:f",  # not hex
     f"gossip://lab@h:1?key={HEX}",  # no task
+    f"gossip://lab@h:1?key={HEX}&task=",  # empty task
     f"gossip://lab@?key={HEX}&task=m:f",  # no bootstrap
     f"gossip://lab@,?key={HEX}&task=m:f",  # empty bootstrap list
     f"gossip://lab@h?key={HEX}&task=m:f",  # no port
@@ -224,8 +305,8 @@ def test_join_line_repr_hides_the_key() -> None:
     f"gossip://labh:1?key={HEX}&task=m:f",  # no @
     "",
 ], ids=["no-scheme", "wrong-scheme", "no-key", "empty-key", "short-key", "long-key",
-        "not-hex-key", "no-task", "no-bootstrap", "empty-bootstrap", "no-port", "big-port",
-        "bare-ipv6", "one-bad-peer", "seed-x", "seed-float", "shards-0", "shards-big",
+        "not-hex-key", "no-task", "empty-task", "no-bootstrap", "empty-bootstrap", "no-port",
+        "big-port", "bare-ipv6", "one-bad-peer", "seed-x", "seed-float", "shards-0", "shards-big",
         "shards-negative", "cipher-upper", "no-name", "no-query", "no-at", "empty"])
 def test_join_line_malformed(text: str) -> None:
     with pytest.raises(KeyFileError) as info:
@@ -242,8 +323,8 @@ def test_join_line_task_with_percent_round_trips() -> None:
 _names = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=20)
 _hosts = st.one_of(
     st.from_regex(r"[a-z][a-z0-9.-]{0,15}", fullmatch=True),
-    st.ip_addresses(v=4).map(str),
-    st.ip_addresses(v=6).map(lambda a: f"[{a}]"),
+    st.ip_addresses(v=4).filter(lambda a: not a.is_unspecified).map(str),
+    st.ip_addresses(v=6).filter(lambda a: not a.is_unspecified).map(lambda a: f"[{a}]"),
 )
 _peers = st.builds(lambda h, p: f"{h}:{p}", _hosts, st.integers(1, 65535))
 _tasks = st.builds(lambda m, f: f"{m}:{f}",
@@ -255,9 +336,16 @@ _tasks = st.builds(lambda m, f: f"{m}:{f}",
 @settings(max_examples=150, deadline=None)
 @given(name=_names, key=st.binary(min_size=32, max_size=32),
        bootstrap=st.lists(_peers, min_size=1, max_size=4).map(tuple), task=_tasks,
-       seed=st.integers(0, 2**63), shards=st.integers(1, 2**16 - 1))
+       seed=st.integers(0, 2**63), shards=st.integers(1, 2**16 - 1),
+       settings=st.fixed_dictionaries({}, optional={
+           "cipher": st.sampled_from(["aesgcm", "chachapoly"]),
+           "profile": st.sampled_from(["lan", "wan"]),
+           "codec": st.sampled_from(["fp32", "bf16", "fp16", "int8"]),
+           "mixing": st.sampled_from(["fixed", "samples"]),
+           "weight": st.floats(0, 1, exclude_min=True), "correction": st.booleans()}))
 def test_join_line_round_trip_fuzz(name: str, key: bytes, bootstrap: tuple[str, ...],
-                                   task: str, seed: int, shards: int) -> None:
-    join = JoinLine(name, key, bootstrap, task, seed, shards)
+                                   task: str, seed: int, shards: int,
+                                   settings: dict[str, object]) -> None:
+    join = JoinLine(name, key, bootstrap, task, seed, shards, **settings)  # type: ignore[arg-type]
     assert JoinLine.parse(str(join)) == join
     assert key.hex() not in repr(join)

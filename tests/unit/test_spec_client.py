@@ -39,8 +39,8 @@ MAX_HANDSHAKE_MESSAGE = 65535
 MAX_RECORD = 1 << 20
 MAX_MESSAGE = 65536
 FIELD_COUNTS = {1: 4, 2: 2, 3: 2, 4: 5,  # section 6.3 tag table
-                5: 2, 6: 2, 7: 3, 8: 1, 9: 1, 10: 8, 11: 3, 12: 3, 13: 2, 14: 9, 15: 3,
-                16: 6, 17: 4, 18: 0, 19: 4, 20: 3}
+                5: 2, 6: 2, 7: 3, 8: 1, 9: 1, 10: 9, 11: 3, 12: 3, 13: 2, 14: 10, 15: 3,
+                16: 6, 17: 4, 18: 0, 19: 4, 20: 3, 21: 1}
 CODEC_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}  # section 7.3
 
 
@@ -546,9 +546,9 @@ def test_appendix_b_sealed_datagram():
     assert len(sealed) == 93 == len(packet) + SEAL_OVERHEAD
     assert decode_packet(unseal(key, sealed)) == ("eh7ddx5bksrgcytl7bkai36se4", [[6, 1, "hh3rhufgiqst6bcssqq3t5i3tm"]])
     member = encode_message(MEMBER_STATE, "hh3rhufgiqst6bcssqq3t5i3tm", 3, ALIVE, "10.0.0.2:7070", 1, 1200, True,
-                            3, 8)  # shard 3 of 8
-    assert len(member) == 53
-    assert encode_message(PUSH_PULL, True, True, [member]) == bytes.fromhex("840ff5f5815835") + member
+                            3, 8, True)  # shard 3 of 8, reachable
+    assert len(member) == 54
+    assert encode_message(PUSH_PULL, True, True, [member]) == bytes.fromhex("840ff5f5815836") + member
 
 
 # --- tests: membership against a reference roster -----------------------------------------
@@ -641,7 +641,7 @@ async def test_join_by_push_pull_then_answer_probes():
         with sock:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(answer_pings)
-                mine = encode_message(MEMBER_STATE, me, 0, ALIVE, my_address, 1, 0, False, 2, 4)
+                mine = encode_message(MEMBER_STATE, me, 0, ALIVE, my_address, 1, 0, False, 2, 4, True)
                 with trio.fail_after(5):
                     client = await Client.connect(roster.address, SWARM_NAME, swarm_key, identity=identity)
                     assert peer_id(client.server_identity_key) == ident.peer_id
@@ -650,10 +650,10 @@ async def test_join_by_push_pull_then_answer_probes():
                     await client.send_message(PUSH_PULL, False, True, [mine])  # step 3
                     await client.stream.aclose()
                 # The responder's own record comes first, ALIVE; it merged ours before answering.
-                tag, peer, incarnation, state, address, version, step, ready, shard, shards = table[0]
+                tag, peer, incarnation, state, address, version, step, ready, shard, shards, reachable = table[0]
                 assert (tag, peer, state, address, version) == (MEMBER_STATE, ident.peer_id, ALIVE, roster.address, 1)
-                assert (shard, shards) == (0, 0)  # the roster announces no data shard
-                assert [MEMBER_STATE, me, 0, ALIVE, my_address, 1, 0, False, 2, 4] in table[1:]
+                assert (shard, shards, reachable) == (0, 0, True)  # no data shard; reachable
+                assert [MEMBER_STATE, me, 0, ALIVE, my_address, 1, 0, False, 2, 4, True] in table[1:]
                 with trio.fail_after(5):
                     while not any(m.peer == me and m.state == State.ALIVE and m.address == my_address
                                   and (m.shard, m.shards) == (2, 4) for m in roster.members()):

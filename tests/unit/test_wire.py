@@ -30,7 +30,7 @@ EXAMPLES = [
     m.Dead(peer=PEER, incarnation=4, by=OTHER),
     m.Left(peer=PEER, incarnation=5),
     m.MemberState(peer=PEER, incarnation=1, state=m.MemberState.DEAD, address="a:1", version=1,
-                  step=0, ready=False),
+                  step=0, ready=False, reachable=False),
     m.PushPull(join=True, last=False, records=(b"x" * 100,)),
     m.Offer(fingerprint=FP, codec="fp32", step=12, samples=768, weight=0.0, correction=True),
     m.Accept(step=13, samples=2**50, weight=1234.5, correction=False),
@@ -38,6 +38,7 @@ EXAMPLES = [
     m.StateInfo(step=7, samples=0, weight=1.0, meta=b"\xa0"),
     m.SchemaInfo(count=3, entries=(("fc.weight", (4, 8), "float32"), ("fc.bias", (4,), "float32")),
                  meta=b""),
+    m.DialBack(nonce=bytes(range(16))),
 ]
 
 
@@ -74,21 +75,24 @@ def test_round_trip(message):
         ([1, 1, "s", b"k" * 31, b"s" * 64], "Hello.identity_key"),
         ([6, 1, "A" * 26], "Ping.target"),  # peer ids are lowercase
         ([6, 2**32, "a" * 26], "Ping.seq"),
-        ([10, "a" * 26, 0, "a:1", 1, 0, 1, 0, 0], "Alive.ready"),  # 1 is not a boolean
-        ([14, "a" * 26, 0, 4, "a:1", 1, 0, False, 0, 0], "MemberState.state"),
-        ([10, "a" * 26, 0, "a:1", 1, 0, True], "Alive: expected 8 fields, got 6"),  # no shard
-        ([10, "a" * 26, 0, "a:1", 1, 0, True, 8, 8], "Alive.shard: 8 out of range 0..7"),
-        ([10, "a" * 26, 0, "a:1", 1, 0, True, 1, 0], "Alive.shard: 1 out of range 0..0"),
-        ([10, "a" * 26, 0, "a:1", 1, 0, True, 0, 2**16], "Alive.shards"),
-        ([10, "a" * 26, 0, "a:1", 1, 0, True, -1, 8], "Alive.shard"),
-        ([14, "a" * 26, 0, 0, "a:1", 1, 0, False, 2, 2], "MemberState.shard: 2 out of range"),
-        ([14, "a" * 26, 0, 0, "a:1", 1, 0, False, 0, True], "MemberState.shards: expected an"),
+        ([10, "a" * 26, 0, "a:1", 1, 0, 1, 0, 0, True], "Alive.ready"),  # 1 is not a boolean
+        ([14, "a" * 26, 0, 4, "a:1", 1, 0, False, 0, 0, True], "MemberState.state"),
+        ([10, "a" * 26, 0, "a:1", 1, 0, True], "Alive: expected 9 fields, got 6"),  # no shard
+        ([10, "a" * 26, 0, "a:1", 1, 0, True, 8, 8, True], "Alive.shard: 8 out of range 0..7"),
+        ([10, "a" * 26, 0, "a:1", 1, 0, True, 1, 0, True], "Alive.shard: 1 out of range 0..0"),
+        ([10, "a" * 26, 0, "a:1", 1, 0, True, 0, 2**16, True], "Alive.shards"),
+        ([10, "a" * 26, 0, "a:1", 1, 0, True, -1, 8, True], "Alive.shard"),
+        ([14, "a" * 26, 0, 0, "a:1", 1, 0, False, 2, 2, True], "MemberState.shard: 2 out of range"),
+        ([14, "a" * 26, 0, 0, "a:1", 1, 0, False, 0, True, True], "MemberState.shards: expected an"),
         ([5, "a" * 26, [b""] * 65], "Packet.parts"),
         ([5, "a" * 26, ["text"]], "Packet.parts"),
         ([5, "a" * 26, [b"x" * 1401]], "Packet.parts"),
         ([15, False, True, [b""] * 257], "PushPull.records"),
-        ([10, "a" * 26, 0, "not an address", 1, 0, True, 0, 0], "Alive.address"),
-        ([10, "a" * 26, 0, "host:0", 1, 0, True, 0, 0], "Alive.address"),
+        ([10, "a" * 26, 0, "not an address", 1, 0, True, 0, 0, True], "Alive.address"),
+        ([10, "a" * 26, 0, "a:1", 1, 0, True, 0, 0, 1], "Alive.reachable"),
+        ([14, "a" * 26, 0, 0, "a:1", 1, 0, True, 0, 0], "MemberState: expected 10 fields, got 9"),
+        ([21, b"x" * 15], "DialBack.nonce: expected 16 bytes"),
+        ([10, "a" * 26, 0, "host:0", 1, 0, True, 0, 0, True], "Alive.address"),
         ([7, 1, "a" * 26, "::1:80"], "PingReq.address"),
         ([16, FP, "fp32", 0, 0, 0.0], "Offer: expected 6 fields, got 5"),  # before correction
         ([16, FP, "fp32", 0, 0, 0.0, 1], "Offer.correction: expected a boolean"),
@@ -145,12 +149,12 @@ def test_averaging_messages_match_the_spec(message, spelled):
 
 
 def test_member_state_matches_the_spec():
-    # docs/PROTOCOL.md section 6.4: shard 3 of 8 are the last two bytes.
+    # docs/PROTOCOL.md section 6.4: shard 3 of 8, then reachable, are the last three bytes.
     record = m.MemberState("hh3rhufgiqst6bcssqq3t5i3tm", 3, m.MemberState.ALIVE, "10.0.0.2:7070",
-                           1, 1200, True, 3, 8)
+                           1, 1200, True, 3, 8, True)
     data = encode(record)
-    assert len(data) == 53
-    assert data[:2] == bytes.fromhex("8a0e") and data[-6:] == bytes.fromhex("1904b0f50308")
+    assert len(data) == 54
+    assert data[:2] == bytes.fromhex("8b0e") and data[-7:] == bytes.fromhex("1904b0f50308f5")
     assert decode(data) == record
 
 
@@ -184,6 +188,10 @@ def test_invalid_messages_cannot_be_built():
         m.Alive(PEER, 0, "a:1", 1, 0, True, shard=4, shards=4)
     with pytest.raises(ValueError, match="MemberState.shards"):
         m.MemberState(PEER, 0, 0, "a:1", 1, 0, True, shard=0, shards=m.MAX_SHARDS + 1)
+    with pytest.raises(ValueError, match="Alive.reachable: expected a boolean"):
+        m.Alive(PEER, 0, "a:1", 1, 0, True, reachable=1)
+    with pytest.raises(ValueError, match="DialBack.nonce: expected 16 bytes"):
+        m.DialBack(b"short")
 
 
 def test_tag_table_is_append_only_so_far():
@@ -192,7 +200,7 @@ def test_tag_table_is_append_only_so_far():
         1: "Hello", 2: "Close", 3: "StateRequest", 4: "StateHeader", 5: "Packet", 6: "Ping",
         7: "PingReq", 8: "Ack", 9: "Nack", 10: "Alive", 11: "Suspect", 12: "Dead", 13: "Left",
         14: "MemberState", 15: "PushPull", 16: "Offer", 17: "Accept", 18: "Commit",
-        19: "StateInfo", 20: "SchemaInfo",
+        19: "StateInfo", 20: "SchemaInfo", 21: "DialBack",
     }
 
 
