@@ -31,7 +31,8 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 # Every benchmark (quick settings where a script has them; the straggler comparison needs its
-# three repetitions): about 11 minutes on 2 cores. Each prints a table and, last, one JSON
+# three repetitions): about 15 minutes on 2 cores (bench/wan.py's real-socket check needs root
+# for ip netns, and says so and skips it without). Each prints a table and, last, one JSON
 # line; the comparison benchmarks also write bench/results/<name>.json and .png.
 bench: $(STAMP)
 	$(PY) bench/channel.py
@@ -40,6 +41,8 @@ bench: $(STAMP)
 	$(PY) bench/exchange.py --quick
 	$(PY) bench/overhead.py --quick
 	$(PY) bench/scale.py --quick
+	$(PY) bench/nat.py --quick
+	$(PY) bench/wan.py --quick
 	$(PY) bench/efficiency.py --quick
 	$(PY) bench/straggler.py
 
