@@ -269,8 +269,10 @@ class Membership(Probing):
         deadlines = [self._next_push_pull, self._next_reconnect]
         if not self.leaving:
             deadlines.append(self._next_probe)
-            deadlines.append(self._announced + self.config.meta_interval if not self._self.reachable
-                             else self._next_overdue)
+            if self._self.reachable:
+                deadlines.append(self._next_overdue)
+            elif self._self.incarnation < MAX_COUNT:  # else no heartbeat can be sent
+                deadlines.append(self._announced + self.config.meta_interval)
         if self._probe is not None:
             deadlines.append(self._probe.end)
             if not self._probe.helpers_asked:

@@ -9,7 +9,7 @@ push-pull, nobody probes it, and it keeps its own record alive by re-announcing 
 (:meth:`gossip.membership.Membership._keep_alive`). It still initiates all of that itself.
 
 A node told to find out (``reachable=None``, the daemon's ``node.reachable = "auto"``)
-announces itself unreachable, joins, then asks a reachable member to dial it back:
+announces itself unreachable, joins, then asks a member to dial it back:
 
 1. it opens a channel to the member and sends ``DialBack(nonce)``, ``nonce`` fresh;
 2. the member dials the address in the requester's own member record (never an address
@@ -17,7 +17,12 @@ announces itself unreachable, joins, then asks a reachable member to dial it bac
    identity in the handshake; on that new channel it sends the same ``DialBack`` and
    closes it;
 3. the member then answers on the request's channel: ``DialBack(nonce)`` if its dial got
-   through, ``Close(REJECTED, why)`` if not.
+   through, ``Close(REJECTED, reason)`` if not (the reason never says how it failed).
+
+The requester asks the member it joined through first (it surely knows us), then reachable
+members, then the others: in a swarm started all at once every node is unchecked, and a
+member need only be dialable by us and able to dial out. Once found reachable, it push-pulls
+with that member, since nobody gossips to a member held unreachable.
 
 The requester believes only the channel that reached it, carrying its nonce: an answer
 just ends its wait early (after :data:`GRACE` seconds for the new channel, whose first
@@ -26,22 +31,31 @@ think it is not (it then merely is never dialed), never the reverse. A node that
 itself unreachable asks again every :data:`RECHECK` seconds, so opening a port later
 takes effect without a restart.
 
-A member runs at most :data:`MAX_RUNNING` dial-backs at once and one per peer per
-:data:`PEER_GAP` seconds: a key holder can make members dial the address it announces, at
-that pace, and no faster.
+What a key holder can make of it: each member dials the address a requester announces for
+itself, so a member is a dialer of any address, bounded three ways: at most
+:data:`MAX_RUNNING` dial-backs at once, :data:`RATE` a second on average for all requesters
+together, and one per requesting peer id and one per target host per :data:`PEER_GAP`
+seconds (fresh identities are free; hosts are not). Its answer says only that the dial failed,
+never how (refused, timed out, handshake failed), so a member is no port-scanning oracle. A
+request from a peer the member does not know yet is refused without dialing (``Close(BUSY)``:
+no verdict; the requester asks another member, or later).
 """
 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import trio
 
+from .address import parse_address
 from .channel import SecureChannel, Timeouts, connect
 from .errors import GossipError
+from .groups import one_error
 from .handshake import Swarm
 from .identity import Identity, PeerId
+from .limits import RateLimit
 from .messages import Close, DialBack
 from .network import Network
 
@@ -53,8 +67,9 @@ log = logging.getLogger(__name__)
 GRACE = 2.0  # s we wait for the member's channel once it says it got through
 RECHECK = 600.0  # s between checks while we find ourselves unreachable
 MAX_RUNNING = 8  # dial-backs this node runs for others at once; more are refused
-PEER_GAP = 60.0  # s between two dial-backs for one peer
-MAX_REMEMBERED = 1024  # peers whose last dial-back time we keep (the oldest go first)
+RATE = 1.0  # dial-backs this node starts per second on average, for all requesters together
+PEER_GAP = 60.0  # s between two dial-backs for one peer id, and for one target host
+MAX_REMEMBERED = 1024  # peer ids, and target hosts, whose last dial-back we keep (LRU)
 
 
 @dataclass(frozen=True)
@@ -68,24 +83,31 @@ class Reachability:
 
 
 class DialBacks:
-    """The member's side: admission (rate and concurrency) of dial-back requests."""
+    """The member's side: admission (concurrency, rate, gaps) of dial-back requests."""
 
     def __init__(self) -> None:
-        self._last: dict[str, float] = {}
+        self._by_peer: OrderedDict[str, float] = OrderedDict()
+        self._by_host: OrderedDict[str, float] = OrderedDict()
+        self._rate = RateLimit(RATE, MAX_RUNNING, max_keys=1)
         self.running = 0
 
-    def refusal(self, peer: str, now: float) -> str | None:
-        """Why the request of ``peer`` is refused now, or None: admitted (the caller then
-        runs it and calls :meth:`done`)."""
+    def refusal(self, peer: str, address: str, now: float) -> str | None:
+        """Why the request of ``peer`` to be dialed at ``address`` is refused now, or None:
+        admitted (the caller then dials and calls :meth:`done`)."""
         if self.running >= MAX_RUNNING:
             return "busy with other dial-backs"
-        last = self._last.get(peer)
-        if last is not None and now - last < PEER_GAP:
-            return f"asked again within {PEER_GAP:g} s"
-        self._last.pop(peer, None)
-        self._last[peer] = now
-        while len(self._last) > MAX_REMEMBERED:
-            self._last.pop(next(iter(self._last)))
+        host = parse_address(address)[0]
+        for table, key in ((self._by_peer, peer), (self._by_host, host)):
+            last = table.get(key)
+            if last is not None and now - last < PEER_GAP:
+                return f"asked again within {PEER_GAP:g} s"
+        if not self._rate.allow("", now):
+            return "too many dial-backs just now"
+        for table, key in ((self._by_peer, peer), (self._by_host, host)):
+            table.pop(key, None)
+            table[key] = now
+            while len(table) > MAX_REMEMBERED:
+                table.popitem(last=False)
         self.running += 1
         return None
 
@@ -105,18 +127,28 @@ async def ask(network: Network, member: str, address: str, *, identity: Identity
     will not be. Returns whether the member tried (else ask another) and what happened, for
     the log; whether it got through is ``reached``.
 
+    A member that took the request and then gave no answer within :func:`budget` counts as
+    having tried (it may have dialed and failed more slowly than we wait): a verdict, as a
+    refusal would be.
+
     Raises:
         GossipError: the request itself failed (the member is not to blame for our state:
             ask another).
-        trio.TooSlowError: no answer within :func:`budget`.
+        trio.TooSlowError: not even the request got through within :func:`budget`.
     """
-    with trio.fail_after(budget(timeouts)):
-        channel = await connect(network, address, identity=identity, swarm=swarm,
-                                allow=frozenset({PeerId(member)}), timeouts=timeouts)
-        async with channel:
-            await channel.send_message(DialBack(nonce))
-            answer = await _first_of(channel, reached)
-    short = PeerId(member).short
+    short, sent = PeerId(member).short, False
+    try:
+        with trio.fail_after(budget(timeouts)):
+            channel = await connect(network, address, identity=identity, swarm=swarm,
+                                    allow=frozenset({PeerId(member)}), timeouts=timeouts)
+            async with channel:
+                await channel.send_message(DialBack(nonce))
+                sent = True
+                answer = await _first_of(channel, reached)
+    except trio.TooSlowError:
+        if not sent:
+            raise
+        return True, f"{short} gave no answer within {budget(timeouts):g} s"
     if isinstance(answer, DialBack) and not reached.is_set():
         # It says it got through: give its channel a moment.
         with trio.move_on_after(GRACE):
@@ -133,51 +165,53 @@ async def ask(network: Network, member: str, address: str, *, identity: Identity
 
 
 async def _first_of(channel: SecureChannel, reached: trio.Event) -> object | None:
-    """The member's answer, or None as soon as ``reached`` is set."""
+    """The member's answer, or None as soon as ``reached`` is set.
+
+    Raises:
+        GossipError: the channel failed (as itself, not in a group).
+    """
     answer: object | None = None
-    async with trio.open_nursery() as nursery:
-        async def receive() -> None:
-            nonlocal answer
-            answer = await channel.receive_message()
-            nursery.cancel_scope.cancel()
 
-        async def wait() -> None:
-            await reached.wait()
-            nursery.cancel_scope.cancel()
+    async def receive(done: trio.CancelScope) -> None:
+        nonlocal answer
+        answer = await channel.receive_message()
+        done.cancel()
 
-        nursery.start_soon(receive)
-        nursery.start_soon(wait)
+    async def wait(done: trio.CancelScope) -> None:
+        await reached.wait()
+        done.cancel()
+
+    with one_error():
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(receive, nursery.cancel_scope)
+            nursery.start_soon(wait, nursery.cancel_scope)
     return answer
 
 
-async def answer(channel: SecureChannel, request: DialBack, address: str | None, *,
+async def answer(channel: SecureChannel, request: DialBack, address: str, *,
                  network: Network, identity: Identity, swarm: Swarm, timeouts: Timeouts) -> bool:
-    """Dial ``channel.peer`` back at ``address`` (its own record's; None: we do not know
-    it), send it ``request`` there, and tell it on ``channel`` how that went. Returns
-    whether the dial got through. Errors of the dial are the answer, not raised.
+    """Dial ``channel.peer`` back at ``address`` (its own record's), send it ``request``
+    there, and tell it on ``channel`` how that went: ``DialBack`` if the dial got through,
+    ``Close(REJECTED)`` with a fixed reason if not (how it failed is logged here, never
+    told). Returns whether the dial got through.
 
     Raises:
         GossipError: ``channel`` itself failed while we answered.
+        trio.TooSlowError: the requester did not take our answer in time.
     """
-    peer = channel.peer
-    if address is None:
-        why = "you are not in my member table yet"
-    else:
-        try:
-            with trio.fail_after(timeouts.connect + timeouts.handshake):
-                back = await connect(network, address, identity=identity, swarm=swarm,
-                                     allow=frozenset({peer}), timeouts=timeouts)
-                async with back:
-                    await back.send_message(request)
-            why = ""
-        except trio.TooSlowError:
-            why = f"no connection to {address} within {timeouts.connect + timeouts.handshake:g} s"
-        except GossipError as exc:
-            why = f"{address}: {exc}"
+    peer, limit = channel.peer, timeouts.connect + timeouts.handshake
+    try:
+        with trio.fail_after(limit):
+            back = await connect(network, address, identity=identity, swarm=swarm,
+                                 allow=frozenset({peer}), timeouts=timeouts)
+            async with back:
+                await back.send_message(request)
+        reached = True
+    except (GossipError, trio.TooSlowError) as exc:
+        log.debug("dial-back failed peer=%s address=%s: %s", peer.short, address,
+                  exc or "no channel in time")
+        reached = False
     with trio.fail_after(timeouts.connect):  # the requester is waiting: it reads at once
-        if why:
-            log.debug("dial-back failed peer=%s: %s", peer.short, why)
-            await channel.send_message(Close(Close.REJECTED, why[:200]))
-        else:
-            await channel.send_message(request)
-    return not why
+        await channel.send_message(request if reached else Close(
+            Close.REJECTED, f"no channel to {address} within {limit:g} s"[:200]))
+    return reached

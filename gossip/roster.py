@@ -31,6 +31,7 @@ import functools
 import logging
 import math
 import random
+import secrets
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable, Sequence
@@ -153,13 +154,17 @@ class Roster:
         self._warned_at = -math.inf  # when the last join warning was logged
         self._warning_gap = FIRST_WARNING_GAP  # until the next one; doubles each time
         # Whether others can dial us: configured, or (None) found out by a dial-back check.
-        self._reachability = (Reachability(reachable, "set", False, "configured")
-                              if reachable is not None
-                              else Reachability(machine.myself().reachable, "auto", False,
-                                                "not checked yet"))
+        if reachable is not None:
+            self._reachability = Reachability(reachable, "set", False, "configured")
+        elif machine.myself().reachable:
+            self._reachability = Reachability(True, "auto", False, "the swarm's first node (no "
+                                              "bootstrap address): taken to be reachable")
+        else:
+            self._reachability = Reachability(False, "auto", False, "not checked yet")
         self._dial_back: tuple[bytes, trio.Event] | None = None  # our check in flight
         self._dial_backs = DialBacks()  # the checks we run for others
         self._next_reach_check = math.inf  # when to check again (auto, while unreachable)
+        self._joined_through: PeerId | None = None  # the member our last join went through
 
     # ---- the averager's API -----------------------------------------------------------
 
@@ -466,6 +471,7 @@ class Roster:
                 continue
             log.info("joined swarm via=%s peer=%s members=%d", address, peer.short,
                      self._m.alive_count())
+            self._joined_through = peer
             self._m.joined(trio.current_time())
             self._wake.set()  # the next push-pull moved earlier
             return True
@@ -488,10 +494,14 @@ class Roster:
         # first): a dial-back needs only that we can dial the member, and it us.
         rng = self._m.rng
         reachable, others = self.alive(reachable=True), self.alive(reachable=False)
-        asked = (rng.sample(reachable, len(reachable)) + rng.sample(others, len(others)))[:3]
+        # The member we joined through first: it surely knows us, and we could dial it.
+        first = [m for m in reachable + others if m.peer == self._joined_through]
+        asked = first + [m for m in (rng.sample(reachable, len(reachable))
+                                     + rng.sample(others, len(others))) if m not in first]
+        asked = asked[:3]
         detail, verdict = "no member to ask yet", False
         for member in asked:
-            nonce = self._m.rng.randbytes(DIAL_BACK_NONCE)
+            nonce = secrets.token_bytes(DIAL_BACK_NONCE)
             reached = trio.Event()
             self._dial_back = (nonce, reached)
             tried = False
@@ -544,17 +554,19 @@ class Roster:
         if pending is not None and first.nonce == pending[0]:
             pending[1].set()
             return
-        refusal = self._dial_backs.refusal(str(channel.peer), trio.current_time())
-        if refusal is not None:
+        record = self._m.get(channel.peer)
+        refusal = ("you are not in my member table yet" if record is None
+                   else self._dial_backs.refusal(str(channel.peer), record.address,
+                                                 trio.current_time()))
+        if refusal is not None:  # Close(BUSY): no verdict, the requester asks elsewhere
             with trio.move_on_after(1.0):
                 await channel.send_message(Close(Close.BUSY, refusal))
             return
+        assert record is not None
         try:
-            record = self._m.get(channel.peer)
-            await reachability.answer(
-                channel, first, record.address if record is not None else None,
-                network=self._network, identity=self._identity, swarm=self._swarm,
-                timeouts=self._timeouts)
+            await reachability.answer(channel, first, record.address, network=self._network,
+                                      identity=self._identity, swarm=self._swarm,
+                                      timeouts=self._timeouts)
         finally:
             self._dial_backs.done()
 
@@ -743,11 +755,13 @@ async def open_roster(
                     await endpoint.aclose()
                     endpoint = await network.open_datagram(address)
                 bound = endpoint.local_address
-                if reachable is None and not bootstrap:
-                    reachable = True
+                # auto: unreachable until a check says otherwise, but the first node of a
+                # swarm is taken to be reachable, as others must dial it to join at all.
                 machine = Membership(identity.peer_id, advertise or bound, trio.current_time(),
                                      config, rng or random.Random(), version=PROTOCOL_VERSION,
-                                     step=step, ready=ready, reachable=bool(reachable))
+                                     step=step, ready=ready,
+                                     reachable=reachable if reachable is not None
+                                     else not bootstrap)
                 roster = Roster(machine, identity, swarm, network, endpoint, config, timeouts,
                                 limits, reachable=reachable)
                 roster._on_change = on_change

@@ -146,3 +146,18 @@ def test_becoming_reachable_is_announced_at_once():
     effects += m.tick(max(1.0, m.next_deadline()))
     assert m.myself().reachable and m.incarnation == 1
     assert m.full_state()[0].reachable is True
+
+
+def test_an_outbound_node_at_the_largest_incarnation_leaves_no_deadline_in_the_past():
+    # A forged claim at 2**53 - 2 makes us refute at MAX_COUNT, after which no heartbeat
+    # can be sent: its deadline must not stay due, or the driver would spin.
+    from gossip.messages import MAX_COUNT
+
+    m = swarm_machine(reachable=False)
+    feed(m, 1.0, REACHABLE[0], Suspect(ME, MAX_COUNT - 1, REACHABLE[0]))
+    assert m.incarnation == MAX_COUNT
+    t = 1.0
+    for _ in range(50):
+        t = max(t, m.next_deadline())
+        m.tick(t)
+        assert m.next_deadline() > t
