@@ -284,6 +284,8 @@ class Averaging:
         self._rng = rng
         self._on_exchange = on_exchange
         self._busy = False
+        # Whom our last committed exchange was with, either way: tried last in our next round.
+        self._last_partner: PeerId | None = None
         self.stopping = False  # set by stop(): no new exchanges either way
         self._histories = (DeltaHistory(config.clip_window, config.clip_min_history),
                            DeltaHistory(config.clip_window, config.clip_min_history))
@@ -387,7 +389,12 @@ class Averaging:
             if self._busy:  # answering someone else's offer: no peer is at fault
                 result = Result.BUSY
                 continue
-            peer = self._pick(failed | busy) or self._pick(failed)
+            # Our last partner only when nobody else is left: when exchanges take long (a
+            # thin link), two nodes that end one together find everyone else busy, and
+            # picking each other again and again would re-average what they already share.
+            last = {self._last_partner} if self._last_partner is not None else set()
+            peer = (self._pick(failed | busy | last) or self._pick(failed | busy)
+                    or self._pick(failed))
             if peer is None:
                 break
             result = await self._initiate(peer)
@@ -653,6 +660,8 @@ class Averaging:
                step: int | None) -> None:
         log.debug("averaging %s peer=%s result=%s", "round" if initiated else "answered",
                   peer.short, result.value)
+        if result is Result.COMMITTED:
+            self._last_partner = peer
         if self._on_exchange is not None:
             distance = self._tally.last_distance if result is Result.COMMITTED else None
             self._on_exchange(Exchange(peer, initiated, result, trio.current_time() - started,

@@ -202,6 +202,35 @@ async def test_two_nodes_offering_to_each_other_at_once_still_average(
             assert Result.COMMITTED in results, results
 
 
+async def test_a_node_picks_its_last_partner_only_when_nobody_else_is_left(
+    autojump_clock: MockClock,
+) -> None:
+    # When exchanges are long (a thin link), the two nodes that end one together find everyone
+    # else busy; picking each other again would re-average what they already share. Rounds
+    # by one node alone: every other node is free, so each round goes to someone new.
+    torch.manual_seed(0)
+    async with open_averaging_swarm(latency=0.005) as swarm:
+        with trio.fail_after(10):
+            peers = await start_all(swarm, [torch.nn.Linear(8, 4) for _ in range(3)])
+        a, others = peers[0], peers[1:]
+        partners = []
+        for _ in range(6):
+            before = [p.swarm_node.statistics().committed for p in others]
+            with trio.fail_after(round_bound(ROUNDS, exchange=1.0)):
+                assert await swarm.average(a) is Result.COMMITTED
+                await swarm.settle()
+            partners += [p.name for p, b in zip(others, before)
+                         if p.swarm_node.statistics().committed > b]
+        assert len(partners) == 6 and all(x != y for x, y in zip(partners, partners[1:])), partners
+        # With one other node only, it is picked every time.
+        async with open_averaging_swarm(latency=0.005, seed=2) as pair:
+            with trio.fail_after(10):
+                first, _ = await start_all(pair, [torch.nn.Linear(8, 4) for _ in range(2)])
+            for _ in range(2):
+                with trio.fail_after(round_bound(ROUNDS, exchange=1.0)):
+                    assert await pair.average(first) is Result.COMMITTED
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 async def test_short_intervals_everywhere_make_progress(autojump_clock: MockClock,
                                                         seed: int) -> None:
