@@ -34,8 +34,10 @@ takes effect without a restart.
 What a key holder can make of it: each member dials the address a requester announces for
 itself, so a member is a dialer of any address, bounded three ways: at most
 :data:`MAX_RUNNING` dial-backs at once, :data:`RATE` a second on average for all requesters
-together, and one per requesting peer id and one per target host per :data:`PEER_GAP`
-seconds (fresh identities are free; hosts are not). Its answer says only that the dial failed,
+together, and one per requesting peer id and one per target address per :data:`GAP`
+seconds (fresh identities are free; an address pins a host and a port). Not per host: nodes
+that share an address's host (several daemons on one machine, or behind one NAT) each need
+their own check. Its answer says only that the dial failed,
 never how (refused, timed out, handshake failed), so a member is no port-scanning oracle. A
 request from a peer the member does not know yet is refused without dialing (``Close(BUSY)``:
 no verdict; the requester asks another member, or later).
@@ -60,7 +62,7 @@ from .messages import Close, DialBack
 from .network import Network
 
 __all__ = ["Reachability", "DialBacks", "ask", "answer", "GRACE", "RECHECK", "MAX_RUNNING",
-           "PEER_GAP"]
+           "GAP"]
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +70,9 @@ GRACE = 2.0  # s we wait for the member's channel once it says it got through
 RECHECK = 600.0  # s between checks while we find ourselves unreachable
 MAX_RUNNING = 8  # dial-backs this node runs for others at once; more are refused
 RATE = 1.0  # dial-backs this node starts per second on average, for all requesters together
-PEER_GAP = 60.0  # s between two dial-backs for one peer id, and for one target host
-MAX_REMEMBERED = 1024  # peer ids, and target hosts, whose last dial-back we keep (LRU)
+GAP = 10.0  # s between two dial-backs for one peer id, and for one target address (a node
+# that restarts within it waits the rest: its check says "asked again", no verdict)
+MAX_REMEMBERED = 1024  # peer ids, and target addresses, whose last dial-back we keep (LRU)
 
 
 @dataclass(frozen=True)
@@ -87,7 +90,7 @@ class DialBacks:
 
     def __init__(self) -> None:
         self._by_peer: OrderedDict[str, float] = OrderedDict()
-        self._by_host: OrderedDict[str, float] = OrderedDict()
+        self._by_address: OrderedDict[str, float] = OrderedDict()
         self._rate = RateLimit(RATE, MAX_RUNNING, max_keys=1)
         self.running = 0
 
@@ -96,14 +99,14 @@ class DialBacks:
         admitted (the caller then dials and calls :meth:`done`)."""
         if self.running >= MAX_RUNNING:
             return "busy with other dial-backs"
-        host = parse_address(address)[0]
-        for table, key in ((self._by_peer, peer), (self._by_host, host)):
+        target = "%s:%d" % parse_address(address)  # one spelling per host and port
+        for table, key in ((self._by_peer, peer), (self._by_address, target)):
             last = table.get(key)
-            if last is not None and now - last < PEER_GAP:
-                return f"asked again within {PEER_GAP:g} s"
+            if last is not None and now - last < GAP:
+                return f"asked again within {GAP:g} s"
         if not self._rate.allow("", now):
             return "too many dial-backs just now"
-        for table, key in ((self._by_peer, peer), (self._by_host, host)):
+        for table, key in ((self._by_peer, peer), (self._by_address, target)):
             table.pop(key, None)
             table[key] = now
             while len(table) > MAX_REMEMBERED:

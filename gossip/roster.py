@@ -489,12 +489,12 @@ class Roster:
         :mod:`gossip.reachability`)."""
         if self._reachability.mode != "auto" or self._reachability.reachable or self._left:
             return
-        # Reachable members first; then the others, which may only be unchecked yet (every
-        # node of a swarm started together with "auto" announces itself unreachable at
-        # first): a dial-back needs only that we can dial the member, and it us.
+        # The member we joined through first: it surely knows us, and we could dial it. Then
+        # reachable members, then the others, which may only be unchecked yet (every node of
+        # a swarm started together with "auto" announces itself unreachable at first): a
+        # dial-back needs only that we can dial the member, and it us.
         rng = self._m.rng
         reachable, others = self.alive(reachable=True), self.alive(reachable=False)
-        # The member we joined through first: it surely knows us, and we could dial it.
         first = [m for m in reachable + others if m.peer == self._joined_through]
         asked = first + [m for m in (rng.sample(reachable, len(reachable))
                                      + rng.sample(others, len(others))) if m not in first]

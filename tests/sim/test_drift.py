@@ -188,6 +188,10 @@ async def test_nodes_of_different_speeds_agree_on_a_step_that_never_goes_back(
     print(f"\nown steps {own}, steps scheduled by {steps}")
     for h in history:
         assert all(b >= a for a, b in zip(h, h[1:]))  # never back
-    # They agree (to 0-5% over runs: which offers collide varies with trio's scheduling) ...
-    assert max(steps) - min(steps) <= 0.06 * max(steps)
+    # The three slow nodes agree closely, and the fast one holds its step a few percent
+    # above theirs (0-7% over runs: which offers collide varies with trio's scheduling; the
+    # most since a node stopped picking its last partner again, which keeps the slow ones on
+    # their own pace: 1201-1218 of 1201 own steps in 5 runs, the fast one 1249-1290) ...
+    assert max(steps[:3]) - min(steps[:3]) <= 0.01 * max(steps)
+    assert max(steps) - min(steps) <= 0.09 * max(steps)
     assert steps[3] < 0.5 * own[3]  # ... on the majority's pace, not the fast node's

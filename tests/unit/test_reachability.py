@@ -10,7 +10,7 @@ from gossip.channel import Timeouts, connect, serve
 from gossip.identity import Identity
 from gossip.messages import Close, DialBack
 from gossip.errors import GossipError
-from gossip.reachability import (MAX_REMEMBERED, MAX_RUNNING, PEER_GAP, RATE, DialBacks, answer,
+from gossip.reachability import (GAP, MAX_REMEMBERED, MAX_RUNNING, RATE, DialBacks, answer,
                                  ask, budget)
 from gossip.simnet import SimNetwork
 from tests.util import SWARM
@@ -18,14 +18,17 @@ from tests.util import SWARM
 NONCE = bytes(range(16))
 
 
-def test_one_request_per_peer_and_per_target_host_per_gap():
+def test_one_request_per_peer_and_per_target_address_per_gap():
     d = DialBacks()
     assert d.refusal("p", "10.0.0.1:7070", 0.0) is None
     d.done()
-    assert "again within" in d.refusal("p", "10.0.0.2:7070", PEER_GAP - 1)
-    # Fresh identities are free, hosts are not: another peer id for the same host waits too.
-    assert "again within" in d.refusal("fresh", "10.0.0.1:9999", PEER_GAP - 1)
-    assert d.refusal("p", "10.0.0.1:7070", PEER_GAP) is None
+    assert "again within" in d.refusal("p", "10.0.0.2:7070", GAP - 1)
+    # Fresh identities are free, addresses are not: another peer id for it waits too.
+    assert "again within" in d.refusal("fresh", "10.0.0.1:7070", GAP - 1)
+    # Another port of the same host is another node (daemons sharing a machine).
+    assert d.refusal("other", "10.0.0.1:7071", GAP - 1) is None
+    d.done()
+    assert d.refusal("p", "10.0.0.1:7070", GAP) is None
     d.done()
 
 
@@ -45,7 +48,7 @@ def test_the_memory_of_requests_is_bounded():
     for i in range(3 * MAX_REMEMBERED):
         assert d.refusal(f"p{i}", f"h{i}:1", float(i) / RATE) is None
         d.done()
-    assert len(d._by_peer) == len(d._by_host) == MAX_REMEMBERED
+    assert len(d._by_peer) == len(d._by_address) == MAX_REMEMBERED
 
 
 async def run_check(net: SimNetwork, requester_host: str, *, nat: bool = False):
