@@ -180,12 +180,24 @@ def cmd_run(args: argparse.Namespace) -> int:
     config = _load(args)
     import trio
 
+    import gossip
+
     from . import logs
+    from .follower import follow
+    from .processes import ProcessesError, placement
     from .service import StartupError, prepare, run
     from .task import TaskError
-    live = logs.setup(args.log_level)
     try:
-        prepared = prepare(config)
+        where = placement(config.task.processes)
+    except ProcessesError as exc:
+        raise UsageError(str(exc)) from None
+    live = logs.setup(args.log_level, process=where.rank if where.several else None)
+    if not where.speaker:
+        return follow(config, where)
+    argv = ("run", *(("-c", args.config) if args.config else ()),
+            *(x for value in args.set for x in ("--set", value)), "--log-level", args.log_level)
+    try:
+        prepared = prepare(config, argv)
         if prepared.resumed:
             log.info("resuming checkpoint=%s step=%d", prepared.resumed, prepared.counters.step)
         trio.run(lambda: run(prepared, live=live))
@@ -193,6 +205,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     except TaskError as exc:  # the task broke its contract while training: one line says how
         log.error("the daemon failed: %s", exc)
+        return EXIT_FAILED
+    except (gossip.ProcessLost, gossip.ReplicasDiverged) as exc:  # said when it happened
+        log.error("the node stopped: %s", exc)
         return EXIT_FAILED
     except Exception:
         log.exception("the daemon failed")

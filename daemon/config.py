@@ -341,6 +341,13 @@ class TaskConfig(_Section):
                                "between chunks); 0: only when stopping", NON_NEGATIVE)
     max_steps: int = _field(0, "stop after this process has taken this many steps; 0: run "
                             "until stopped", COUNT)
+    processes: int = _field(1, "training processes of this node, 1..64: one per GPU on a "
+                            "machine with several (process r takes cuda:r); they train one "
+                            "model synchronously and the swarm sees one node. Under torchrun, "
+                            "leave it at 1", _want(lambda v: 1 <= v <= 64, "an integer in 1..64"))
+    check_every: int = _field(0, "steps between checks that a node's processes hold "
+                              "bit-identical parameters (a broadcast of the model); 0: never",
+                              COUNT)
     threads: int = _field(0, "CPU threads torch may use; 0: torch's default (one per core). "
                           "Small models train faster on 1", COUNT)
 

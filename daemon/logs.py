@@ -73,16 +73,22 @@ class _Handler(logging.StreamHandler):  # type: ignore[type-arg]
         self.live.redraw()
 
 
-def setup(level: str = "INFO", stream: IO[str] | None = None) -> LiveLine | None:
+def setup(level: str = "INFO", stream: IO[str] | None = None,
+          process: int | None = None) -> LiveLine | None:
     """Send log records to ``stream`` (standard error by default).
+
+    Args:
+        process: this process's rank in a node of several: each line names it, and only
+            process 0 draws a live line.
 
     Returns:
         The live status line when the stream is a terminal, else None.
     """
     stream = stream or sys.stderr
-    live = LiveLine(stream) if stream.isatty() else None
+    live = LiveLine(stream) if stream.isatty() and not process else None
     handler = _Handler(stream, live)
-    handler.setFormatter(_Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+    where = "" if process is None else f"[process {process}] "
+    handler.setFormatter(_Formatter(f"%(asctime)s %(levelname)s {where}%(name)s %(message)s"))
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)

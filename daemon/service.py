@@ -34,7 +34,7 @@ import random
 import signal
 import socket
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -42,10 +42,11 @@ import torch
 import trio
 
 import gossip
+import gossip.nodegroup
 from gossip.address import format_address
 from gossip.groups import one_error
 
-from . import checkpoint, sharding
+from . import checkpoint, processes, sharding
 from .config import Config
 from .control import ControlError, bind_control, serve_control
 from .keys import KeyFileError, encode_options, load_swarm
@@ -89,6 +90,9 @@ class Prepared:
     own_steps: int | None = 0  # our own steps the checkpoint resumed counts (None: unknown)
     shard: Shard = Shard()  # the shard ``batches`` draws from
     choose_shard: bool = False  # task.shard "auto", no earlier choice holds: choose once joined
+    placement: processes.Placement = processes.Placement()  # this process in its node
+    group: gossip.nodegroup.NodeGroup | None = None  # a node of several processes: its group
+    followers: list[Any] = field(default_factory=list)  # the processes we started (Popen)
 
 
 class _Step:
@@ -98,14 +102,21 @@ class _Step:
     def __init__(self) -> None:
         self.start = 0
         self.node: gossip.SwarmNode | None = None
+        self.group: gossip.nodegroup.NodeGroup | None = None
 
     def __call__(self) -> int:
+        if self.group is not None and self.group.global_step:  # every process reads the same
+            return self.group.global_step
         return self.start if self.node is None else self.node.global_step
 
 
-def prepare(config: Config) -> Prepared:
+def prepare(config: Config, argv: tuple[str, ...] | None = None) -> Prepared:
     """Check, load and open everything :func:`run` needs that the operator could get wrong,
     in the order they would fix it, before anything touches the network.
+
+    Args:
+        argv: the ``gossipd run`` arguments, for the other processes of a node of several
+            (``task.processes``), which it starts last (:mod:`daemon.processes`).
 
     Raises:
         StartupError: with a one-line message.
@@ -125,6 +136,8 @@ def prepare(config: Config) -> Prepared:
         except OSError as exc:
             raise _listen_error(config.node.listen, exc) from None
         prepared = _prepare(config, control)
+        if prepared.placement.several:
+            _form_group(prepared, argv)
     except BaseException:
         network.release()
         control.close()
@@ -146,6 +159,10 @@ def _listen_error(listen: str, exc: OSError) -> StartupError:
 def _prepare(config: Config, control: socket.socket) -> Prepared:
     data_dir = config.data_dir()
     try:
+        where = processes.placement(config.task.processes)
+    except processes.ProcessesError as exc:
+        raise StartupError(str(exc)) from None
+    try:
         identity = gossip.Identity.load_or_generate(config.path(config.node.identity))
         previous = config.swarm.previous_key_file
         swarm = load_swarm(config.swarm.name, config.path(config.swarm.key_file),
@@ -153,21 +170,22 @@ def _prepare(config: Config, control: socket.socket) -> Prepared:
         if previous:
             log.info("rotating the swarm key: accepting the previous key too previous_key_file=%s",
                      config.path(previous))
-        device = pick_device(config.task.device)
+        device = (processes.node_device(config.task.device, where) if where.several
+                  else pick_device(config.task.device))
         file = entry_file(config.task.entry, data_dir)
         log.info("importing task entry=%s%s", config.task.entry, f" file={file}" if file else "")
         fn = load_entry(config.task.entry, data_dir)
-    except (OSError, KeyFileError, TaskError, gossip.IdentityError) as exc:
+    except (OSError, KeyFileError, TaskError, gossip.IdentityError,
+            processes.ProcessesError) as exc:
         raise StartupError(str(exc)) from None
-    if config.task.threads:
-        torch.set_num_threads(config.task.threads)
+    processes.set_threads(config.task.threads, where, device)
     shard, choose = _first_shard(config)
     step = _Step()
     log.info("building task entry=%s device=%s shard=%d/%d%s: the task function, then its "
              "first batch", config.task.entry, device, shard.index, shard.count,
              " (auto: chosen once joined)" if choose else "")
-    task = _build_task(config, fn, Context(config.task.seed, device, dict(config.task.options),
-                                           data_dir / "cache", step))
+    task = build_task(config, fn, Context(config.task.seed, device, dict(config.task.options),
+                                          data_dir / "cache", step, where.rank, where.size))
     try:
         first = iter(task.batches(shard))
         batches = itertools.chain([next(first)], first)
@@ -202,6 +220,7 @@ def _prepare(config: Config, control: socket.socket) -> Prepared:
     step.start = counters.step if counters is not None else 0
     prepared.own_steps = own_steps
     prepared.shard, prepared.choose_shard = shard, choose
+    prepared.placement = where
     if config.metrics.prometheus:  # last: it starts a thread
         prepared.metrics_server = _serve_metrics(metrics, config.metrics.prometheus)
     return prepared
@@ -223,7 +242,34 @@ def _first_shard(config: Config) -> tuple[Shard, bool]:
     return Shard(kept or 0, shards), kept is None
 
 
-def _build_task(config: Config, fn: Any, context: Context) -> Task:
+def _form_group(p: Prepared, argv: tuple[str, ...] | None) -> None:
+    """Start the node's other processes (unless torchrun did) and form its group, last:
+    every check the operator could fail has passed here, and each process has built the
+    task it will train."""
+    where, port = p.placement, None
+    try:
+        if where.launcher == "gossipd":
+            if argv is None:
+                raise processes.ProcessesError("task.processes > 1 needs the run's arguments "
+                                               "to start the other processes")
+            port = processes.free_port()
+            log.info("starting the node's other processes count=%d", where.size - 1)
+            p.followers = processes.spawn_followers(argv, where.size, port)
+        processes.init_group(where, p.device, port, p.followers)
+        p.group = gossip.nodegroup.NodeGroup(p.task.model, p.task.optimizer,
+                                             check_every=p.config.task.check_every)
+    except processes.ProcessesError as exc:
+        processes.stop_followers(p.followers, grace=0.0)
+        raise StartupError(str(exc)) from None
+    p.step.group = p.group
+
+
+def build_task(config: Config, fn: Any, context: Context) -> Task:
+    """The task ``fn`` returns for ``context``.
+
+    Raises:
+        StartupError: it failed, or returned something else than a :class:`Task`.
+    """
     try:
         task = fn(context)
     except TaskError as exc:
@@ -281,6 +327,7 @@ class _Service:
         self.peer_steps = PeerSteps()  # what exchanges and the download said (gossipd status)
         self.evaluation: dict[str, Any] | None = None  # the latest, for gossipd status
         self.shard: Shard | None = None  # the shard we train on, once known (auto: chosen)
+        self.failed: gossip.GossipError | None = None  # the node's processes broke apart
 
     # ---- the pieces -------------------------------------------------------------------
 
@@ -311,7 +358,12 @@ class _Service:
         try:
             await self.serve_node(task_status)
             await self.final_checkpoint()
+            if self.failed is not None:
+                self.name_the_lost()
+                raise self.failed
         finally:
+            if p.followers:  # stopped by the last boundary; the rest are ended
+                await trio.to_thread.run_sync(processes.stop_followers, p.followers)
             if p.network is not None:
                 p.network.release()  # what the node did not take, if it never opened
             p.control.close()
@@ -344,7 +396,8 @@ class _Service:
                 network=p.network or gossip.TcpNetwork(c.node.dial_from or None),
             ) as node:
                 self.node = p.step.node = node
-                self.trainer = Trainer(p.task, node, p.device, p.shard, p.batches, p.own_steps)
+                self.trainer = Trainer(p.task, node, p.device, p.shard, p.batches, p.own_steps,
+                                       p.group)
                 if not p.choose_shard:  # fixed, or kept from an earlier run: known now
                     self.shard = p.shard
                     node.roster.set_meta(shard=p.shard.index, shards=p.shard.count)
@@ -362,6 +415,8 @@ class _Service:
                         serve_control, c.path(c.node.control), {"status": self.status},
                         sock=p.control))
                     nursery.start_soon(self.metrics_loop)
+                    if p.followers:
+                        nursery.start_soon(self.watch_followers)
                     task_status.started(node.address)
                     await self.train()
                     nursery.cancel_scope.cancel()
@@ -384,7 +439,10 @@ class _Service:
                 await self.choose_shard()
         await _race(node.wait_ready, self.stop.wait)
         if self.stop.is_set():
+            await self.finish_group()
             return
+        if self.p.group is not None:
+            await self.start_group()
         if node.downloaded is not None:
             theirs = node.downloaded.task.get("entry")
             if theirs != c.task.entry:
@@ -404,7 +462,11 @@ class _Service:
         async with trio.open_nursery() as writers:
             while not self.stop.is_set():
                 limit = max_steps - steps_here if max_steps else 1 << 62
-                chunk = await trio.to_thread.run_sync(trainer.chunk, c.task.chunk, limit)
+                try:
+                    chunk = await trio.to_thread.run_sync(trainer.chunk, c.task.chunk, limit)
+                except (gossip.ProcessLost, gossip.ReplicasDiverged) as exc:
+                    self.lost(exc)
+                    break
                 steps_here += chunk.steps
                 self.metrics.trained(chunk.steps, chunk.samples, chunk.loss)
                 self.show(chunk)
@@ -421,6 +483,73 @@ class _Service:
                 if trio.current_time() >= next_eval and not self.stop.is_set():
                     next_eval = trio.current_time() + c.task.eval_every
                     await self.evaluate()
+        await self.finish_group()
+
+    # ---- a node of several processes --------------------------------------------------
+
+    async def start_group(self) -> None:
+        """Every process takes the state the node starts from, and its shard."""
+        group, node, trainer, p = self.p.group, self.node, self.trainer, self.p
+        assert group is not None and node is not None and trainer is not None
+        resumed = p.counters.step if p.resumed is not None and p.counters else None
+        try:
+            await trio.to_thread.run_sync(group.start, node.replica, resumed)
+            await trio.to_thread.run_sync(processes.agree_shard, group, trainer.shard.index)
+        except gossip.ProcessLost as exc:
+            self.lost(exc)
+            return
+        log.info("node of %d processes backend=%s: this process speaks for it and trains on "
+                 "batches 0, %d, %d, ... of its shard", group.size, group.backend, group.size,
+                 2 * group.size)
+
+    async def finish_group(self) -> None:
+        """The last step boundary: the other processes stop (none if one died)."""
+        group = self.p.group
+        if group is None or self.failed is not None:
+            return
+        try:
+            await trio.to_thread.run_sync(group.finish)
+        except gossip.ProcessLost as exc:
+            self.lost(exc)
+
+    def lost(self, exc: gossip.GossipError) -> None:
+        """Another process of the node died (or they diverged): stop as on a signal, then
+        exit 1."""
+        if self.failed is None:
+            self.failed = exc
+            log.error("%s: stopping the node (a restart resumes it from its checkpoint)", exc)
+        self.request_stop()
+
+    def name_the_lost(self) -> None:
+        """Which follower we started has died, and how, when a collective said only that one
+        had (the node may stop before :meth:`watch_followers` looks)."""
+        ended = [(rank, proc.poll()) for rank, proc in enumerate(self.p.followers, start=1)]
+        dead = [(rank, code) for rank, code in ended if code is not None and code < 0] or [
+            (rank, code) for rank, code in ended if code]
+        if dead and not str(self.failed).startswith(f"process {dead[0][0]} "):
+            rank, code = dead[0]
+            self.failed = gossip.ProcessLost(
+                f"process {rank} of this node {processes.describe_exit(code)}")
+            log.error("%s", self.failed)
+
+    async def watch_followers(self) -> None:
+        """Say which process of the node died and how, and stop the node."""
+        group, followers = self.p.group, list(enumerate(self.p.followers, start=1))
+        assert group is not None
+        while followers:
+            for rank, proc in list(followers):
+                code = proc.poll()
+                if code is None:
+                    continue
+                followers.remove((rank, proc))
+                if code != 0 or not group.stopped:
+                    # Said even when a collective said so first: this names who and how.
+                    exc = gossip.ProcessLost(
+                        f"process {rank} of this node {processes.describe_exit(code)}")
+                    log.error("%s", exc)
+                    self.failed = exc
+                    self.request_stop()
+            await trio.sleep(0.2)
 
     async def choose_shard(self) -> None:
         """``task.shard = "auto"``: choose the shard the fewest alive members announce, keep
@@ -635,6 +764,7 @@ class _Service:
                 m.address for m in members
                 if m.state in (gossip.State.ALIVE, gossip.State.SUSPECT))),
             "reachability": asdict(node.roster.reachability),
+            "processes": None if self.p.group is None else _group_status(self.p.group),
             "members": peers,
             "downloaded_from": node.downloaded.peer if node.downloaded else None,
             "shard": None if self.shard is None else self.shard.index,  # None: auto, not yet
@@ -668,6 +798,15 @@ async def _race(*fns: Any) -> None:
             nursery.cancel_scope.cancel()
         for fn in fns:
             nursery.start_soon(one, fn)
+
+
+def _group_status(group: gossip.nodegroup.NodeGroup) -> dict[str, Any]:
+    """A node of several processes, for ``gossipd status``."""
+    stats = group.statistics()
+    return {"count": group.size, "backend": group.backend, "syncs": stats.syncs,
+            "sync_seconds": round(stats.sync_seconds, 3),
+            "boundary_seconds": round(stats.header_seconds, 3),
+            "gradient_seconds": round(stats.reduce_seconds, 3), "checks": stats.checks}
 
 
 def _finite(x: float) -> float | None:

@@ -88,6 +88,10 @@ class Context:
             exchange so that the swarm's schedules stay together (a node ahead of the swarm
             holds its step while the others catch up; it never goes back). Call it in
             ``step``: it changes as training goes. It counts steps, not samples.
+        process: this process's rank in its node (0..processes-1): on a node of several
+            processes (``task.processes``), each trains on every ``processes``-th batch of the
+            node's shard; the task needs to do nothing about it.
+        processes: how many processes the node has.
     """
 
     seed: int
@@ -95,6 +99,8 @@ class Context:
     options: Mapping[str, Any] = field(default_factory=dict)
     cache_dir: Path = Path(".")
     global_step: Callable[[], int] = field(default=lambda: 0, compare=False)
+    process: int = 0
+    processes: int = 1
 
 
 @dataclass

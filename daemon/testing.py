@@ -229,6 +229,21 @@ class Daemon:
                 fields["rss" if key == "VmRSS" else "peak"] = int(value.split()[0]) * 1024
         return fields
 
+    def children(self) -> list[int]:
+        """The pids of the running process's children (the other processes of a node of
+        several, :mod:`daemon.processes`), lowest first. Linux only."""
+        found = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:  # it ended meanwhile
+                continue
+            if int(stat.rpartition(")")[2].split()[1]) == self.pid:  # field 4: the parent
+                found.append(int(entry))
+        return sorted(found)
+
     def open_files(self) -> int:
         """File descriptors the running process holds. Linux only."""
         return len(os.listdir(f"/proc/{self.pid}/fd"))

@@ -33,12 +33,13 @@ import torch
 
 import gossip
 from gossip.correction import check_state, corrected
+from gossip.nodegroup import NodeGroup
 from gossip.replica import Counters
 
 from . import checkpoint
 from .task import Shard, Task, TaskError, to_device
 
-__all__ = ["Chunk", "Trainer"]
+__all__ = ["Batches", "Chunk", "Trainer"]
 
 log = logging.getLogger(__name__)
 
@@ -65,61 +66,39 @@ def _to_cpu(value: Any) -> Any:
     return value
 
 
-class Trainer:
-    """Trains ``task`` on this node's shard, counting on ``node``'s replica."""
+class Batches:
+    """The batches of one shard, pass after pass of a finite ``task.batches(shard)``; on a
+    node of ``size`` processes, process ``rank`` takes every ``size``-th batch of that stream
+    (batches ``rank``, ``rank + size``, ...: the node's processes split what one process
+    would train on, each drawing the whole stream)."""
 
-    def __init__(self, task: Task, node: gossip.SwarmNode, device: torch.device,
-                 shard: Shard, batches: Iterator[Any] | None = None,
-                 own_steps: int | None = 0) -> None:
+    def __init__(self, task: Task, shard: Shard, batches: Iterator[Any] | None = None,
+                 rank: int = 0, size: int = 1) -> None:
         self.task = task
-        self.node = node
-        self.device = device
-        self.stop = threading.Event()  # set from any thread: the chunk ends after this step
         self._shard = shard
         self._batches = batches if batches is not None else iter(task.batches(shard))
         self._drawn = 0  # batches drawn from the current pass of task.batches(shard)
         self.epochs = 0  # passes of a finite task.batches(shard) that have ended
-        self._warned_nan = False
-        self.own_steps_before = own_steps  # of the runs before (own_steps_in); None: unknown
+        self._rank, self._size = rank, size
 
     @property
     def shard(self) -> Shard:
-        """The shard it trains on."""
         return self._shard
 
-    def use_shard(self, shard: Shard, batches: Iterator[Any]) -> None:
-        """Train on ``shard`` from now on, drawing from ``batches`` (its iterator, first batch
-        checked); between chunks only. Once, for a shard chosen after start-up."""
+    def use(self, shard: Shard, batches: Iterator[Any]) -> None:
+        """Draw from ``shard``'s ``batches`` (its iterator) from now on."""
         self._shard, self._batches, self._drawn = shard, batches, 0
 
-    def chunk(self, seconds: float, limit: int) -> Chunk:
-        """Run up to ``limit`` steps for about ``seconds`` (in a worker thread)."""
-        task, started = self.task, time.monotonic()
-        deadline = started + seconds
-        if self.device.type == "cuda":  # worker threads start on device 0
-            torch.cuda.set_device(self.device)
-        task.model.train()
-        total: torch.Tensor | float = 0.0
-        steps = applied = 0
-        while steps < limit and not self.stop.is_set():
-            batch = to_device(self._next_batch(), self.device)
-            loss = task.step(batch)
-            total = total + (loss.detach() if isinstance(loss, torch.Tensor) else float(loss))
-            steps += 1
-            applied += self.node.step(task.batch_size)
-            if time.monotonic() >= deadline:
-                break
-        applied += self.node.apply_pending()  # a chunk of no steps still takes them
-        samples = steps * task.batch_size
-        mean = float(total) / steps if steps else math.nan
-        if steps and not math.isfinite(mean) and not self._warned_nan:
-            self._warned_nan = True
-            log.warning("loss is not finite step=%d: peers will refuse this model's state "
-                        "until it is fixed (lower the learning rate?)",
-                        self.node.global_step)
-        return Chunk(steps, samples, mean, applied, time.monotonic() - started)
+    def next(self) -> Any:
+        """This process's next batch."""
+        for _ in range(self._rank):
+            self._draw()
+        batch = self._draw()
+        for _ in range(self._size - self._rank - 1):
+            self._draw()
+        return batch
 
-    def _next_batch(self) -> Any:
+    def _draw(self) -> Any:
         try:
             batch = next(self._batches)
         except StopIteration:
@@ -147,11 +126,79 @@ class Trainer:
                 f"task.batches(shard {shard}) yielded no batch "
                 f"when called again after a pass of {ended}: it must return a new iterator "
                 f"each time it is called (not one that has already ended)") from None
-        if self.epochs == 0:
+        if self.epochs == 0 and self._rank == 0:
             log.info("task.batches ended after %d batches; starting it again each time it "
                      "ends (one epoch = %d batches) shard=%s", ended, ended, shard)
         self.epochs += 1
         return batch
+
+
+class Trainer:
+    """Trains ``task`` on this node's shard, counting on ``node``'s replica; on a node of
+    several processes, ``group`` (:class:`gossip.nodegroup.NodeGroup`) brings every process to
+    the same state at each step boundary, and this process is its speaker."""
+
+    def __init__(self, task: Task, node: gossip.SwarmNode, device: torch.device,
+                 shard: Shard, batches: Iterator[Any] | None = None,
+                 own_steps: int | None = 0, group: NodeGroup | None = None) -> None:
+        self.task = task
+        self.node = node
+        self.device = device
+        self.group = group
+        self.stop = threading.Event()  # set from any thread: the chunk ends after this step
+        self.batches = Batches(task, shard, batches, 0, 1 if group is None else group.size)
+        self._warned_nan = False
+        self.own_steps_before = own_steps  # of the runs before (own_steps_in); None: unknown
+
+    @property
+    def shard(self) -> Shard:
+        """The shard it trains on."""
+        return self.batches.shard
+
+    @property
+    def epochs(self) -> int:
+        return self.batches.epochs
+
+    def use_shard(self, shard: Shard, batches: Iterator[Any]) -> None:
+        """Train on ``shard`` from now on, drawing from ``batches`` (its iterator, first batch
+        checked); between chunks only. Once, for a shard chosen after start-up."""
+        self.batches.use(shard, batches)
+
+    def chunk(self, seconds: float, limit: int) -> Chunk:
+        """Run up to ``limit`` steps for about ``seconds`` (in a worker thread).
+
+        Raises:
+            gossip.ProcessLost: another process of this node died (several processes only).
+        """
+        task, group, started = self.task, self.group, time.monotonic()
+        deadline = started + seconds
+        if self.device.type == "cuda":  # worker threads start on device 0
+            torch.cuda.set_device(self.device)
+        task.model.train()
+        samples = task.batch_size * (1 if group is None else group.size)  # the node's, a step
+        total: torch.Tensor | float = 0.0
+        steps = applied = 0
+        while steps < limit and not self.stop.is_set():
+            if group is not None:  # applies what is queued, and every process takes it
+                applied += group.boundary()
+            batch = to_device(self.batches.next(), self.device)
+            loss = task.step(batch)
+            total = total + (loss.detach() if isinstance(loss, torch.Tensor) else float(loss))
+            steps += 1
+            if group is None:
+                applied += self.node.step(samples)
+            else:
+                self.node.replica.advance(1, samples)
+            if time.monotonic() >= deadline:
+                break
+        applied += self.node.apply_pending()  # a chunk of no steps still takes them
+        mean = float(total) / steps if steps else math.nan
+        if steps and not math.isfinite(mean) and not self._warned_nan:
+            self._warned_nan = True
+            log.warning("loss is not finite step=%d: peers will refuse this model's state "
+                        "until it is fixed (lower the learning rate?)",
+                        self.node.global_step)
+        return Chunk(steps, steps * samples, mean, applied, time.monotonic() - started)
 
     def evaluate(self) -> dict[str, float]:
         """The task's evaluation, if it has one (in a worker thread, between chunks)."""

@@ -25,14 +25,15 @@ _API: dict[str, tuple[str, ...]] = {
     "download": ("Download",),
     "errors": ("AveragingFailed", "ChannelClosed", "GossipError", "HandshakeClosed",
                "HandshakeError", "IdentityClash", "IdentityError", "LocalProtocolError",
-               "PeerGone", "PeerTimeout", "RemoteProtocolError", "SchemaMismatch",
-               "WireError"),
+               "PeerGone", "PeerTimeout", "ProcessLost", "RemoteProtocolError",
+               "ReplicasDiverged", "SchemaMismatch", "WireError"),
     "handshake": ("CIPHERS", "PROTOCOL_VERSION", "Swarm"),
     "identity": ("Identity", "PeerId"),
     "limits": ("Limits",),
     "member": ("Member", "MembershipConfig", "State"),
     "network": ("Network", "TcpNetwork"),
     "node": ("SwarmNode", "open_swarm"),
+    "nodegroup": ("NodeGroup", "NodeGroupStatistics"),
     "replica": ("Counters",),
     "roster": ("Roster", "RosterStatistics", "open_roster"),
     "rotation": ("Holds", "RotationStatistics"),
@@ -65,13 +66,15 @@ if TYPE_CHECKING:
     from .download import Download
     from .errors import (AveragingFailed, ChannelClosed, GossipError, HandshakeClosed,
                          HandshakeError, IdentityClash, IdentityError, LocalProtocolError,
-                         PeerGone, PeerTimeout, RemoteProtocolError, SchemaMismatch, WireError)
+                         PeerGone, PeerTimeout, ProcessLost, RemoteProtocolError,
+                         ReplicasDiverged, SchemaMismatch, WireError)
     from .handshake import CIPHERS, PROTOCOL_VERSION, Swarm
     from .identity import Identity, PeerId
     from .limits import Limits
     from .member import Member, MembershipConfig, State
     from .network import Network, TcpNetwork
     from .node import SwarmNode, open_swarm
+    from .nodegroup import NodeGroup, NodeGroupStatistics
     from .replica import Counters
     from .roster import Roster, RosterStatistics, open_roster
     from .rotation import Holds, RotationStatistics

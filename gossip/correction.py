@@ -255,6 +255,22 @@ class Correction:
             average.zero_()
         self.scale, self._scaled = 0.0, 0
 
+    # ---- a node of several processes (gossip.nodegroup) ----------------------------------
+
+    def tensors(self) -> list[torch.Tensor]:
+        """``c``, one tensor per corrected parameter: what a follower process takes."""
+        return list(self._c)
+
+    @property
+    def timing(self) -> tuple[int, float]:
+        """The steps since ``c`` was last updated and the average spacing of its updates:
+        with ``c``, all that decides what a step adds (:meth:`strength`)."""
+        return self._since, self._spacing
+
+    @timing.setter
+    def timing(self, value: tuple[int, float]) -> None:
+        self._since, self._spacing = value
+
     # ---- checkpoints ----------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, torch.Tensor]:

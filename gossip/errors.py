@@ -139,3 +139,14 @@ class SchemaRefused(AveragingFailed):
     The operator's to fix (on our side, or on the peer's): the message names the tensors that
     differ, and the task metadata, as far as the peer's answer lists them (gossip.mismatch).
     """
+
+
+class ProcessLost(GossipError):
+    """A collective of a node of several processes failed: another process of the node died
+    or closed its end (:mod:`gossip.nodegroup`). Not the network's fault nor a peer's: the
+    node must stop, and a restart resumes it from its checkpoint."""
+
+
+class ReplicasDiverged(GossipError):
+    """The processes of one node hold different parameters: a bug, or training code that
+    does something different in one process (a step one process takes alone)."""

@@ -102,6 +102,7 @@ class Replica:
         self._samples = 0
         self._weight = 1.0
         self._local = 0  # this process's optimizer steps
+        self._revision = 0  # changes of the state made outside the optimizer
         self._watch: tuple[int, Callable[[], None]] | None = None
         self._pending: torch.Tensor | None = None
         self._scales = [0.0, 0.0]  # the delta to apply is scale[k] x part k of _pending
@@ -189,6 +190,7 @@ class Replica:
             self._weight = counters.weight if self.by_samples else 1.0
             if correction is not None and self.correction is not None:
                 self.correction.load_state_dict(correction)
+                self._revision += 1
 
     def apply_pending(self) -> int:
         """Add every queued delta to the live parameters (and the correction); returns how
@@ -201,9 +203,32 @@ class Replica:
             if self.correction is not None:
                 self.correction.apply(self._pending[n:], self._scales[1], self._decay)
             count, self._pending_count = self._pending_count, 0
+            self._revision += 1
             self._spare.append(self._pending)
             self._pending = None
             return count
+
+    @property
+    def revision(self) -> int:
+        """How many times the state changed other than by an optimizer step (deltas applied,
+        a download, a checkpoint's correction): a node of several processes broadcasts its
+        state when this moves (:mod:`gossip.nodegroup`)."""
+        return self._revision
+
+    def correction_tensors(self) -> list[torch.Tensor]:
+        """The correction's ``c`` tensors (none without a correction)."""
+        return [] if self.correction is None else self.correction.tensors()
+
+    def correction_timing(self) -> tuple[int, float]:
+        """The correction's :attr:`~gossip.correction.Correction.timing` ((0, 1.0) without
+        one)."""
+        with self.lock:
+            return (0, 1.0) if self.correction is None else self.correction.timing
+
+    def set_correction_timing(self, since: int, spacing: float) -> None:
+        with self.lock:
+            if self.correction is not None:
+                self.correction.timing = (since, spacing)
 
     @property
     def pending(self) -> int:
@@ -353,6 +378,7 @@ class Replica:
                     if isinstance(t, torch.Tensor) and not t.is_floating_point() and t.numel() == 1:
                         t.fill_(value)
             self._step, self._debt = max(self._step, step), 0
+            self._revision += 1
             if self._pending is not None:
                 self._pending, self._pending_count = None, 0
             if self.correction is not None:

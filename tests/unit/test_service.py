@@ -77,7 +77,7 @@ def loop_config(**task: Any) -> Config:
 
 async def run_loop(clock: MockClock, config: Config) -> FakeNode:
     prepared = SimpleNamespace(config=config, metrics=FakeMetrics(clock), log_file=None,
-                               choose_shard=False)
+                               choose_shard=False, group=None)
     service = _Service(prepared, trio.Event(), None)  # type: ignore[arg-type]
     service.node, service.trainer = FakeNode(), FakeTrainer()  # type: ignore[assignment]
     await service.train()
@@ -127,7 +127,7 @@ def shard_service(clock: MockClock, tmp_path: Path, announced: list[tuple[int, i
                         "task": {"entry": "m:f", "shard": "auto", "shards": 4, "max_steps": 1}},
                        tmp_path)
     prepared = SimpleNamespace(config=config, metrics=FakeMetrics(clock), log_file=None,
-                               choose_shard=True)
+                               choose_shard=True, group=None)
     service = _Service(prepared, trio.Event(), None)  # type: ignore[arg-type]
     node, trainer = FakeNode(), ShardTrainer()
     members = [SimpleNamespace(shard=i, shards=n) for i, n in announced]

@@ -1,0 +1,121 @@
+"""What a follower process of a node does: the same task, the speaker's state, steps.
+
+See :mod:`daemon.processes` for the node of several processes as a whole. A follower builds
+the task as the speaker does (same config, same seed), resumes the same checkpoint, joins the
+group, and then loops — a step boundary, one step, again — until the speaker's last boundary
+says stop. Its exit code is the daemon's: 0 once stopped, 1 when the node's group broke or the
+task failed, 2 for a start-up error (the speaker reports the same one).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from typing import Any
+
+import gossip
+from gossip.nodegroup import NodeGroup
+from gossip.replica import Replica
+
+from . import checkpoint
+from .config import Config
+from .processes import (Placement, ProcessesError, agree_shard, init_group, node_device,
+                        set_threads)
+from .task import Context, Shard, TaskError, load_entry, to_device
+from .train import Batches, Trainer
+
+__all__ = ["follow"]
+
+log = logging.getLogger(__name__)
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+def follow(config: Config, where: Placement) -> int:
+    """Run process ``where.rank`` of the node until the speaker stops it; returns the exit
+    code."""
+    from .service import StartupError
+    _patient_signals(where.rank)
+    try:
+        group, task, batches, device = _prepare(config, where)
+    except (ProcessesError, TaskError, StartupError, OSError, gossip.GossipError) as exc:
+        log.error("process %d of the node cannot start: %s", where.rank, exc)
+        return EXIT_USAGE
+    try:
+        while True:
+            group.boundary()
+            if group.stopped:
+                break
+            task.step(to_device(batches.next(), device))
+    except (gossip.ProcessLost, gossip.ReplicasDiverged) as exc:
+        log.error("process %d stops: %s", where.rank, exc)
+        return EXIT_FAILED
+    except TaskError as exc:
+        log.error("process %d failed: %s", where.rank, exc)
+        return EXIT_FAILED
+    finally:
+        group.close()
+    log.info("process %d stopped steps=%d", where.rank, group.statistics().boundaries)
+    return EXIT_OK
+
+
+def _prepare(config: Config, where: Placement) -> tuple[NodeGroup, Any, Batches, Any]:
+    """Build the task, resume the checkpoint the speaker resumes, join the group and take the
+    speaker's state.
+
+    Raises:
+        ProcessesError, TaskError, OSError, GossipError: as the speaker's start-up would.
+    """
+    from .service import build_task
+
+    device = node_device(config.task.device, where)
+    set_threads(config.task.threads, where, device)
+    data_dir = config.data_dir()
+    fn = load_entry(config.task.entry, data_dir)
+    step: list[NodeGroup] = []
+    context = Context(config.task.seed, device, dict(config.task.options), data_dir / "cache",
+                      lambda: step[0].global_step if step else 0, where.rank, where.size)
+    task = build_task(config, fn, context)
+    task.model.to(device)
+    resumed = None
+    found = checkpoint.load_latest(config.path(config.checkpoint.dir))
+    if found is not None:
+        path, state = found
+        counters, _ = Trainer.restore(task, state)
+        resumed = counters.step
+        log.info("process %d resuming checkpoint=%s step=%d", where.rank, path, resumed)
+    init_group(where, device)
+    group = NodeGroup(task.model, task.optimizer, check_every=config.task.check_every)
+    step.append(group)
+    averaging = config.averaging.to_averaging()
+    replica = Replica(task.model, by_samples=averaging.by_samples, leak=averaging.leak,
+                      optimizer=task.optimizer if averaging.correction else None)
+    group.start(replica, resumed)
+    if group.stopped:  # the speaker stopped before it was ready
+        return group, task, Batches(task, Shard()), device
+    count = config.task.shards
+    index = agree_shard(group, int(config.task.shard) if config.task.shard != "auto" else 0)
+    log.info("process %d of %d follows the node's process 0: shard %d/%d, batches %d, %d, "
+             "%d, ...", where.rank, where.size, index, count, where.rank,
+             where.rank + where.size, where.rank + 2 * where.size)
+    batches = Batches(task, Shard(index, count), None, where.rank, where.size)
+    return group, task, batches, device
+
+
+def _patient_signals(rank: int) -> None:
+    """The first SIGINT or SIGTERM is noted (the speaker stops the node, and this process
+    with it); the second ends this process at once."""
+    count = [0]
+
+    def handler(signum: int, frame: Any) -> None:
+        count[0] += 1
+        if count[0] == 1:
+            log.info("process %d got %s: waiting for process 0 to stop the node (send it "
+                     "again to exit at once)", rank, signal.Signals(signum).name)
+            return
+        logging.shutdown()
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)

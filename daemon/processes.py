@@ -1,0 +1,251 @@
+"""A node of several processes: which one this is, starting the others, and what they do.
+
+Theory of operation
+-------------------
+With ``task.processes = N`` (N > 1), ``gossipd run`` is process 0 of its node, the one that
+speaks to the swarm: it starts N − 1 *followers* (``gossipd run`` again, with the same
+arguments, told its rank by the environment variables torchrun sets) once its own start-up
+has passed every check an operator can fail, and the N processes form a ``torch.distributed``
+group (NCCL on CUDA, gloo on the CPU) on 127.0.0.1. Under ``torchrun`` the same variables come
+from torchrun instead, and each process it starts is ``gossipd run``: rank 0 speaks, the others
+follow. :mod:`gossip.nodegroup` keeps the processes' models identical.
+
+A follower reads the same config, builds the same task, resumes the same checkpoint (only
+the speaker writes them; the optimizer's state is never sent between processes, so each loads
+it from the file) and then only trains: a step boundary, one step on its batch, again, until
+the speaker's last boundary says stop. It binds no address, has no identity, no control
+socket and no metrics. Each process of a node trains on every N-th batch of the node's
+shard (process ``r`` on batches ``r``, ``r + N``, ...): the node as a whole sees what a single
+process would, N batches a step.
+
+Failures: a process that dies breaks the group's collectives and the others' next one raises
+(:class:`gossip.ProcessLost`). The speaker then stops the node as it would on a signal — the
+swarm told, a final checkpoint of the last whole step written — and exits 1, so that a
+supervisor's restart resumes it; a follower exits 1 at once. The speaker also watches the
+followers it started, and says which one died and how. Followers started by ``gossipd run``
+live in their own session, so a terminal's Ctrl-C reaches the speaker alone, which stops them
+in order; a follower's first SIGINT or SIGTERM (torchrun forwards them to every process) is
+noted and the follower waits for the speaker's stop; a second one ends it at once.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from gossip.nodegroup import NodeGroup
+
+__all__ = ["Placement", "ProcessesError", "agree_shard", "describe_exit", "init_group",
+           "node_device", "placement", "spawn_followers"]
+
+log = logging.getLogger(__name__)
+
+SPAWNED = "GOSSIPD_NODE_PROCESS"  # set in the followers gossipd run starts (not torchrun's)
+START_TIMEOUT = 600.0  # s for every process to reach the group at start-up (a big task's build)
+# Collectives wait for the speaker for as long as it takes (a download on a thin link, a long
+# evaluation); a process that dies is noticed by its closed connections, not by a timeout.
+COLLECTIVE_TIMEOUT = datetime.timedelta(days=7)
+
+
+class ProcessesError(Exception):
+    """The node's processes cannot be set up as configured (the operator's to fix)."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """This process's place in its node: rank ``rank`` of ``size``, on local GPU
+    ``local_rank``; ``launcher`` is "gossipd" (task.processes), "torchrun", or "" (one)."""
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    launcher: str = ""
+
+    @property
+    def speaker(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def several(self) -> bool:
+        return self.size > 1
+
+
+def placement(processes: int, env: Any = None) -> Placement:
+    """Where this process stands: from torchrun's variables (``WORLD_SIZE``, ``RANK``,
+    ``LOCAL_RANK``) when they name more than one process, else from ``task.processes``.
+
+    Raises:
+        ProcessesError: the variables are malformed, or disagree with ``task.processes``.
+    """
+    env = os.environ if env is None else env
+    if env.get("WORLD_SIZE", "1") in ("", "1"):
+        return Placement(0, processes, 0, "gossipd" if processes > 1 else "")
+    try:
+        size, rank = int(env["WORLD_SIZE"]), int(env["RANK"])
+        local = int(env.get("LOCAL_RANK", rank))
+    except (KeyError, ValueError):
+        raise ProcessesError("WORLD_SIZE is set but RANK or LOCAL_RANK is missing or not an "
+                             "integer: start a node of several processes with "
+                             "task.processes, or under torchrun") from None
+    if not (0 <= rank < size and 0 <= local < size):
+        raise ProcessesError(f"RANK {rank} / LOCAL_RANK {local} out of range for WORLD_SIZE "
+                             f"{size}")
+    if processes not in (1, size):
+        raise ProcessesError(f"task.processes is {processes} but torchrun started {size}: "
+                             f"leave task.processes at 1 under torchrun, or set it equal")
+    return Placement(rank, size, local, "gossipd" if env.get(SPAWNED) else "torchrun")
+
+
+def node_device(name: str, where: Placement) -> torch.device:
+    """The device of this process: ``auto``/``cuda`` take local GPU ``local_rank`` on a node
+    of several processes (CUDA present), the CPU otherwise; the caller checks ``name`` itself
+    for a node of one process (:func:`daemon.task.pick_device`).
+
+    Raises:
+        ProcessesError: ``cuda:N`` (one GPU) on a node of several processes, or fewer GPUs
+            than processes.
+    """
+    if name == "cpu" or name == "auto" and not torch.cuda.is_available():
+        return torch.device("cpu")
+    if name not in ("auto", "cuda"):
+        raise ProcessesError(f"task.device {name!r} names one GPU, but this node has "
+                             f"{where.size} processes, one GPU each: set task.device to auto "
+                             f"or cuda (process r takes cuda:r), or cpu")
+    if not torch.cuda.is_available():
+        raise ProcessesError(f"task.device is {name!r} but CUDA is not available here")
+    count = torch.cuda.device_count()
+    if where.local_rank >= count:
+        raise ProcessesError(f"this node has {where.size} processes, one GPU each, but this "
+                             f"machine has {count} CUDA device(s): set task.processes to at "
+                             f"most {count}")
+    return torch.device("cuda", where.local_rank)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nobody listens on (for the group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def spawn_followers(argv: Sequence[str], size: int, port: int) -> list[subprocess.Popen]:
+    """Start processes 1..size-1 of this node: ``python -m daemon`` with ``argv`` (the
+    speaker's own ``run`` arguments) and torchrun's variables, each in a session of its own.
+
+    Raises:
+        ProcessesError: a process cannot be started.
+    """
+    followers = []
+    for rank in range(1, size):
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "WORLD_SIZE": str(size), "RANK": str(rank), "LOCAL_RANK": str(rank),
+               "LOCAL_WORLD_SIZE": str(size), SPAWNED: "1"}
+        try:
+            followers.append(subprocess.Popen([sys.executable, "-m", "daemon", *argv], env=env,
+                                              start_new_session=True, stdin=subprocess.DEVNULL))
+        except OSError as exc:
+            stop_followers(followers, grace=0.0)
+            raise ProcessesError(f"cannot start process {rank} of this node: {exc}") from None
+    return followers
+
+
+def init_group(where: Placement, device: torch.device, port: int | None = None,
+               followers: Sequence[subprocess.Popen] = ()) -> None:
+    """Join the node's ``torch.distributed`` group (NCCL on CUDA, gloo on the CPU), on
+    torchrun's rendezvous or on ``port``. The speaker waits at most :data:`START_TIMEOUT` for
+    the others, and gives up as soon as a follower it started exits.
+
+    Raises:
+        ProcessesError: a follower exited first, or the group did not form in time.
+    """
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    method = "env://" if port is None else f"tcp://127.0.0.1:{port}"
+    done = threading.Event()
+    failure: list[BaseException] = []
+
+    def join() -> None:
+        try:
+            dist.init_process_group(backend, init_method=method, rank=where.rank,
+                                    world_size=where.size, timeout=COLLECTIVE_TIMEOUT)
+        except BaseException as exc:  # reported by the waiting thread
+            failure.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=join, name="gossipd-group", daemon=True).start()
+    deadline = time.monotonic() + START_TIMEOUT
+    log.info("forming the node's group processes=%d backend=%s rank=%d", where.size, backend,
+             where.rank)
+    while not done.wait(0.2):
+        for rank, proc in enumerate(followers, start=1):
+            code = proc.poll()
+            if code is not None:
+                raise ProcessesError(f"process {rank} of this node {describe_exit(code)} while "
+                                     f"starting (its own lines above say why)")
+        if time.monotonic() > deadline:
+            raise ProcessesError(f"the node's {where.size} processes did not all start within "
+                                 f"{START_TIMEOUT:.0f} s")
+    if failure:
+        raise ProcessesError(f"cannot form the node's group: {failure[0]}") from None
+
+
+def agree_shard(group: NodeGroup, index: int) -> int:
+    """The speaker's shard index, on every process of the node (after the group's start: the
+    speaker may choose it once joined)."""
+    value = torch.tensor([index], dtype=torch.int64)
+    dist.broadcast(value, src=0, group=group.control)
+    return int(value[0])
+
+
+def describe_exit(code: int) -> str:
+    """How a process ended, in words: "exited with code 1", "was killed by SIGKILL"."""
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def stop_followers(followers: Sequence[subprocess.Popen], grace: float = 30.0) -> None:
+    """Wait up to ``grace`` seconds for the followers to exit (they do once the speaker's last
+    boundary said stop), then end those left: SIGTERM twice (a follower's second signal ends
+    it), then SIGKILL."""
+    deadline = time.monotonic() + grace
+    for proc in followers:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for proc in followers:
+        if proc.poll() is None:
+            for _ in range(2):
+                proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(5.0)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def set_threads(threads: int, where: Placement, device: torch.device) -> None:
+    """``task.threads`` for torch; 0 leaves torch's default (a thread per core), except on
+    the CPU processes of a node of several, which share the cores rather than each take all."""
+    if threads:
+        torch.set_num_threads(threads)
+    elif where.several and device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // where.size))
