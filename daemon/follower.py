@@ -20,8 +20,8 @@ from gossip.replica import Replica
 
 from . import checkpoint
 from .config import Config
-from .processes import (Placement, ProcessesError, agree_shard, init_group, node_device,
-                        set_threads)
+from .processes import (Placement, ProcessesError, agree_shard, init_group, leave_group,
+                        node_device, set_threads)
 from .task import Context, Shard, TaskError, load_entry, to_device
 from .train import Batches, Trainer
 
@@ -41,6 +41,7 @@ def follow(config: Config, where: Placement) -> int:
         group, task, batches, device = _prepare(config, where)
     except (ProcessesError, TaskError, StartupError, OSError, gossip.GossipError) as exc:
         log.error("process %d of the node cannot start: %s", where.rank, exc)
+        leave_group()
         return EXIT_USAGE
     try:
         while True:
@@ -56,6 +57,7 @@ def follow(config: Config, where: Placement) -> int:
         return EXIT_FAILED
     finally:
         group.close()
+        leave_group()
     log.info("process %d stopped steps=%d", where.rank, group.statistics().boundaries)
     return EXIT_OK
 

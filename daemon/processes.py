@@ -48,7 +48,8 @@ import torch.distributed as dist
 from gossip.nodegroup import NodeGroup
 
 __all__ = ["Placement", "ProcessesError", "agree_shard", "describe_exit", "init_group",
-           "node_device", "placement", "spawn_followers"]
+           "leave_group", "node_device", "placement", "set_threads", "spawn_followers",
+           "stop_followers"]
 
 log = logging.getLogger(__name__)
 
@@ -209,6 +210,16 @@ def agree_shard(group: NodeGroup, index: int) -> int:
     value = torch.tensor([index], dtype=torch.int64)
     dist.broadcast(value, src=0, group=group.control)
     return int(value[0])
+
+
+def leave_group() -> None:
+    """Leave the node's group before exiting: a gloo group still open at interpreter exit
+    aborts the process ("terminate called without an active exception")."""
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except RuntimeError as exc:  # a broken group; the process exits anyway
+            log.debug("leaving the node's group failed: %s", exc)
 
 
 def describe_exit(code: int) -> str:

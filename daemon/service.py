@@ -364,6 +364,9 @@ class _Service:
         finally:
             if p.followers:  # stopped by the last boundary; the rest are ended
                 await trio.to_thread.run_sync(processes.stop_followers, p.followers)
+            if p.group is not None:
+                p.group.close()
+                processes.leave_group()
             if p.network is not None:
                 p.network.release()  # what the node did not take, if it never opened
             p.control.close()
