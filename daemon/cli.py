@@ -275,6 +275,7 @@ def format_status(s: dict[str, Any]) -> str:
         *([f"reach     {_reach(s['reachability'])}"] if s.get("reachability") else []),
         f"task      {s['task']} on {s['device']}, up {s['uptime_s']:.0f} s"
         + _shard(s),
+        *([f"processes {_processes(s['processes'])}"] if s.get("processes") else []),
         *([f"NOT READY {not_ready(s)}"] if not_ready(s) else []),
         f"training  {', '.join(training)}",
         f"step      {s['step']} (the swarm's: the step the task's schedule follows)",
@@ -296,6 +297,14 @@ def format_status(s: dict[str, Any]) -> str:
                      + age + ("" if m["ready"] else "  not ready")
                      + ("  outbound only" if m.get("reachable") is False else ""))
     return "\n".join(lines)
+
+
+def _processes(p: dict[str, Any]) -> str:
+    """A node of several processes, in a line."""
+    each = p["sync_seconds"] / p["syncs"] * 1e3 if p["syncs"] else 0.0
+    checks = f", {p['checks']} checks passed" if p.get("checks") else ""
+    return (f"{p['count']} ({p['backend']}): {p['syncs']} state broadcasts, {each:.1f} ms "
+            f"each{checks}")
 
 
 def _reach(r: dict[str, Any]) -> str:

@@ -103,6 +103,10 @@ def placement(processes: int, env: Any = None) -> Placement:
     if not (0 <= rank < size and 0 <= local < size):
         raise ProcessesError(f"RANK {rank} / LOCAL_RANK {local} out of range for WORLD_SIZE "
                              f"{size}")
+    if env.get("LOCAL_WORLD_SIZE", str(size)) != str(size) or local != rank:
+        raise ProcessesError(f"torchrun spans {size} processes over several machines: a node "
+                             f"is one machine, so run one torchrun per machine "
+                             f"(--nnodes 1), each its own node")
     if processes not in (1, size):
         raise ProcessesError(f"task.processes is {processes} but torchrun started {size}: "
                              f"leave task.processes at 1 under torchrun, or set it equal")
@@ -244,7 +248,9 @@ def stop_followers(followers: Sequence[subprocess.Popen], grace: float = 30.0) -
             pass
     for proc in followers:
         if proc.poll() is None:
-            for _ in range(2):
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.1)  # two signals at once may be delivered as one
+            if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
             try:
                 proc.wait(5.0)

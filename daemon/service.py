@@ -62,6 +62,7 @@ __all__ = ["StartupError", "Prepared", "prepare", "run"]
 log = logging.getLogger(__name__)
 
 VERSION = gossip.__version__
+LOST_GRACE = 60.0  # s a node of several processes may take to stop once one has died
 
 
 class StartupError(Exception):
@@ -536,10 +537,19 @@ class _Service:
             log.error("%s", self.failed)
 
     async def watch_followers(self) -> None:
-        """Say which process of the node died and how, and stop the node."""
+        """Say which process of the node died and how, and stop the node. If training is
+        still stuck :data:`LOST_GRACE` seconds later (an NCCL collective waits for a dead
+        peer, where gloo notices the closed connection), exit 1 at once: the last periodic
+        checkpoint stands."""
         group, followers = self.p.group, list(enumerate(self.p.followers, start=1))
         assert group is not None
-        while followers:
+        while followers or self.failed is not None:
+            if self.failed is not None:
+                await trio.sleep(LOST_GRACE)  # cancelled when training returns
+                log.error("training is still stuck %.0f s after %s: exiting without a final "
+                          "checkpoint", LOST_GRACE, self.failed)
+                logging.shutdown()
+                os._exit(1)
             for rank, proc in list(followers):
                 code = proc.poll()
                 if code is None:

@@ -42,6 +42,9 @@ others' next collective raises, so each process stops instead of waiting. Every 
 call :meth:`~NodeGroup.boundary` once per step, the same number of times: the collectives pair
 up in order.
 
+Time: the statistics time the collectives with ``time.perf_counter`` — blocking calls in a
+training thread, never on trio's clock (which :mod:`gossip`'s network code keeps to).
+
 Threads: a group is used from one thread at a time (any thread: the daemon's trainer runs in
 trio's worker threads); the speaker's replica is shared with the network side under its lock.
 """
@@ -393,6 +396,7 @@ class _GradientSync:
         self._size = size
         self._queued = False
         self._fresh = False  # averaged since the last optimizer step
+        self._warned = False
         self.count = 0
         self.seconds = 0.0
         self._handles = [module.register_forward_hook(self._after_forward),
@@ -421,6 +425,13 @@ class _GradientSync:
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not self._fresh:
+            if not self._warned:
+                self._warned = True
+                log.warning("gradients averaged at the optimizer's step, not at the end of the "
+                            "backward pass: the loss was not computed from the model's own "
+                            "output. Clipping or a mixed-precision scaler before the step then "
+                            "sees each process's gradient, and a scaler that skips a step in "
+                            "one process only stops the node: compute the loss from model(x)")
             self.reduce()
         self._fresh = False
 
@@ -432,7 +443,8 @@ class _GradientSync:
         for p in params:
             if p.grad is not None and p.grad.is_sparse:
                 raise GossipError("a node of several processes cannot average sparse "
-                                  "gradients: wrap the model in DistributedDataParallel")
+                                  "gradients (an nn.Embedding with sparse=True, say): use "
+                                  "dense ones")
         if not params:
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]

@@ -13,8 +13,11 @@ import os
 import signal
 from pathlib import Path
 
+import pytest
+
 from daemon.testing import START, Daemon, DaemonSwarm, wait_for
 
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 TWO = ("task.processes=2", "task.check_every=1", "checkpoint.interval=2")
 
 
