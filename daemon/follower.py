@@ -20,8 +20,8 @@ from gossip.replica import Replica
 
 from . import checkpoint
 from .config import Config
-from .processes import (Placement, ProcessesError, agree_shard, init_group, leave_group,
-                        node_device, set_threads)
+from .processes import (COLLECTIVE_TIMEOUT, Placement, ProcessesError, agree_shard,
+                        die_with_parent, init_group, leave_group, node_device, set_threads)
 from .task import Context, Shard, TaskError, load_entry, to_device
 from .train import Batches, Trainer
 
@@ -37,12 +37,15 @@ def follow(config: Config, where: Placement) -> int:
     code."""
     from .service import StartupError
     _patient_signals(where.rank)
+    if where.launcher == "gossipd":
+        die_with_parent()
     try:
         group, task, batches, device = _prepare(config, where)
     except (ProcessesError, TaskError, StartupError, OSError, gossip.GossipError) as exc:
         log.error("process %d of the node cannot start: %s", where.rank, exc)
         leave_group()
         return EXIT_USAGE
+    task.model.train()  # as the speaker's trainer does (a model may come built in eval mode)
     try:
         while True:
             group.boundary()
@@ -88,7 +91,8 @@ def _prepare(config: Config, where: Placement) -> tuple[NodeGroup, Any, Batches,
         resumed = counters.step
         log.info("process %d resuming checkpoint=%s step=%d", where.rank, path, resumed)
     init_group(where, device)
-    group = NodeGroup(task.model, task.optimizer, check_every=config.task.check_every)
+    group = NodeGroup(task.model, task.optimizer, check_every=config.task.check_every,
+                      timeout=COLLECTIVE_TIMEOUT)
     step.append(group)
     averaging = config.averaging.to_averaging()
     replica = Replica(task.model, by_samples=averaging.by_samples, leak=averaging.leak,

@@ -30,6 +30,7 @@ noted and the follower waits for the speaker's stop; a second one ends it at onc
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import logging
 import os
@@ -47,17 +48,20 @@ import torch.distributed as dist
 
 from gossip.nodegroup import NodeGroup
 
-__all__ = ["Placement", "ProcessesError", "agree_shard", "describe_exit", "init_group",
-           "leave_group", "node_device", "placement", "set_threads", "spawn_followers",
+__all__ = ["Placement", "ProcessesError", "agree_shard", "describe_exit", "die_with_parent",
+           "init_group", "leave_group", "node_device", "placement", "set_threads", "spawn_followers",
            "stop_followers"]
 
 log = logging.getLogger(__name__)
 
 SPAWNED = "GOSSIPD_NODE_PROCESS"  # set in the followers gossipd run starts (not torchrun's)
 START_TIMEOUT = 600.0  # s for every process to reach the group at start-up (a big task's build)
-# Collectives wait for the speaker for as long as it takes (a download on a thin link, a long
-# evaluation); a process that dies is noticed by its closed connections, not by a timeout.
+# The step headers wait for the speaker for as long as it takes (a download on a thin link, a
+# long evaluation); gloo notices a process that dies by its closed connections, not by a
+# timeout. NCCL's collectives (gradients, state) start only once every process has passed the
+# header, so theirs can be short: it is what ends a process stuck on a dead peer.
 COLLECTIVE_TIMEOUT = datetime.timedelta(days=7)
+NCCL_TIMEOUT = datetime.timedelta(minutes=10)
 
 
 class ProcessesError(Exception):
@@ -184,8 +188,9 @@ def init_group(where: Placement, device: torch.device, port: int | None = None,
 
     def join() -> None:
         try:
-            dist.init_process_group(backend, init_method=method, rank=where.rank,
-                                    world_size=where.size, timeout=COLLECTIVE_TIMEOUT)
+            dist.init_process_group(
+                backend, init_method=method, rank=where.rank, world_size=where.size,
+                timeout=COLLECTIVE_TIMEOUT if backend == "gloo" else NCCL_TIMEOUT)
         except BaseException as exc:  # reported by the waiting thread
             failure.append(exc)
         finally:
@@ -209,11 +214,25 @@ def init_group(where: Placement, device: torch.device, port: int | None = None,
 
 
 def agree_shard(group: NodeGroup, index: int) -> int:
-    """The speaker's shard index, on every process of the node (after the group's start: the
-    speaker may choose it once joined)."""
-    value = torch.tensor([index], dtype=torch.int64)
-    dist.broadcast(value, src=0, group=group.control)
-    return int(value[0])
+    """The speaker's shard index, in every process of the node (after the group's start: the
+    speaker may choose it once joined).
+
+    Raises:
+        gossip.ProcessLost: another process of the node died.
+    """
+    return group.share(index)
+
+
+def die_with_parent() -> None:
+    """Have the kernel SIGKILL this process when the process that started it dies (Linux),
+    so that a follower never outlives a speaker killed while an NCCL collective waits."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the collectives' own errors must do
+        return
+    if os.getppid() == 1:  # the parent died before the call
+        os._exit(1)
 
 
 def leave_group() -> None:

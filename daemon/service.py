@@ -106,7 +106,7 @@ class _Step:
         self.group: gossip.nodegroup.NodeGroup | None = None
 
     def __call__(self) -> int:
-        if self.group is not None and self.group.global_step:  # every process reads the same
+        if self.group is not None and self.group.started:  # every process reads the same
             return self.group.global_step
         return self.start if self.node is None else self.node.global_step
 
@@ -258,10 +258,13 @@ def _form_group(p: Prepared, argv: tuple[str, ...] | None) -> None:
             p.followers = processes.spawn_followers(argv, where.size, port)
         processes.init_group(where, p.device, port, p.followers)
         p.group = gossip.nodegroup.NodeGroup(p.task.model, p.task.optimizer,
-                                             check_every=p.config.task.check_every)
-    except processes.ProcessesError as exc:
+                                             check_every=p.config.task.check_every,
+                                             timeout=processes.COLLECTIVE_TIMEOUT)
+    except BaseException as exc:  # Ctrl-C too: no follower left waiting for the group
         processes.stop_followers(p.followers, grace=0.0)
-        raise StartupError(str(exc)) from None
+        if isinstance(exc, processes.ProcessesError):
+            raise StartupError(str(exc)) from None
+        raise
     p.step.group = p.group
 
 
@@ -363,11 +366,11 @@ class _Service:
                 self.name_the_lost()
                 raise self.failed
         finally:
+            if p.group is not None:  # first: a follower still waiting at a boundary (this
+                p.group.close()       # process failed otherwise) sees its group close
+                processes.leave_group()
             if p.followers:  # stopped by the last boundary; the rest are ended
                 await trio.to_thread.run_sync(processes.stop_followers, p.followers)
-            if p.group is not None:
-                p.group.close()
-                processes.leave_group()
             if p.network is not None:
                 p.network.release()  # what the node did not take, if it never opened
             p.control.close()
@@ -530,7 +533,8 @@ class _Service:
         ended = [(rank, proc.poll()) for rank, proc in enumerate(self.p.followers, start=1)]
         dead = [(rank, code) for rank, code in ended if code is not None and code < 0] or [
             (rank, code) for rank, code in ended if code]
-        if dead and not str(self.failed).startswith(f"process {dead[0][0]} "):
+        # Only in place of a collective's "another process is gone" (which has a cause).
+        if dead and self.failed is not None and self.failed.__cause__ is not None:
             rank, code = dead[0]
             self.failed = gossip.ProcessLost(
                 f"process {rank} of this node {processes.describe_exit(code)}")
@@ -549,6 +553,8 @@ class _Service:
                 log.error("training is still stuck %.0f s after %s: exiting without a final "
                           "checkpoint", LOST_GRACE, self.failed)
                 logging.shutdown()
+                for proc in self.p.followers:
+                    proc.kill()
                 os._exit(1)
             for rank, proc in list(followers):
                 code = proc.poll()
@@ -560,7 +566,8 @@ class _Service:
                     exc = gossip.ProcessLost(
                         f"process {rank} of this node {processes.describe_exit(code)}")
                     log.error("%s", exc)
-                    self.failed = exc
+                    if self.failed is None or self.failed.__cause__ is not None:
+                        self.failed = exc  # in place of a collective's "one is gone"
                     self.request_stop()
             await trio.sleep(0.2)
 

@@ -51,6 +51,7 @@ trio's worker threads); the speaker's replica is shared with the network side un
 
 from __future__ import annotations
 
+import datetime
 import itertools
 import logging
 import re
@@ -76,7 +77,9 @@ BUCKET = 1 << 24  # elements per collective (64 MiB of float32): bounds the extr
 
 # A header's flags: what follows it.
 _STATE, _CHECK, _STOP = 1, 2, 4  # the speaker's state; a bit-identity check; nothing, ever
-_HEADER = 6  # flags, step, since, spacing (its float64 bits), parts, resumed step (+1; 0: none)
+# flags, step, since, spacing (its float64 bits), parts, resumed step (+1; 0: none), and the
+# elements of the state a broadcast carries (each process checks its own has as many)
+_HEADER = 7
 
 
 @dataclass(frozen=True)
@@ -113,6 +116,10 @@ class NodeGroup:
         group: the process group (None: the default group, ``dist.init_process_group``'s).
         check_every: every this many boundaries, check that the processes hold
             bit-identical parameters (a broadcast of the model); 0: never.
+        timeout: how long a follower waits at a boundary for the speaker (which may be
+            downloading a state, or evaluating) when the group's backend is not gloo and the
+            headers need a gloo group of their own; None: torch's default (30 minutes). On
+            gloo the group's own timeout applies.
 
     Raises:
         GossipError: ``torch.distributed`` is not initialized, or the model has sparse
@@ -120,7 +127,8 @@ class NodeGroup:
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-                 group: Any = None, check_every: int = 0) -> None:
+                 group: Any = None, check_every: int = 0,
+                 timeout: datetime.timedelta | None = None) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise GossipError("a node of several processes needs torch.distributed "
                               "initialized (dist.init_process_group) before its group is made")
@@ -135,9 +143,10 @@ class NodeGroup:
         # would wait for the GPU at every step.
         self.control = group if self.backend == "gloo" else dist.new_group(
             ranks=None if group is None else dist.get_process_group_ranks(group),
-            backend="gloo")
+            backend="gloo", timeout=timeout)
         self.check_every = check_every
         self.global_step = 0
+        self.started = False  # start() has passed: global_step is the speaker's
         self.stopped = False
         self._replica: Replica | None = None
         self._sent = -1  # the replica's revision last broadcast (-1: never)
@@ -174,6 +183,7 @@ class NodeGroup:
         if int(header[0]) & _STOP:  # the speaker finished before it started (a signal)
             self.stopped = True
             return
+        self.started = True
         if not self.speaker:
             theirs = int(header[5]) - 1
             if (theirs if theirs >= 0 else None) != resumed:
@@ -229,6 +239,18 @@ class NodeGroup:
             self.stopped = True
             self._header(_STOP, None)
 
+    def share(self, value: int) -> int:
+        """The speaker's ``value``, in every process (one more collective: every process
+        calls it at the same point).
+
+        Raises:
+            ProcessLost: another process of the node died.
+        """
+        tensor = torch.tensor([value], dtype=torch.int64)
+        with _collective("sharing a value"):
+            dist.broadcast(tensor, src=self._src(), group=self.control)
+        return int(tensor[0])
+
     def close(self) -> None:
         """Stop averaging gradients (the training is over)."""
         if self._sync is not None:
@@ -257,6 +279,8 @@ class NodeGroup:
             header[3] = torch.tensor([spacing], dtype=torch.float64).view(torch.int64)[0]
             header[4] = replica.parts
             header[5] = 0 if resumed is None else resumed + 1
+            if flags & _STATE:
+                header[6] = sum(t.numel() for t in self._state_tensors())
         elif self.speaker:
             header[0] = flags
         with _collective("a step boundary"):
@@ -266,19 +290,27 @@ class NodeGroup:
         return header
 
     def _broadcast_state(self, header: torch.Tensor) -> None:
-        """The speaker's parameters, buffers and correction, into every follower's."""
+        """The speaker's parameters, persistent buffers and correction, into every
+        follower's. No lock: once the node is ready the speaker's trainer (this thread) is the
+        only writer of its model and correction, and the network side only reads them."""
         replica = self._replica
         assert replica is not None
         started = time.perf_counter()
-        with replica.lock:
-            tensors = self._state_tensors()
-            self._syncs += 1
-            self._sync_bytes += sum(t.numel() * t.element_size() for t in tensors)
-            self._broadcast(tensors)
-            if not self.speaker:
-                spacing = header[3:4].clone().view(torch.float64)
-                replica.set_correction_timing(int(header[2]), float(spacing[0]))
-            self._sent = replica.revision
+        tensors = self._state_tensors()
+        elements = sum(t.numel() for t in tensors)
+        if elements != int(header[6]):  # before any bulk collective, in every process
+            raise GossipError(
+                f"process {self.rank}'s model state has {elements} elements where the "
+                f"speaking process's has {int(header[6])}: a buffer whose size depends on the "
+                f"input (a cache?) must not be persistent, or the processes build different "
+                f"models")
+        self._syncs += 1
+        self._sync_bytes += sum(t.numel() * t.element_size() for t in tensors)
+        self._broadcast(tensors)
+        if not self.speaker:
+            spacing = header[3:4].clone().view(torch.float64)
+            replica.set_correction_timing(int(header[2]), float(spacing[0]))
+        self._sent = replica.revision
         self._sync_seconds += time.perf_counter() - started
 
     def _check(self) -> None:
@@ -297,13 +329,14 @@ class NodeGroup:
         self._checks += 1
 
     def _state_tensors(self) -> list[torch.Tensor]:
-        """Everything a follower takes: parameters, buffers, the correction ``c``."""
+        """Everything a follower takes: parameters, persistent buffers (those in the state
+        dict: not a cache a module resizes as it goes), the correction ``c``."""
         module, replica = self.module, self._replica
         assert replica is not None
         seen: set[int] = set()
         out = []
-        for t in itertools.chain(module.parameters(), module.buffers(),
-                                 replica.correction_tensors()):
+        state = module.state_dict(keep_vars=True).values()
+        for t in itertools.chain(module.parameters(), state, replica.correction_tensors()):
             if id(t) not in seen:
                 seen.add(id(t))
                 out.append(t.detach())
@@ -378,12 +411,12 @@ def _buckets(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
 class _GradientSync:
     """Averages a module's gradients over the group at the end of each backward pass.
 
-    A forward hook on the module puts a hook on its output's gradient; when the backward
-    pass reaches it, a callback is queued for the end of that pass (as DDP finalizes its
-    reduction), and the callback averages every parameter's gradient, in place. So the
-    training code sees the group's gradient before it clips, unscales or steps. An optimizer
-    step pre-hook averages them there instead if no backward pass did (a loss computed from a
-    submodule's output, which the root's hook never sees).
+    Every parameter gets a hook that runs once its gradient has been accumulated; the first
+    of them in a backward pass queues a callback for the end of that pass (as DDP finalizes
+    its reduction), and the callback averages every parameter's gradient, in place. So the
+    training code sees the group's gradient before it clips, unscales or steps, whichever
+    parameters its loss reaches in each process. An optimizer step pre-hook averages them
+    there instead if no backward pass did (gradients written by hand).
 
     A parameter with no gradient in one process and one in another (a branch not taken) takes
     zeros where it had none; one with none anywhere keeps none.
@@ -399,22 +432,16 @@ class _GradientSync:
         self._warned = False
         self.count = 0
         self.seconds = 0.0
-        self._handles = [module.register_forward_hook(self._after_forward),
-                         optimizer.register_step_pre_hook(self._before_step)]
+        self._handles = [p.register_post_accumulate_grad_hook(self._after_accumulate)
+                         for p in self._params]
+        self._handles.append(optimizer.register_step_pre_hook(self._before_step))
 
     def close(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
 
-    def _after_forward(self, module: Any, args: Any, output: Any) -> None:
-        if not torch.is_grad_enabled():
-            return
-        tensor = _first_requiring_grad(output)
-        if tensor is not None:
-            tensor.register_hook(self._on_output_grad)
-
-    def _on_output_grad(self, grad: torch.Tensor) -> None:
+    def _after_accumulate(self, param: torch.Tensor) -> None:
         if not self._queued:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
@@ -427,11 +454,11 @@ class _GradientSync:
         if not self._fresh:
             if not self._warned:
                 self._warned = True
-                log.warning("gradients averaged at the optimizer's step, not at the end of the "
-                            "backward pass: the loss was not computed from the model's own "
-                            "output. Clipping or a mixed-precision scaler before the step then "
-                            "sees each process's gradient, and a scaler that skips a step in "
-                            "one process only stops the node: compute the loss from model(x)")
+                log.warning("gradients averaged at the optimizer's step, not at the end of a "
+                            "backward pass: they were not computed by backward(). Clipping "
+                            "or a mixed-precision scaler before the step then sees each "
+                            "process's own gradient, and a scaler that skips a step in one "
+                            "process only stops the node")
             self.reduce()
         self._fresh = False
 
@@ -464,17 +491,3 @@ class _GradientSync:
         self._fresh = True
         self.count += 1
         self.seconds += time.perf_counter() - started
-
-
-def _first_requiring_grad(output: Any) -> torch.Tensor | None:
-    """The first tensor in a module's output (nested tuples, lists, dicts) that requires a
-    gradient."""
-    if isinstance(output, torch.Tensor):
-        return output if output.requires_grad else None
-    values = output.values() if isinstance(output, dict) else output
-    if isinstance(values, (tuple, list)) or isinstance(output, dict):
-        for value in values:
-            found = _first_requiring_grad(value)
-            if found is not None:
-                return found
-    return None
