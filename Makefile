@@ -31,7 +31,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 # Every benchmark (quick settings where a script has them; the straggler comparison needs its
-# three repetitions): about 15 minutes on 2 cores (bench/wan.py's real-socket check needs root
+# three repetitions): about 18 minutes on 2 cores (bench/wan.py's real-socket check needs root
 # for ip netns, and says so and skips it without). Each prints a table and, last, one JSON
 # line; the comparison benchmarks also write bench/results/<name>.json and .png.
 bench: $(STAMP)
@@ -44,6 +44,7 @@ bench: $(STAMP)
 	$(PY) bench/nat.py --quick
 	$(PY) bench/wan.py --quick
 	$(PY) bench/efficiency.py --quick
+	$(PY) bench/processes.py --quick
 	$(PY) bench/straggler.py
 
 clean:

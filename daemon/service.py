@@ -825,7 +825,7 @@ def _group_status(group: gossip.nodegroup.NodeGroup) -> dict[str, Any]:
     stats = group.statistics()
     return {"count": group.size, "backend": group.backend, "syncs": stats.syncs,
             "sync_seconds": round(stats.sync_seconds, 3),
-            "boundary_seconds": round(stats.header_seconds, 3),
+            "header_seconds": round(stats.header_seconds, 3),
             "gradient_seconds": round(stats.reduce_seconds, 3), "checks": stats.checks}
 
 

@@ -191,7 +191,8 @@ class Trainer:
                 self.node.replica.advance(1, samples)
             if time.monotonic() >= deadline:
                 break
-        applied += self.node.apply_pending()  # a chunk of no steps still takes them
+        if group is None:  # a chunk of no steps still takes them; a group applies them at its
+            applied += self.node.apply_pending()  # boundaries, which space its broadcasts
         mean = float(total) / steps if steps else math.nan
         if steps and not math.isfinite(mean) and not self._warned_nan:
             self._warned_nan = True

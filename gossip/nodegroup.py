@@ -20,7 +20,10 @@ boundary (:meth:`NodeGroup.boundary`), all of them at the same one:
 * an exchange's delta and a download: the speaker applies what is queued at the boundary, and
   when its state changed since the last broadcast (:attr:`~gossip.replica.Replica.revision`)
   the boundary broadcasts the whole of it — parameters, buffers, the drift correction —
-  to the followers: one broadcast of the model per committed exchange, none on other steps;
+  to the followers: at most one broadcast of the model per committed exchange, none on other
+  steps. A broadcast stops every process, so the speaker spaces them to take at most about a
+  tenth of the node's time (:data:`SYNC_SPACING`); exchanges that commit faster are merged in
+  the queue meanwhile, as they are for a single process between two of its steps;
 * the step the swarm schedules by: the speaker's, taken at the boundary, is what every process
   (the speaker too) reads in :attr:`NodeGroup.global_step` until the next one, so learning-rate
   schedules agree to the step whatever the exchanges do meanwhile.
@@ -74,6 +77,7 @@ __all__ = ["NodeGroup", "NodeGroupStatistics", "ProcessLost", "ReplicasDiverged"
 log = logging.getLogger(__name__)
 
 BUCKET = 1 << 24  # elements per collective (64 MiB of float32): bounds the extra memory
+SYNC_SPACING = 9.0  # a broadcast waits 9x as long as the last one took: <= 10% of the time
 
 # A header's flags: what follows it.
 _STATE, _CHECK, _STOP = 1, 2, 4  # the speaker's state; a bit-identity check; nothing, ever
@@ -89,7 +93,7 @@ class NodeGroupStatistics:
     rank: int
     size: int
     boundaries: int  # step boundaries passed
-    syncs: int  # state broadcasts (committed exchanges and downloads, as they were applied)
+    syncs: int  # state broadcasts: the first, then one per boundary that applied exchanges
     sync_bytes: int  # bytes each broadcast carried, summed
     sync_seconds: float  # time in the state broadcasts
     header_seconds: float  # time in the boundaries' headers (the per-step cost)
@@ -152,6 +156,7 @@ class NodeGroup:
         self._sent = -1  # the replica's revision last broadcast (-1: never)
         self._boundaries = self._syncs = self._sync_bytes = self._checks = 0
         self._sync_seconds = self._header_seconds = 0.0
+        self._synced_at = self._sync_took = 0.0  # the end of the last broadcast, its length
         self._sync = None if unwrap(model) is not model else _GradientSync(
             self.module, optimizer, self._all_reduce, self.size)
 
@@ -214,7 +219,7 @@ class NodeGroup:
             raise GossipError("NodeGroup.start() must come before the first boundary")
         if self.stopped:
             return 0
-        applied = replica.apply_pending() if self.speaker else 0
+        applied = replica.apply_pending() if self.speaker and self._may_sync() else 0
         flags = 0
         if self.speaker:
             due = self.check_every and (self._boundaries + 1) % self.check_every == 0
@@ -265,9 +270,18 @@ class NodeGroup:
 
     # ---- the collectives -----------------------------------------------------------------
 
+    def _may_sync(self) -> bool:
+        """Whether the speaker may apply what is queued now, and so broadcast its state: once
+        the time since the last broadcast is at least :data:`SYNC_SPACING` times what that
+        one took. Deltas that wait are merged in the queue (nothing is lost, and exchanges
+        snapshot them); a broadcast, which stops every process, takes at most about a tenth
+        of the node's time however large the model and however often exchanges commit."""
+        return time.perf_counter() - self._synced_at >= SYNC_SPACING * self._sync_took
+
     def _header(self, flags: int, resumed: int | None) -> torch.Tensor:
         """The speaker's header, broadcast: ``[flags, step, since, spacing's float64 bits,
-        parts, resumed step + 1 (0: none)]``; a follower's ``flags`` are ignored."""
+        parts, resumed step + 1 (0: none), elements of the state when one follows]``; a
+        follower's ``flags`` are ignored."""
         started = time.perf_counter()
         header = torch.zeros(_HEADER, dtype=torch.int64)
         replica = self._replica
@@ -311,7 +325,9 @@ class NodeGroup:
             spacing = header[3:4].clone().view(torch.float64)
             replica.set_correction_timing(int(header[2]), float(spacing[0]))
         self._sent = replica.revision
-        self._sync_seconds += time.perf_counter() - started
+        self._synced_at = time.perf_counter()
+        self._sync_took = self._synced_at - started
+        self._sync_seconds += self._sync_took
 
     def _check(self) -> None:
         """Every follower compares its parameters with the speaker's, exactly."""
