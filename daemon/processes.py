@@ -4,8 +4,9 @@ Theory of operation
 -------------------
 With ``task.processes = N`` (N > 1), ``gossipd run`` is process 0 of its node, the one that
 speaks to the swarm: it starts N − 1 *followers* (``gossipd run`` again, with the same
-arguments, told its rank by the environment variables torchrun sets) once its own start-up
-has passed every check an operator can fail, and the N processes form a ``torch.distributed``
+arguments, told its rank by the environment variables torchrun sets) as soon as its control
+socket and listen address are its own, so that they import and build the task while it does
+(and it ends them if its own start-up fails); then the N processes form a ``torch.distributed``
 group (NCCL on CUDA, gloo on the CPU) on 127.0.0.1. Under ``torchrun`` the same variables come
 from torchrun instead, and each process it starts is ``gossipd run``: rank 0 speaks, the others
 follow. :mod:`gossip.nodegroup` keeps the processes' models identical.
@@ -49,8 +50,8 @@ import torch.distributed as dist
 from gossip.nodegroup import NodeGroup
 
 __all__ = ["Placement", "ProcessesError", "agree_shard", "describe_exit", "die_with_parent",
-           "init_group", "leave_group", "node_device", "placement", "set_threads", "spawn_followers",
-           "stop_followers"]
+           "init_group", "leave_group", "node_device", "placement", "set_threads",
+           "spawn_followers", "stop_followers"]
 
 log = logging.getLogger(__name__)
 

@@ -117,7 +117,9 @@ def prepare(config: Config, argv: tuple[str, ...] | None = None) -> Prepared:
 
     Args:
         argv: the ``gossipd run`` arguments, for the other processes of a node of several
-            (``task.processes``), which it starts last (:mod:`daemon.processes`).
+            (``task.processes``). It starts them once the control socket and the listen
+            address are its own, so that they build the task while it does
+            (:mod:`daemon.processes`), and ends them if its own start-up fails.
 
     Raises:
         StartupError: with a one-line message.
@@ -131,15 +133,22 @@ def prepare(config: Config, argv: tuple[str, ...] | None = None) -> Prepared:
     # Bound now and kept for the node, before the slow phases below: an address in use is
     # reported within moments of launch, and nobody can take it while the task loads.
     network = gossip.TcpNetwork(config.node.dial_from or None)
+    followers: list[Any] = []
     try:
         try:
             network.reserve(config.node.listen)
+            where = processes.placement(config.task.processes)
         except OSError as exc:
             raise _listen_error(config.node.listen, exc) from None
-        prepared = _prepare(config, control)
-        if prepared.placement.several:
-            _form_group(prepared, argv)
-    except BaseException:
+        except processes.ProcessesError as exc:
+            raise StartupError(str(exc)) from None
+        port = _start_followers(where, argv, followers)
+        prepared = _prepare(config, control, where)
+        prepared.followers = followers
+        if where.several:
+            _form_group(prepared, port)
+    except BaseException:  # Ctrl-C too: no follower left waiting for the group
+        processes.stop_followers(followers, grace=0.0)
         network.release()
         control.close()
         config.path(config.node.control).unlink(missing_ok=True)
@@ -157,12 +166,8 @@ def _listen_error(listen: str, exc: OSError) -> StartupError:
     return StartupError(f"node.listen {listen}: {exc.strerror or exc}")
 
 
-def _prepare(config: Config, control: socket.socket) -> Prepared:
+def _prepare(config: Config, control: socket.socket, where: processes.Placement) -> Prepared:
     data_dir = config.data_dir()
-    try:
-        where = processes.placement(config.task.processes)
-    except processes.ProcessesError as exc:
-        raise StartupError(str(exc)) from None
     try:
         identity = gossip.Identity.load_or_generate(config.path(config.node.identity))
         previous = config.swarm.previous_key_file
@@ -243,28 +248,34 @@ def _first_shard(config: Config) -> tuple[Shard, bool]:
     return Shard(kept or 0, shards), kept is None
 
 
-def _form_group(p: Prepared, argv: tuple[str, ...] | None) -> None:
-    """Start the node's other processes (unless torchrun did) and form its group, last:
-    every check the operator could fail has passed here, and each process has built the
-    task it will train."""
-    where, port = p.placement, None
+def _start_followers(where: processes.Placement, argv: tuple[str, ...] | None,
+                     followers: list[Any]) -> int | None:
+    """Start processes 1..N-1 of a node of several that ``gossipd run`` starts itself (not
+    torchrun), into ``followers``; returns the group's rendezvous port (None: torchrun's)."""
+    if where.launcher != "gossipd":
+        return None
+    if argv is None:
+        raise StartupError("task.processes > 1 needs the run's arguments to start the other "
+                           "processes")
+    port = processes.free_port()
+    log.info("starting the node's other processes count=%d", where.size - 1)
     try:
-        if where.launcher == "gossipd":
-            if argv is None:
-                raise processes.ProcessesError("task.processes > 1 needs the run's arguments "
-                                               "to start the other processes")
-            port = processes.free_port()
-            log.info("starting the node's other processes count=%d", where.size - 1)
-            p.followers = processes.spawn_followers(argv, where.size, port)
-        processes.init_group(where, p.device, port, p.followers)
-        p.group = gossip.nodegroup.NodeGroup(p.task.model, p.task.optimizer,
-                                             check_every=p.config.task.check_every,
-                                             timeout=processes.COLLECTIVE_TIMEOUT)
-    except BaseException as exc:  # Ctrl-C too: no follower left waiting for the group
-        processes.stop_followers(p.followers, grace=0.0)
-        if isinstance(exc, processes.ProcessesError):
-            raise StartupError(str(exc)) from None
-        raise
+        followers.extend(processes.spawn_followers(argv, where.size, port))
+    except processes.ProcessesError as exc:
+        raise StartupError(str(exc)) from None
+    return port
+
+
+def _form_group(p: Prepared, port: int | None) -> None:
+    """Form the node's group, last: every check the operator could fail has passed here,
+    and each process has built the task it will train."""
+    try:
+        processes.init_group(p.placement, p.device, port, p.followers)
+    except processes.ProcessesError as exc:
+        raise StartupError(str(exc)) from None
+    p.group = gossip.nodegroup.NodeGroup(p.task.model, p.task.optimizer,
+                                         check_every=p.config.task.check_every,
+                                         timeout=processes.COLLECTIVE_TIMEOUT)
     p.step.group = p.group
 
 

@@ -16,6 +16,11 @@ exchange, cheaper than making every exchange wait for a step to end.
 Between chunks, and only then, the service takes checkpoints (:meth:`Trainer.state`) and
 evaluations, so neither ever sees a half-applied step.
 
+On a node of several processes (:mod:`daemon.processes`) this is process 0's trainer: each
+step begins at a step boundary of the node's group (:class:`gossip.nodegroup.NodeGroup`),
+where the deltas queued meanwhile are applied and reach every process together (not after
+the step, nor at a chunk's end), and each process trains on every N-th batch (:class:`Batches`).
+
 Losses stay on the device within a chunk and are read once at its end: reading a CUDA loss
 after every step would wait for the GPU each time.
 """
