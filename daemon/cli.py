@@ -184,7 +184,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     from . import logs
     from .follower import follow
-    from .processes import ProcessesError, placement
+    from .processes import ProcessesError, exit_now, placement
     from .service import StartupError, prepare, run
     from .task import TaskError
     try:
@@ -193,9 +193,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     live = logs.setup(args.log_level, process=where.rank if where.several else None)
     if not where.speaker:
-        return follow(config, where)
+        exit_now(follow(config, where))
     argv = ("run", *(("-c", args.config) if args.config else ()),
             *(x for value in args.set for x in ("--set", value)), "--log-level", args.log_level)
+    code = EXIT_OK
     try:
         prepared = prepare(config, argv)
         if prepared.resumed:
@@ -205,17 +206,19 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     except TaskError as exc:  # the task broke its contract while training: one line says how
         log.error("the daemon failed: %s", exc)
-        return EXIT_FAILED
+        code = EXIT_FAILED
     except (gossip.ProcessLost, gossip.ReplicasDiverged) as exc:  # said when it happened
         log.error("the node stopped: %s", exc)
-        return EXIT_FAILED
+        code = EXIT_FAILED
     except Exception:
         log.exception("the daemon failed")
-        return EXIT_FAILED
+        code = EXIT_FAILED
     finally:
         if live is not None:
             live.close()
-    return EXIT_OK
+    if where.several:
+        exit_now(code)
+    return code
 
 
 def cmd_status(args: argparse.Namespace) -> int:

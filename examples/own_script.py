@@ -44,8 +44,9 @@ def accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
         return (model(x).argmax(1) == y).float().mean().item()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def arguments(description: str) -> argparse.ArgumentParser:
+    """The options of a node (torchrun_averager.py adds its own)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--listen", default="127.0.0.1:0", metavar="HOST:PORT",
                         help="where this node listens (port 0 picks a free one)")
     parser.add_argument("--bootstrap", action="append", default=[], metavar="HOST:PORT",
@@ -57,7 +58,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--step-time", type=float, default=0.01, metavar="SECONDS",
                         help="sleep per step, standing in for a bigger model (default 0.01)")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = arguments(__doc__.splitlines()[0]).parse_args()
     index, count = map(int, args.shard.split("/"))
     key_hex = args.key_hex or gossip.Swarm.generate("example").key.hex()
 

@@ -116,7 +116,7 @@ class NodeGroup:
         model: the live module, or its ``DistributedDataParallel`` wrapper: then the wrapper
             averages the gradients, and the group does not.
         optimizer: the model's optimizer. The group averages gradients before this
-            optimizer sees them (see the module's docstring).
+            optimizer sees them (see the module's docstring); None only with a DDP wrapper.
         group: the process group (None: the default group, ``dist.init_process_group``'s).
         check_every: every this many boundaries, check that the processes hold
             bit-identical parameters (a broadcast of the model); 0: never.
@@ -130,7 +130,7 @@ class NodeGroup:
             gradients or a parameter on no device the backend can reach.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *,
                  group: Any = None, check_every: int = 0,
                  timeout: datetime.timedelta | None = None) -> None:
         if not dist.is_available() or not dist.is_initialized():
@@ -157,8 +157,13 @@ class NodeGroup:
         self._boundaries = self._syncs = self._sync_bytes = self._checks = 0
         self._sync_seconds = self._header_seconds = 0.0
         self._synced_at = self._sync_took = 0.0  # the end of the last broadcast, its length
-        self._sync = None if unwrap(model) is not model else _GradientSync(
-            self.module, optimizer, self._all_reduce, self.size)
+        self._sync = None
+        if unwrap(model) is model:
+            if optimizer is None:
+                raise GossipError("a node of several processes averages a plain model's "
+                                  "gradients before its optimizer's step: give the optimizer "
+                                  "(or wrap the model in DistributedDataParallel)")
+            self._sync = _GradientSync(self.module, optimizer, self._all_reduce, self.size)
 
     @property
     def speaker(self) -> bool:
@@ -212,7 +217,8 @@ class NodeGroup:
 
         Raises:
             ReplicasDiverged: a check found the processes' parameters differ.
-            RuntimeError: a collective failed (another process of the node died).
+            ProcessLost: a collective failed (another process of the node died; or, the
+                processes having called it different numbers of times, timed out).
         """
         replica = self._replica
         if replica is None:
