@@ -75,10 +75,13 @@ def test_nodes_of_two_processes_train_stay_identical_and_restart(tmp_path: Path)
         assert f"resuming checkpoint={last['path']}" in text
         assert f"[process 1] daemon.follower process 1 resuming checkpoint={last['path']}" in text
 
-        # SIGTERM: every node stops cleanly, the followers with their speakers.
+        # SIGTERM: every node stops cleanly, the followers with their speakers (all at once:
+        # each waits a moment for its goodbye to spread).
         pids = a.children() + c.children()
         for node in (c, b, a):
-            assert node.stop() == 0, node.text()[-2000:]
+            node.signal(signal.SIGTERM)
+        for node in (c, b, a):
+            assert node.wait_exit(30) == 0, node.text()[-2000:]
         for pid in pids:
             assert not Path(f"/proc/{pid}").exists() or _zombie(pid), f"follower {pid} left"
 
