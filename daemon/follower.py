@@ -58,6 +58,9 @@ def follow(config: Config, where: Placement) -> int:
     except TaskError as exc:
         log.error("process %d failed: %s", where.rank, exc)
         return EXIT_FAILED
+    except Exception:  # the task's own code: the speaker's trainer fails the same way
+        log.exception("process %d failed", where.rank)
+        return EXIT_FAILED
     finally:
         group.close()
         leave_group()
@@ -87,7 +90,11 @@ def _prepare(config: Config, where: Placement) -> tuple[NodeGroup, Any, Batches,
     found = checkpoint.load_latest(config.path(config.checkpoint.dir))
     if found is not None:
         path, state = found
-        counters, _ = Trainer.restore(task, state)
+        try:
+            counters, _ = Trainer.restore(task, state)
+        except (KeyError, ValueError, RuntimeError, TypeError) as exc:
+            raise ProcessesError(f"checkpoint {path} does not fit task {config.task.entry}: "
+                                 f"{str(exc).splitlines()[0]}") from None
         resumed = counters.step
         log.info("process %d resuming checkpoint=%s step=%d", where.rank, path, resumed)
     init_group(where, device)

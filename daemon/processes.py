@@ -55,7 +55,7 @@ __all__ = ["Placement", "ProcessesError", "agree_shard", "describe_exit", "die_w
 
 log = logging.getLogger(__name__)
 
-SPAWNED = "GOSSIPD_NODE_PROCESS"  # set in the followers gossipd run starts (not torchrun's)
+SPAWNED = "GOSSIPD_NODE_PROCESS"  # the followers gossipd run starts: its pid (not torchrun's)
 START_TIMEOUT = 600.0  # s for every process to reach the group at start-up (a big task's build)
 # The step headers wait for the speaker for as long as it takes (a download on a thin link, a
 # long evaluation); gloo notices a process that dies by its closed connections, not by a
@@ -161,7 +161,7 @@ def spawn_followers(argv: Sequence[str], size: int, port: int) -> list[subproces
     for rank in range(1, size):
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                "WORLD_SIZE": str(size), "RANK": str(rank), "LOCAL_RANK": str(rank),
-               "LOCAL_WORLD_SIZE": str(size), SPAWNED: "1"}
+               "LOCAL_WORLD_SIZE": str(size), SPAWNED: str(os.getpid())}
         try:
             followers.append(subprocess.Popen([sys.executable, "-m", "daemon", *argv], env=env,
                                               start_new_session=True, stdin=subprocess.DEVNULL))
@@ -232,7 +232,9 @@ def die_with_parent() -> None:
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):  # not Linux: the collectives' own errors must do
         return
-    if os.getppid() == 1:  # the parent died before the call
+    # The parent died before the call (a check against its pid: it may itself be pid 1, in
+    # a container, where a reparented process's parent is also 1).
+    if str(os.getppid()) != os.environ.get(SPAWNED):
         os._exit(1)
 
 
