@@ -146,12 +146,20 @@ async def test_the_corrections_sum_stays_near_zero_and_a_departures_bias_fades(
             await sim.stop(i)
         left = imbalance(sim)
         assert left > 0.15  # a bias the others would otherwise carry for ever
-        await sim.run_for(50.0)
-        # ... and the leak removes it: the rest settle on the mean of their own targets.
+        await sim.run_for(45.0)
+        # ... and the leak removes it: the rest settle on the mean of their own targets. The
+        # center and the offset are averaged over the last 5 s: a single snapshot of the
+        # iterates carries the jitter of the steps and exchanges under way, which now and then
+        # (by trio's scheduling order) took the center just past the bound.
+        centers, offsets = [], []
+        for _ in range(10):
+            await sim.run_for(0.5)
+            centers.append(torch.stack([models[i].x.detach() for i in range(6)]).mean(0))
+            offsets.append(offset(sim))
         assert imbalance(sim) < 0.05
-        rest = [models[i].x.detach() for i in range(6)]
-        center = torch.stack(rest).mean(0)
-        assert (center - torch.stack(targets[:6]).mean(0)).norm() < 0.01 * spread + offset(sim)
+        center = torch.stack(centers).mean(0)
+        assert ((center - torch.stack(targets[:6]).mean(0)).norm()
+                < 0.01 * spread + sum(offsets) / len(offsets))
 
 
 # --- the step the swarm schedules by ------------------------------------------------------
