@@ -16,6 +16,7 @@ from typing import AsyncIterator, Callable
 import trio
 
 from gossip.errors import PeerGone
+from gossip.handshake import Swarm
 from gossip.identity import Identity, PeerId
 from gossip.membership import Member, MembershipConfig, State
 from gossip.roster import Roster, open_roster
@@ -71,12 +72,16 @@ class SimSwarm:
         node.done = trio.Event()
         await self._nursery.start(self._run, node, bootstrap)
 
+    def swarm_of(self, node: SimNode) -> Swarm:
+        """The swarm name and key ``node`` runs with (the same for every node here)."""
+        return SWARM
+
     async def _run(self, node: SimNode, bootstrap: list[str], *, task_status) -> None:
         rng = random.Random(f"{self._seed}:{node.name}:{len(self.history)}")
         try:
             with trio.CancelScope() as node.scope:
                 async with open_roster(
-                    self.net.host(node.name), node.identity, SWARM, node.address,
+                    self.net.host(node.name), node.identity, self.swarm_of(node), node.address,
                     bootstrap=bootstrap, config=self.config, rng=rng,
                     on_change=lambda m: self._record(node, m),
                 ) as roster:

@@ -13,18 +13,15 @@ keys.
 
 from __future__ import annotations
 
-import random
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
 import trio
 from trio.testing import MockClock
 
-from gossip.errors import PeerGone
 from gossip.handshake import Swarm
 from gossip.identity import PeerId
 from gossip.membership import MembershipConfig, State
-from gossip.roster import open_roster
 from gossip.rotation import Holds
 from gossip.simnet import SimNetwork
 from tests.sim.swarm import SimNode, SimSwarm
@@ -36,8 +33,8 @@ OLD, NEW = bytes(range(32)), bytes(range(1, 33))
 
 
 class RotatingSwarm(SimSwarm):
-    """A SimSwarm whose nodes each run with the Swarm in :attr:`swarms` (the shared helper
-    gives every node the same one), checking at every change that nobody is left alone."""
+    """A SimSwarm whose nodes each run with the Swarm in :attr:`swarms`, checking at every
+    change that nobody is left alone."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -46,25 +43,12 @@ class RotatingSwarm(SimSwarm):
         self.alone: list[tuple[float, str]] = []  # (time, node) a joined node had no alive peer
         self.stopped: list[tuple[float, PeerId]] = []  # (time, peer) a node was told to stop
 
-    async def _run(self, node: SimNode, bootstrap: list[str], *, task_status) -> None:
-        rng = random.Random(f"{self._seed}:{node.name}:{len(self.history)}")
+    def swarm_of(self, node: SimNode) -> Swarm:
+        return self.swarms.get(node.name) or Swarm("sim", OLD)
+
+    async def start(self, node: SimNode, bootstrap: list[str]) -> None:
         self.joined.discard(node.name)
-        try:
-            with trio.CancelScope() as node.scope:
-                async with open_roster(
-                    self.net.host(node.name), node.identity,
-                    self.swarms.get(node.name) or Swarm("sim", OLD), node.address,
-                    bootstrap=bootstrap, config=self.config, rng=rng,
-                    on_change=lambda m: self._record(node, m),
-                ) as roster:
-                    node.roster = roster
-                    task_status.started()
-                    await trio.sleep_forever()
-        except PeerGone:
-            pass
-        finally:
-            node.roster = None
-            node.done.set()
+        await super().start(node, bootstrap)
 
     def _record(self, node, member) -> None:
         super()._record(node, member)
