@@ -23,7 +23,7 @@ _API: dict[str, tuple[str, ...]] = {
     "channel": ("MAX_RECORD", "ChannelStatistics", "SecureChannel", "Timeouts", "connect",
                 "serve"),
     "download": ("Download",),
-    "errors": ("AveragingFailed", "ChannelClosed", "GossipError", "HandshakeClosed",
+    "errors": ("ChannelClosed", "DownloadFailed", "GossipError", "HandshakeClosed",
                "HandshakeError", "IdentityClash", "IdentityError", "LocalProtocolError",
                "PeerGone", "PeerTimeout", "ProcessLost", "RemoteProtocolError",
                "ReplicasDiverged", "SchemaMismatch", "WireError"),
@@ -64,7 +64,7 @@ if TYPE_CHECKING:
     from .channel import (MAX_RECORD, ChannelStatistics, SecureChannel, Timeouts, connect,
                           serve)
     from .download import Download
-    from .errors import (AveragingFailed, ChannelClosed, GossipError, HandshakeClosed,
+    from .errors import (ChannelClosed, DownloadFailed, GossipError, HandshakeClosed,
                          HandshakeError, IdentityClash, IdentityError, LocalProtocolError,
                          PeerGone, PeerTimeout, ProcessLost, RemoteProtocolError,
                          ReplicasDiverged, SchemaMismatch, WireError)

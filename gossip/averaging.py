@@ -72,7 +72,7 @@ from .correction import CORRECTION_RATE, DEFAULT_LEAK
 from .download import CODEC as DOWNLOAD_CODEC
 from .download import Download, Said, download, serve_download
 from .errors import GossipError, PeerGone, PeerTimeout
-from .exchange import CLOSE_TIMEOUT, Deadlines, Ending, Outcome
+from .exchange import Deadlines, Ending, Outcome
 from .groups import one_error
 from .handshake import Swarm
 from .identity import Identity, PeerId
@@ -418,10 +418,9 @@ class Averaging:
             else:
                 log.info("averaging offer refused peer=%s reason=%s", peer.short, refusal)
                 close = Close(Close.REJECTED, refusal)
-            with trio.move_on_after(CLOSE_TIMEOUT):
-                if offer.fingerprint != self.replica.schema.fingerprint:  # say what ours is
-                    await channel.send_message(describe(self.replica.schema))
-                await channel.send_message(close)
+            said = ([describe(self.replica.schema)]  # say what ours is
+                    if offer.fingerprint != self.replica.schema.fingerprint else [])
+            await channel.send_closing(*said, close)
             self._count(channel)
             return
         self._busy = True

@@ -76,7 +76,7 @@ from .handshake import (
     read_first_message,
 )
 from .identity import Identity, PeerId
-from .limits import Admission
+from .limits import Admission, Limits
 from .messages import Message
 from .network import Network, peer_host
 from .wire import FRAME_HEADER, decode, encode, encode_frame, frame_length
@@ -102,6 +102,7 @@ MAX_RECORD = 1 << 20  # plaintext bytes in one record
 # leaves that margin, and bounds what a silent connection holds to a tenth of what a
 # whole handshake deadline would.
 FIRST_MESSAGE_TIMEOUT = 2.0
+CLOSE_GRACE = 1.0  # s a peer is given to take the last messages we send it (a Close)
 _HEADER = FRAME_HEADER.size
 _INITIAL_BUFFER = 4096
 
@@ -423,6 +424,18 @@ class SecureChannel(trio.abc.AsyncResource):
         """Send one protocol message as one record."""
         await self.send(encode(message))
 
+    async def send_closing(self, *messages: Message) -> None:
+        """Send the last messages of a conversation (a :class:`Close`, and what explains it),
+        giving the peer :data:`CLOSE_GRACE` seconds to take them; a peer that does not read
+        them in that time is not waited for. The caller then closes the channel.
+
+        Raises:
+            GossipError: as :meth:`send`, when the channel breaks before the grace is over.
+        """
+        with trio.move_on_after(CLOSE_GRACE):
+            for message in messages:
+                await self.send_message(message)
+
     async def receive_message(self) -> Message:
         """Receive one record and decode it as a protocol message.
 
@@ -604,8 +617,7 @@ async def serve(
     swarm: Swarm,
     allow: frozenset[str] | None = None,
     timeouts: Timeouts = Timeouts(),
-    max_connections: int | None = None,
-    max_handshakes_per_host: int | None = None,
+    limits: Limits | None = None,
     on_refused: Callable[[str], None] | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -619,17 +631,19 @@ async def serve(
     and it can be evicted. See :mod:`gossip.limits` for why.
 
     Args:
-        max_connections: connections open at once, handshakes included; one more is closed
-            as soon as it is accepted, before a byte is read (None: no limit).
-        max_handshakes_per_host: unproven connections at once from one remote host (IP
-            address); one more from it closes the host's oldest unproven one, so that an
-            outsider cannot hold the places of honest peers that share its address (None:
-            no limit).
+        limits: ``max_connections``, connections open at once, handshakes included: one
+            more is closed as soon as it is accepted, before a byte is read; and
+            ``max_handshakes_per_host``, unproven connections at once from one remote host
+            (IP address): one more from it closes the host's oldest unproven one, so that an
+            outsider cannot hold the places of honest peers that share its address. None: no
+            limits. (Its per-peer rate is the roster's to enforce, once a peer is known.)
         on_refused: called with the limit's name for each connection closed by a limit:
             ``"max_connections"`` (the new one, refused) or ``"max_handshakes_per_host"``
             (the oldest unproven one of its host, evicted).
     """
-    admission: Admission[trio.CancelScope] = Admission(max_connections, max_handshakes_per_host)
+    admission: Admission[trio.CancelScope] = (
+        Admission(limits.max_connections, limits.max_handshakes_per_host) if limits is not None
+        else Admission(None, None))
     first_message = min(FIRST_MESSAGE_TIMEOUT, timeouts.handshake)
 
     def refused(limit: str) -> None:

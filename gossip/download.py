@@ -52,7 +52,7 @@ import cbor2
 import trio
 
 from .channel import SecureChannel, Timeouts, connect
-from .errors import AveragingFailed, GossipError, PeerTimeout, RemoteProtocolError, SchemaRefused
+from .errors import DownloadFailed, GossipError, PeerTimeout, RemoteProtocolError, SchemaRefused
 from .handshake import Swarm
 from .identity import Identity, PeerId
 from .linkrate import STALL, LinkRates
@@ -193,14 +193,13 @@ async def serve_download(channel: SecureChannel, request: StateRequest, replica:
         deadline: seconds the whole answer may take, given the joiner's host.
     """
     peer = channel.peer
-    refusal = None
+    refusal, before = None, []
     if request.fingerprint != replica.schema.fingerprint:
         # Close.reason is for logs and never carries our fingerprint (PROTOCOL.md section 7.1
         # says how a client computes its own); our log does.
         log.debug("state request of another schema peer=%s theirs=%s ours=%s", peer.short,
                   request.fingerprint.hex(), replica.schema.fingerprint_hex)
-        with trio.move_on_after(1.0):  # ours, for the joiner to say what differs
-            await channel.send_message(describe(replica.schema, _task_meta(task)))
+        before = [describe(replica.schema, _task_meta(task))]  # for the joiner to say what differs
         refusal = Close(Close.REJECTED, "schema differs from ours (another model, or other "
                                         "task options)")
     elif request.codec != CODEC:
@@ -208,15 +207,13 @@ async def serve_download(channel: SecureChannel, request: StateRequest, replica:
     elif not ready or serving[0] >= MAX_SERVING:
         refusal = Close(Close.BUSY, "not ready" if not ready else "serving other downloads")
     if refusal is not None:
-        with trio.move_on_after(1.0):
-            await channel.send_message(refusal)
+        await channel.send_closing(*before, refusal)
         return False
     try:
         meta = encode_meta(replica.int_buffers(), task())
     except ValueError as exc:  # the application's metadata: our fault, not the joiner's
         log.error("cannot serve a state download: %s", exc)
-        with trio.move_on_after(1.0):
-            await channel.send_message(Close(Close.REJECTED, "this node's task metadata is invalid"))
+        await channel.send_closing(Close(Close.REJECTED, "this node's task metadata is invalid"))
         return False
     serving[0] += 1
     buffer = replica.buffer()
@@ -268,7 +265,7 @@ async def download(replica: Replica, candidates: list[Member], network: Network,
         stall: seconds the state may go without a byte before the next candidate is tried.
 
     Raises:
-        AveragingFailed: every candidate failed (each failure is logged).
+        DownloadFailed: every candidate failed (each failure is logged).
     """
     ceiling = step_ceiling(candidates)
     order = sorted(candidates, key=lambda m: (m.step > ceiling, -m.step, rng.random()))
@@ -295,7 +292,7 @@ async def download(replica: Replica, candidates: list[Member], network: Network,
             continue
         log.info("state downloaded peer=%s step=%d", member.peer.short, result.step)
         return result
-    raise AveragingFailed(f"no state download succeeded ({len(order)} peers tried; "
+    raise DownloadFailed(f"no state download succeeded ({len(order)} peers tried; "
                           f"the last said: {last})")
 
 
@@ -319,7 +316,7 @@ async def _fetch(replica: Replica, member: Member, network: Network, identity: I
                     if isinstance(info, SchemaInfo):
                         raise SchemaRefused(_differences(replica, info, task))
                     if isinstance(info, Close):
-                        raise AveragingFailed(f"peer refused: code={info.code} {info.reason}")
+                        raise DownloadFailed(f"peer refused: code={info.code} {info.reason}")
                     if not isinstance(info, StateInfo):
                         raise RemoteProtocolError(f"expected StateInfo, got {type(info).__name__}")
                     await receive_state(channel, replica.schema, CODEC, flat)

@@ -21,7 +21,7 @@ __all__ = [
     "IdentityClash",
     "ChannelClosed",
     "SchemaMismatch",
-    "AveragingFailed",
+    "DownloadFailed",
     "SchemaRefused",
 ]
 
@@ -125,14 +125,16 @@ class SchemaMismatch(GossipError):
     """
 
 
-class AveragingFailed(GossipError):
-    """An averaging round with a peer did not complete; the local model is untouched.
+class DownloadFailed(GossipError):
+    """No peer gave us its state: every peer asked failed or refused, or one refused in a way
+    that asking again will not help. The local model is untouched.
 
-    Expected now and then in a real swarm: log it, count it, carry on.
+    Expected now and then while a swarm starts (no member is ready yet): log it, retry later.
+    A failed *exchange* raises nothing: it is logged, counted and skipped inside the node.
     """
 
 
-class SchemaRefused(AveragingFailed):
+class SchemaRefused(DownloadFailed):
     """A peer refused our state request or our offer because our model's schema is not its
     own: another model, or other task options. Asking again will not help.
 

@@ -58,10 +58,8 @@ from .mismatch import explain
 from .tensors import StateSchema, encoded_nbytes
 from .transfer import receive_state, send_state
 
-__all__ = ["Deadlines", "Ending", "Outcome", "Verdict", "Check", "initiate", "respond",
-           "CLOSE_TIMEOUT"]
+__all__ = ["Deadlines", "Ending", "Outcome", "Verdict", "Check", "initiate", "respond"]
 
-CLOSE_TIMEOUT = 1.0  # s to say Close(REJECTED) after refusing a payload
 
 
 @dataclass(frozen=True)
@@ -225,12 +223,10 @@ async def _swap(channel: SecureChannel, peer: Offer | Accept, codec: str, parts:
     assert ready is None or ready.is_set()
     verdict = await check(into, parts, peer)
     if verdict.refused is not None:
-        with trio.move_on_after(CLOSE_TIMEOUT):
-            try:
-                await channel.send_message(Close(Close.REJECTED,
-                                                 f"invalid state: {verdict.refused}"))
-            except GossipError:
-                pass  # it hung up already (say, it refused ours): the verdict stands
+        try:
+            await channel.send_closing(Close(Close.REJECTED, f"invalid state: {verdict.refused}"))
+        except GossipError:
+            pass  # it hung up already (say, it refused ours): the verdict stands
         return Outcome(Ending.INVALID, verdict.refused, peer, parts, verdict)
     try:
         # Our send may have returned while the last of our payload still sat in socket

@@ -35,7 +35,7 @@ import trio
 from .averaging import Averaging, AveragingConfig, AveragingStatistics, Exchange, Result
 from .channel import SecureChannel, Timeouts
 from .download import Download, encode_meta
-from .errors import AveragingFailed
+from .errors import DownloadFailed
 from .groups import one_error
 from .handshake import Swarm
 from .identity import Identity, PeerId
@@ -126,15 +126,13 @@ class SwarmNode:
         allow = self._averaging.allow
         if allow is not None and channel.peer not in allow and isinstance(first, (Offer, StateRequest)):
             log.info("refused peer=%s reason=not-on-allow-list", channel.peer.short)
-            with trio.move_on_after(1.0):
-                await channel.send_message(Close(Close.REJECTED, "not on the allow-list"))
+            await channel.send_closing(Close(Close.REJECTED, "not on the allow-list"))
         elif isinstance(first, Offer):
             await self._averaging.respond(channel, first)
         elif isinstance(first, StateRequest):
             await self._averaging.serve_download(channel, first, self._task)
         else:
-            with trio.move_on_after(1.0):
-                await channel.send_message(Close(Close.REJECTED, f"unexpected {type(first).__name__}"))
+            await channel.send_closing(Close(Close.REJECTED, f"unexpected {type(first).__name__}"))
 
     async def _start(self, bootstrap: bool) -> None:
         averaging, config = self._averaging, self._averaging.config
@@ -155,7 +153,7 @@ class SwarmNode:
                     try:
                         self.downloaded = await averaging.download(candidates, self._task)
                         break
-                    except AveragingFailed as exc:
+                    except DownloadFailed as exc:
                         # Said once out loud: a refusal may mean this node's model is not the
                         # swarm's (another task or options), which retrying will not fix;
                         # then again only when it changes, not every second.
@@ -258,8 +256,7 @@ async def open_swarm(
 
     async def handle(channel: SecureChannel, first: Message) -> None:
         if node is None:  # a peer that is quick off the mark
-            with trio.move_on_after(1.0):
-                await channel.send_message(Close(Close.BUSY, "starting"))
+            await channel.send_closing(Close(Close.BUSY, "starting"))
             return
         await node._handle(channel, first)
 

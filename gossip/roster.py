@@ -559,8 +559,7 @@ class Roster:
                    else self._dial_backs.refusal(str(channel.peer), record.address,
                                                  trio.current_time()))
         if refusal is not None:  # Close(BUSY): no verdict, the requester asks elsewhere
-            with trio.move_on_after(1.0):
-                await channel.send_message(Close(Close.BUSY, refusal))
+            await channel.send_closing(Close(Close.BUSY, refusal))
             return
         assert record is not None
         try:
@@ -741,8 +740,7 @@ async def open_roster(
                         await nursery.start(functools.partial(
                             serve, network, endpoint.local_address, on_channel,
                             identity=identity, swarm=swarm, timeouts=timeouts,
-                            max_connections=limits.max_connections,
-                            max_handshakes_per_host=limits.max_handshakes_per_host,
+                            limits=limits,
                             on_refused=refused,
                         ))
                         break

@@ -13,6 +13,7 @@ import trio
 
 from gossip.channel import FIRST_MESSAGE_TIMEOUT, connect, serve
 from gossip.identity import Identity
+from gossip.limits import Limits
 from gossip.network import TcpNetwork
 from gossip.testing.hostile import Outsider
 from tests.util import SWARM
@@ -32,7 +33,8 @@ async def test_silent_connections_over_tcp_do_not_lock_out_a_key_holder_on_their
     async with trio.open_nursery() as nursery:
         address = await nursery.start(functools.partial(
             serve, TcpNetwork(), "127.0.0.1:0", echo, identity=Identity.generate(),
-            swarm=SWARM, max_handshakes_per_host=LIMIT, on_refused=refused.append))
+            swarm=SWARM, limits=Limits(max_handshakes_per_host=LIMIT),
+            on_refused=refused.append))
         async with Outsider(network=TcpNetwork("127.0.0.1")).open_flood(
                 address, SILENT, first_bytes=b"") as flood:
             with trio.fail_after(10):
