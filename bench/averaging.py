@@ -8,12 +8,12 @@ round to round, so that other work on the machine (a shared 2-core box) weighs o
 alike. The parent process (which imports no torch) starts the workers and relays their
 messages; it measures nothing itself.
 
-* exchange fp32 / bf16 / int8: each worker opens a node per method, ``open_swarm(model, ...,
-  config=AveragingConfig(every=None, interval=None, codec=..., start="own", correction=False,
-  trust_after=0))``, one swarm per method (int8 only once ``gossip.tensors`` has that codec;
-  the row is left out until then); *b* bootstraps to *a*, and both wait until each sees the
-  other alive and ready (``trust_after=0``: at once a member whose offers count, as in a swarm
-  that has run a while, not a newcomer). *a* times ``await node.average_now()``, which must
+* exchange fp32 / bf16 / int8: each worker opens a node per method, ``open_swarm(model, swarm,
+  NodeConfig(averaging=AveragingConfig(every=None, interval=None, codec=..., start="own",
+  correction=False, trust_after=0), ...))``, one swarm per method (int8 only once
+  ``gossip.tensors`` has that codec; the row is left out until then); *b* bootstraps to *a*,
+  and both wait until each sees the other alive and ready (``trust_after=0``: at once a
+  member whose offers count, as in a swarm that has run a while, not a newcomer). *a* times ``await node.average_now()``, which must
   return ``COMMITTED``: connect, Noise handshake, Offer/Accept, both snapshots, both payloads
   at once (encrypted, 1 MiB records), the checks and the delta on each side, the Commit round
   trip. That is what a user pays for one exchange. Both then apply the delta (not timed).
@@ -539,17 +539,18 @@ class Bench:
     async def open_node(self, stack: AsyncExitStack, method: str, bootstrap: str | None):
         import torch
 
-        from gossip import AveragingConfig, Swarm, open_swarm
+        from gossip import AveragingConfig, NodeConfig, Swarm, open_swarm
 
         codec, full = exchange_spec(method)
-        config = AveragingConfig(every=None, interval=None, codec=codec, start="own",
-                                 correction=full, trust_after=0.0)
+        config = NodeConfig(listen="127.0.0.1:0", bootstrap=[bootstrap] if bootstrap else [],
+                            averaging=AveragingConfig(every=None, interval=None, codec=codec,
+                                                      start="own", correction=full,
+                                                      trust_after=0.0))
         if full and self.optimizer is None:
             # Learning rate 0: the step that gives the correction its estimate moves nothing.
             self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.0)
         node = await stack.enter_async_context(open_swarm(
-            self.model, Swarm(f"bench-{method.replace(' ', '-')}", self.key),
-            listen="127.0.0.1:0", bootstrap=[bootstrap] if bootstrap else [], config=config,
+            self.model, Swarm(f"bench-{method.replace(' ', '-')}", self.key), config,
             optimizer=self.optimizer if full else None))
         if full:
             self.optimizer.step()  # through the node's hook: its estimate, from the gradient

@@ -69,6 +69,7 @@ Writes bench/results/efficiency.json and efficiency.png.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -81,7 +82,7 @@ import trio.testing
 from common import progress, pyplot, save_figure, save_json, table
 from daemon.task import Context, Shard
 from daemon.tasks import digits
-from gossip import AveragingConfig
+from gossip import AveragingConfig, NodeConfig
 from gossip.tensors import CODECS
 from gossip.testing import SimNode, SimSwarm, open_sim_swarm
 
@@ -203,8 +204,9 @@ def run_swarm(setting: Setting, seed: int, points: int) -> dict[str, list[float]
                 await sim.restart(i)
 
     async def main() -> None:
-        config = AveragingConfig(every=setting.every, interval=None, start="own",
-                                 correction=setting.correction, codec=setting.codec)
+        config = dataclasses.replace(NodeConfig.local(), averaging=AveragingConfig(
+            every=setting.every, interval=None, start="own", correction=setting.correction,
+            codec=setting.codec))
         async with open_sim_swarm(n, seed=seed, model=lambda i: tasks[i].model,
                                   optimizer=lambda i: tasks[i].optimizer, train=train,
                                   step_time=STEP_TIME, config=config) as sim:

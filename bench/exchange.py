@@ -12,8 +12,9 @@ freed memory back to the system, so that the next size's resident set starts cle
 the next size. Each round times one trial of every method, in an order that rotates from
 round to round, so that other work on the machine (a shared 2-core box) weighs on all alike.
 
-* exchange fp32 / bf16: each worker opens a node per codec, ``open_swarm(model, ...,
-  config=AveragingConfig(every=None, interval=None, codec=..., start="own"))``; *b* bootstraps to *a*,
+* exchange fp32 / bf16: each worker opens a node per codec, ``open_swarm(model, swarm,
+  NodeConfig(averaging=AveragingConfig(every=None, interval=None, codec=..., start="own"),
+  ...))``; *b* bootstraps to *a*,
   and both wait until each sees the other alive and ready. *a* times ``await
   node.average_now()``, which must return ``COMMITTED``: connect, Noise handshake,
   Offer/Accept, both snapshots, both payloads at once (encrypted, 1 MiB records), the checks

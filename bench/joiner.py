@@ -37,7 +37,7 @@ import trio.testing
 from common import progress, save_json, table
 from daemon.task import Context, Shard
 from daemon.tasks import charlm, digits
-from gossip import AveragingConfig, Swarm
+from gossip import AveragingConfig, NodeConfig, Swarm
 from gossip.node import SwarmNode, open_swarm
 from gossip.simnet import SimNetwork
 
@@ -66,9 +66,11 @@ def run(make: Any, seed: int, copied: bool) -> dict[str, Any]:
         async with AsyncExitStack() as stack:
             nodes: list[SwarmNode] = []
             for i, task in enumerate(tasks):
+                node_config = NodeConfig(listen=f"n{i}:7000",
+                                         bootstrap=[nodes[0].address] if nodes else [],
+                                         averaging=config)
                 nodes.append(await stack.enter_async_context(open_swarm(
-                    task.model, swarm, network=net.host(f"n{i}"), listen=f"n{i}:7000",
-                    bootstrap=[nodes[0].address] if nodes else [], config=config,
+                    task.model, swarm, node_config, network=net.host(f"n{i}"),
                     optimizer=task.optimizer, rng=random.Random(f"{seed}:{i}"))))
 
             async def member(i: int, steps: int) -> None:
@@ -80,10 +82,11 @@ def run(make: Any, seed: int, copied: bool) -> dict[str, Any]:
             async with trio.open_nursery() as warmup:
                 for i in range(NODES):
                     warmup.start_soon(member, i, WARM)
+            joiner_config = NodeConfig(listen="joiner:7000", bootstrap=[nodes[0].address],
+                                       averaging=AveragingConfig(start="download"))
             joiner = await stack.enter_async_context(open_swarm(
-                joiner_task.model, swarm, network=net.host("joiner"), listen="joiner:7000",
-                bootstrap=[nodes[0].address], optimizer=joiner_task.optimizer,
-                config=AveragingConfig(start="download"), rng=random.Random(f"{seed}:j")))
+                joiner_task.model, swarm, joiner_config, network=net.host("joiner"),
+                optimizer=joiner_task.optimizer, rng=random.Random(f"{seed}:j")))
             await joiner.wait_ready()
             assert joiner.downloaded is not None
             if copied:

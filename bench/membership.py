@@ -58,8 +58,9 @@ import sys
 import time
 
 import gossip.membership
+from gossip.config import MembershipConfig
 from gossip.identity import peer_id_from_public_key
-from gossip.membership import Changed, Membership, MembershipConfig, PushPullWith, Send, State
+from gossip.membership import Changed, Membership, PushPullWith, Send, State
 from gossip.seal import SEAL_OVERHEAD
 from gossip.wire import MAX_DATAGRAM, encode
 

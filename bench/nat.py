@@ -30,6 +30,7 @@ headline figures.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import random
@@ -43,8 +44,8 @@ import trio.testing
 from common import progress, save_json, table
 from gossip import Result
 from gossip.testing import open_sim_swarm
-from scale import (AVERAGING, INTERVAL, MAX_ROUNDS, MEMBERSHIP, TARGET, initial_weights,
-                   node_model, relative_spread, timer, wait_joined, weights)
+from scale import (CONFIG, INTERVAL, MAX_ROUNDS, TARGET, initial_weights, node_model,
+                   relative_spread, timer, wait_joined, weights)
 
 N = 8
 REACHABLE = 2
@@ -71,9 +72,9 @@ def _index(sim, peer) -> int:
 
 
 async def run_swarm(w0, seed: int, nat: bool) -> dict:
-    async with open_sim_swarm(N, seed=seed, model=lambda i: node_model(w0, i), config=AVERAGING,
-                              membership=MEMBERSHIP, nat=range(REACHABLE, N) if nat else (),
-                              reachable=None if nat else True) as sim:
+    config = dataclasses.replace(CONFIG, reachable=None if nat else True)
+    async with open_sim_swarm(N, seed=seed, model=lambda i: node_model(w0, i), config=config,
+                              nat=range(REACHABLE, N) if nat else ()) as sim:
         await wait_joined(sim)
         await checked(sim, nat)
         start = trio.current_time()

@@ -78,7 +78,7 @@ import trio
 import trio.testing
 
 from common import progress, pyplot, save_figure, save_json, table
-from gossip import AveragingConfig, MembershipConfig, Result
+from gossip import AveragingConfig, MembershipConfig, NodeConfig, Result
 from gossip.testing import open_sim_swarm
 
 TARGET = 1e-3  # relative distance of the farthest node from the mean
@@ -95,6 +95,7 @@ AVERAGING = AveragingConfig(every=None, interval=None, start="own")  # rounds co
 # profile as it is (its join is as cheap as any tried: fewer gossip retransmissions leave gaps
 # that only the push-pulls 5 and 30+ periods later fill, and slower probes delay those).
 MEMBERSHIP = MembershipConfig()
+CONFIG = dataclasses.replace(NodeConfig.local(), averaging=AVERAGING, membership=MEMBERSHIP)
 IDEAL = {  # the exact models: what happens in one round
     "matching": "n/2 disjoint random pairs",
     "random": "n exchanges, a random node with a random other",
@@ -184,7 +185,7 @@ async def run_swarm(w0: torch.Tensor, seed: int) -> dict:
     n = len(w0)
     wall = time.perf_counter()
     async with open_sim_swarm(n, seed=seed, model=lambda i: node_model(w0, i),
-                              config=AVERAGING, membership=MEMBERSHIP) as sim:
+                              config=CONFIG) as sim:
         await wait_joined(sim)
         joined_wall, start = time.perf_counter(), trio.current_time()
         if sim.exchanges:

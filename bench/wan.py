@@ -97,7 +97,8 @@ import trio.testing
 
 from common import progress, save_json, table
 import gossip.channel
-from gossip import AveragingConfig, MembershipConfig, SimNetwork, Swarm, Timeouts, open_swarm
+from gossip import (AveragingConfig, MembershipConfig, NodeConfig, SimNetwork, Swarm, Timeouts,
+                    open_swarm)
 from gossip import exchange as protocol
 from gossip.averaging import Result
 from gossip.channel import connect, serve
@@ -321,11 +322,12 @@ async def consensus(link: Link, numel: int, codec: str, exchange: float, seed: i
     async with AsyncExitStack() as stack:
         nodes = []
         for i, model in enumerate(models):
+            node_config = NodeConfig(listen=f"n{i}:7000",
+                                     bootstrap=[nodes[0].address] if nodes else [],
+                                     averaging=config, membership=QUIET, timeouts=LOOSE)
             nodes.append(await stack.enter_async_context(open_swarm(
-                model, Swarm("wan", KEY), network=net.host(f"n{i}"), listen=f"n{i}:7000",
-                bootstrap=[nodes[0].address] if nodes else [], config=config,
-                membership=QUIET, timeouts=LOOSE, rng=random.Random(f"{seed}:{i}"),
-                on_exchange=partial(exchanged, i))))
+                model, Swarm("wan", KEY), node_config, network=net.host(f"n{i}"),
+                rng=random.Random(f"{seed}:{i}"), on_exchange=partial(exchanged, i))))
         with trio.fail_after(600):
             while any(len(n.roster.alive(ready=True)) < NODES - 1 for n in nodes):
                 await trio.sleep(0.5)
@@ -383,11 +385,12 @@ async def membership(hours: float, nodes: int, seed: int) -> dict:
     async with AsyncExitStack() as stack:
         members = []
         for i in range(nodes):
+            node_config = NodeConfig(listen=f"n{i}:7000",
+                                     bootstrap=[members[0].address] if members else [],
+                                     averaging=config, membership=MembershipConfig.wan())
             members.append(await stack.enter_async_context(open_swarm(
-                Flat(torch.randn(SIM_NUMEL, generator=g)), Swarm("wan", KEY),
-                network=net.host(f"n{i}"), listen=f"n{i}:7000",
-                bootstrap=[members[0].address] if members else [], config=config,
-                membership=MembershipConfig.wan(), rng=random.Random(f"{seed}:{i}"),
+                Flat(torch.randn(SIM_NUMEL, generator=g)), Swarm("wan", KEY), node_config,
+                network=net.host(f"n{i}"), rng=random.Random(f"{seed}:{i}"),
                 on_exchange=lambda e, i=i: members[i].apply_pending())))
         await trio.sleep(hours * 3600)
         stats = [m.roster.statistics() for m in members]
@@ -474,8 +477,9 @@ async def tbf_worker(role: str, listen: str, peer: str, trials: int) -> None:
     model = Flat(torch.randn(TBF_NUMEL))
     config = AveragingConfig(every=None, interval=None, start="own", correction=False,
                              trust_after=0.0)
-    async with open_swarm(model, Swarm("wan", KEY), listen=listen,
-                          bootstrap=[peer] if role == "a" else [], config=config) as node:
+    node_config = NodeConfig(listen=listen, bootstrap=[peer] if role == "a" else [],
+                             averaging=config)
+    async with open_swarm(model, Swarm("wan", KEY), node_config) as node:
         if role == "b":
             await trio.to_thread.run_sync(sys.stdin.read)
             return

@@ -33,6 +33,10 @@ Reading (:func:`load`) reads the file once, verifies it, and only then unpickles
 :func:`load_latest` walks back from the newest checkpoint, logging and skipping each that
 fails verification. Costs: a save writes the state once and hashes it once (SHA-256 runs at
 about 1 GB/s per core); a load holds the file's bytes and the loaded state at the same time.
+
+While the daemon runs, :class:`Checkpointer` is that one writer: it saves a state the training
+loop copied between chunks, in a worker thread, one save at a time (the loop skips a periodic
+checkpoint while one is still being written), and logs, counts and remembers each.
 """
 
 from __future__ import annotations
@@ -53,16 +57,20 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
+import trio
 
-from gossip.messages import MAX_COUNT
+from gossip import MAX_COUNT
 
 __all__ = [
-    "CheckpointError", "FORMAT", "MAGIC", "VERSION", "END_MAGIC", "MAX_STEP", "save", "load",
-    "load_latest", "checkpoints", "capture_rng", "restore_rng", "atomic_write",
+    "CheckpointError", "Checkpointer", "FORMAT", "MAGIC", "VERSION", "END_MAGIC", "MAX_STEP",
+    "save", "load", "load_latest", "checkpoints", "capture_rng", "restore_rng", "atomic_write",
     "torch_load_reason",
 ]
 
 log = logging.getLogger(__name__)
+# The running daemon's checkpoint lines keep the logger name operators filter on and the docs
+# show (docs/DAEMON.md, docs/TASKS.md).
+run_log = logging.getLogger("daemon.service")
 
 MAGIC = b"GOSSIPCK"
 VERSION = 1
@@ -393,3 +401,55 @@ def restore_rng(state: Mapping[str, Any]) -> None:
         log.warning("rng cuda state skipped saved_devices=%d devices=%d", len(cuda), available)
         return
     torch.cuda.set_rng_state_all(cuda)
+
+
+class Checkpointer:
+    """The running daemon's checkpoints in ``directory``, the newest ``keep`` kept: one save
+    at a time, in a worker thread; each logged, counted in ``metrics`` and told to ``event``
+    (the metrics log).
+
+    Args:
+        metrics: has ``checkpointed(seconds)`` and ``checkpoint_failures`` (a counter).
+        event: ``event(name, **fields)``, the metrics log's.
+    """
+
+    def __init__(self, directory: Path, keep: int, metrics: Any,
+                 event: Callable[..., None]) -> None:
+        self.directory = directory
+        self.keep = keep
+        self.metrics = metrics
+        self.event = event
+        self.last: dict[str, Any] | None = None  # the newest written: path, step, time
+        self._writing = trio.Lock()  # one save at a time
+
+    @property
+    def busy(self) -> bool:
+        """Whether a save is under way."""
+        return self._writing.locked()
+
+    async def write(self, state: Mapping[str, Any]) -> None:
+        """Save ``state`` (a :meth:`daemon.train.Trainer.state`) as the checkpoint of its step.
+
+        Raises:
+            OSError: the disk refused; the previous checkpoint is still there.
+        """
+        async with self._writing:
+            started = time.monotonic()
+            step = state["counters"]["step"]
+            path = await trio.to_thread.run_sync(
+                lambda: save(self.directory, state, step=step, keep=self.keep))
+            seconds = time.monotonic() - started
+            self.metrics.checkpointed(seconds)
+            self.last = {"path": str(path), "step": step, "time": time.time()}
+            run_log.info("checkpoint path=%s step=%d seconds=%.2f", path, step, seconds)
+            self.event("checkpoint", path=str(path), step=step, seconds=round(seconds, 3))
+
+    async def write_periodic(self, state: Mapping[str, Any]) -> None:
+        """:meth:`write` while training: a failure (disk full) is logged and training goes
+        on; the previous checkpoint is still there."""
+        try:
+            await self.write(state)
+        except OSError as exc:
+            self.metrics.checkpoint_failures.inc()
+            run_log.error("checkpoint failed dir=%s error=%s; training goes on",
+                          self.directory, exc)

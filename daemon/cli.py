@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from gossip.handshake import CIPHERS, DEFAULT_CIPHER
+from gossip import CIPHERS, DEFAULT_CIPHER
 
 __all__ = ["main"]
 
@@ -426,7 +426,7 @@ def cmd_init(args: argparse.Namespace) -> int:
     from .config import WILDCARDS, ConfigError, _apply_override, from_dict, render
     from .keys import JoinLine, KeyFileError, write_new, write_swarm_key
     from .entry import entry_file
-    from gossip.address import format_address, parse_address
+    from gossip import format_address, parse_address
     directory = Path(args.dir)
     config_path = directory / "gossipd.toml"
     if config_path.exists():
@@ -546,7 +546,7 @@ def is_loopback(address: str) -> bool:
     """Whether ``host:port`` names this machine only (127.0.0.0/8, ::1, localhost)."""
     import ipaddress
 
-    from gossip.address import parse_address
+    from gossip import parse_address
     host = parse_address(address)[0]
     try:
         return host == "localhost" or ipaddress.ip_address(host).is_loopback
@@ -609,7 +609,7 @@ def shareable_entry(entry: str) -> tuple[str, str]:
 def cmd_join_line(args: argparse.Namespace) -> int:
     config = _load(args)
     from .keys import JoinLine, KeyFileError, read_swarm_key
-    from gossip.address import parse_address
+    from gossip import parse_address
     address = config.node.advertise or config.node.listen
     if parse_address(address)[1] == 0:
         raise UsageError(f"node.listen {address} has port 0, which nobody can dial: set "

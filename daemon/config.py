@@ -5,8 +5,15 @@ Theory of operation
 Each table of the file is a frozen dataclass below, and each of its fields is declared once,
 with ``_field(default, doc, check)``. That one declaration is the field's documentation (the
 ``doc`` metadata, which :func:`render` writes as a comment above the key), its type (the type of
-the default) and its validation (``check``). Validation runs in ``__post_init__``, so a bad
-config is an error however it is built, from a file or in code, in two stages:
+the default) and its validation (``check``). A key that is a library setting (most of
+``[averaging]``, the swarm's limits) is declared with ``_from(gossip_class, name)`` instead,
+which takes the default, doc and check of the setting's one declaration in
+:mod:`gossip.config`. Only what TOML spells differently is declared here: ``every`` and
+``interval`` (0 is the library's None), ``mixing`` (``by_samples``), and the ``*_timeout``
+names of :class:`gossip.Timeouts`' fields. :meth:`Config.node_config` builds the library's
+:class:`gossip.NodeConfig` from the sections.
+Validation runs in ``__post_init__``, so a bad config is an error however it is built, from a
+file or in code, in two stages:
 
 1. each section checks the *form* of its own values: the type (an int is accepted where a float
    is expected; a bool or a float never where an int is), the range, the enumeration, the
@@ -35,8 +42,8 @@ import os
 import re
 import reprlib
 import sys
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import MISSING, InitVar, dataclass, field, fields
+from collections.abc import Mapping, Sequence
+from dataclasses import MISSING, InitVar, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,14 +53,14 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
 import gossip
-from gossip.address import parse_address
-from gossip.messages import MAX_SHARDS
+from gossip import MAX_SHARDS, parse_address
+from gossip.config import AT_LEAST_1, COUNT, NON_NEGATIVE, POSITIVE, Check, one_of, want
 
 from .entry import parse_entry
 
 __all__ = [
-    "ENV", "DEFAULT_PATH", "ConfigError", "NodeConfig", "SwarmConfig", "TaskConfig",
-    "AveragingSection", "CheckpointConfig", "MetricsConfig", "Config",
+    "ENV", "DEFAULT_PATH", "ConfigError", "NodeSection", "SwarmSection", "TaskSection",
+    "AveragingSection", "CheckpointSection", "MetricsSection", "Config",
     "load", "from_dict", "parse_override", "render",
 ]
 
@@ -92,17 +99,7 @@ class _Invalid(Exception):
 
 
 # --- checks: each takes a value of the field's type and returns a problem, or None ----------
-
-Check = Callable[[Any], "str | None"]
-
-
-def _want(ok: Callable[[Any], bool], expected: str) -> Check:
-    return lambda value: None if ok(value) else f"expected {expected}, got {reprlib.repr(value)}"
-
-
-def _one_of(*choices: str) -> Check:
-    return _want(lambda value: value in choices, ", ".join(choices[:-1]) + " or " + choices[-1])
-
+# (the common ones, and want/one_of, are the library's: gossip.config)
 
 def _address(*, dialable: bool, optional: bool = False) -> Check:
     """A ``host:port``. A dialable one (what peers connect to) needs a real host and port."""
@@ -141,22 +138,34 @@ def _ip_or_empty(value: str) -> str | None:
     return None
 
 
-POSITIVE = _want(lambda v: v > 0, "a number > 0")
-NON_NEGATIVE = _want(lambda v: v >= 0, "a number >= 0")
-COUNT = _want(lambda v: v >= 0, "an integer >= 0")
-AT_LEAST_1 = _want(lambda v: v >= 1, "an integer >= 1")
-NOT_EMPTY = _want(bool, "a non-empty string")
+NOT_EMPTY = want(bool, "a non-empty string")
 
 
 def _field(default: Any, doc: str, check: Check | None = None, *, words: tuple[str, ...] = (),
-           kind: type | None = None) -> Any:
+           kind: type | None = None, source: tuple[type, str] | None = None) -> Any:
     """A config field: ``doc`` (with its unit) is the only description the field has.
     ``words`` are strings it takes besides values of the default's type (``"auto"``), or of
-    ``kind`` when the default is one of the words."""
-    metadata = {"doc": doc, "check": check, "words": words, "kind": kind}
+    ``kind`` when the default is one of the words. ``source`` is the library setting the
+    field gives its value to, as (class, field name)."""
+    metadata = {"doc": doc, "check": check, "words": words, "kind": kind, "source": source}
     if isinstance(default, dict):
         return field(default_factory=dict, metadata=metadata)
     return field(default=default, metadata=metadata)
+
+
+def _from(cls: type, name: str, *, see: str = "") -> Any:
+    """A config field that is the library setting ``cls.name`` (:mod:`gossip.config`), with its
+    default, doc and check. ``see`` points at the daemon's docs, after the library's doc."""
+    setting = {f.name: f for f in fields(cls)}[name]
+    doc = setting.metadata["doc"] + (f"; see {see}" if see else "")
+    return _field(setting.default, doc, setting.metadata["check"], source=(cls, name))
+
+
+def _settings(cls: type, section: Any) -> dict[str, Any]:
+    """The values of ``section``'s fields declared :func:`_from` ``cls``, by the library's
+    names: the keyword arguments of ``cls``."""
+    return {f.metadata["source"][1]: getattr(section, f.name) for f in fields(section)
+            if f.metadata["source"] and f.metadata["source"][0] is cls}
 
 
 # --- types: the default's type is the field's type ------------------------------------------
@@ -238,7 +247,7 @@ class _Section:
 
 
 @dataclass(frozen=True)
-class NodeConfig(_Section):
+class NodeSection(_Section):
     """Where this node listens, and where it keeps its files."""
 
     section = "node"
@@ -261,18 +270,14 @@ class NodeConfig(_Section):
                                    "\"auto\": a member dials us back after we join",
                                    words=("auto",), kind=bool)
 
-    def reachable_setting(self) -> bool | None:
-        """What :func:`gossip.open_swarm` takes: True, False, or None for auto."""
-        return None if self.reachable == "auto" else bool(self.reachable)
-
 
 @dataclass(frozen=True)
-class SwarmConfig(_Section):
+class SwarmSection(_Section):
     """Which swarm to join, and whom to exchange with."""
 
     section = "swarm"
     name: str = _field("", "the swarm's name, 1..64 characters, the same on every node "
-                       "(required)", _want(lambda v: len(v) <= 64, "at most 64 characters"))
+                       "(required)", want(lambda v: len(v) <= 64, "at most 64 characters"))
     key_file: str = _field("swarm.key", "swarm key file, relative to data_dir: 32 random bytes "
                            "as 64 hex characters", NOT_EMPTY)
     previous_key_file: str = _field("", "only while rotating the swarm key: the key being "
@@ -283,23 +288,18 @@ class SwarmConfig(_Section):
     cipher: str = _field("aesgcm", "channel cipher, the same on every node (a node of the other "
                          "cipher cannot connect): aesgcm (fastest on machines with AES "
                          "instructions) or chachapoly (for swarms of machines without them)",
-                         _one_of(*gossip.CIPHERS))
+                         one_of(*gossip.CIPHERS))
     bootstrap: tuple[str, ...] = _field((), "host:port of some members to join through; empty: "
                                         "this node starts the swarm", _address(dialable=True))
     allow: tuple[str, ...] = _field((), "peer ids allowed to exchange with us; empty: anyone "
-                                    "holding the swarm key", _want(
+                                    "holding the swarm key", want(
                                         _PEER_ID.fullmatch, "a peer id (26 of a-z, 2-7)"))
     profile: str = _field("lan", "membership timing: lan (fast failure detection) or wan "
-                          "(patient, for nodes across the internet)", _one_of("lan", "wan"))
-    max_connections: int = _field(256, "inbound connections open at once, handshakes included "
-                                  "(>= 1); more are closed unread", AT_LEAST_1)
-    max_handshakes_per_host: int = _field(8, "connections from one IP address that have not "
-                                          "proved the swarm key yet, at once (>= 1); one more "
-                                          "closes the oldest", AT_LEAST_1)
-    peer_rate: float = _field(10.0, "inbound channels per second one peer may open on average "
-                              "(> 0); more are closed unread", POSITIVE)
-    peer_burst: int = _field(20, "inbound channels one peer may open at once (>= 1)",
-                             AT_LEAST_1)
+                          "(patient, for nodes across the internet)", one_of("lan", "wan"))
+    max_connections: int = _from(gossip.Limits, "max_connections")
+    max_handshakes_per_host: int = _from(gossip.Limits, "max_handshakes_per_host")
+    peer_rate: float = _from(gossip.Limits, "peer_rate")
+    peer_burst: int = _from(gossip.Limits, "peer_burst")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -308,14 +308,9 @@ class SwarmConfig(_Section):
                               f"swarm.key_file, got {self.previous_key_file!r} for both: the "
                               "previous key is the one being replaced", "swarm.previous_key_file")
 
-    def limits(self) -> gossip.Limits:
-        return gossip.Limits(max_connections=self.max_connections,
-                             max_handshakes_per_host=self.max_handshakes_per_host,
-                             peer_rate=self.peer_rate, peer_burst=self.peer_burst)
-
 
 @dataclass(frozen=True)
-class TaskConfig(_Section):
+class TaskSection(_Section):
     """What to train, on which device, and which share of the data."""
 
     section = "task"
@@ -323,14 +318,14 @@ class TaskConfig(_Section):
                         "\"path/to/file.py:function\", a relative path from data_dir (required)",
                         _entry)
     device: str = _field("auto", "auto, cpu, cuda or cuda:N; auto picks cuda when available",
-                         _want(_DEVICE.fullmatch, "auto, cpu, cuda or cuda:N"))
+                         want(_DEVICE.fullmatch, "auto, cpu, cuda or cuda:N"))
     seed: int = _field(0, "seeds the model's initialization: the same on every node (>= 0)",
                        COUNT)
     shard: int | str = _field(0, "this node's shard of the data, in [0, shards), or \"auto\": "
                               "once joined, the shard the fewest members announce, kept in "
                               "data_dir/shard", COUNT, words=("auto",))
     shards: int = _field(1, f"how many shards the data is split into, 1..{MAX_SHARDS}: "
-                         "the same on every node", _want(lambda v: 1 <= v <= MAX_SHARDS,
+                         "the same on every node", want(lambda v: 1 <= v <= MAX_SHARDS,
                                                          f"an integer in 1..{MAX_SHARDS}"))
     options: Mapping[str, Any] = _field({}, "free-form table passed to the task as given")
     chunk: float = _field(0.25, "s; the trainer thread returns to the event loop at least this "
@@ -344,7 +339,7 @@ class TaskConfig(_Section):
     processes: int = _field(1, "training processes of this node, 1..64: one per GPU on a "
                             "machine with several (process r takes cuda:r); they train one "
                             "model synchronously and the swarm sees one node. Under torchrun, "
-                            "leave it at 1", _want(lambda v: 1 <= v <= 64, "an integer in 1..64"))
+                            "leave it at 1", want(lambda v: 1 <= v <= 64, "an integer in 1..64"))
     check_every: int = _field(0, "steps between checks that a node's processes hold "
                               "bit-identical parameters (a broadcast of the model); 0: never",
                               COUNT)
@@ -363,78 +358,49 @@ class AveragingSection(_Section):
     """How, and how often, this node averages its model with a random peer."""
 
     section = "averaging"
-    every: int = _field(1, "local steps between the rounds we start (x U(0.75, 1.25)); a "
-                        "round on a slow link is followed at once by the next; 0: by interval "
-                        "only (see docs/DAEMON.md, Choosing averaging.every)", COUNT)
-    interval: float = _field(10.0, "s after our last round ends before we start another "
-                             "anyway, for a node that steps slower than every (or not at "
-                             "all); 0: by steps only (every and interval both 0: never start "
-                             "one; still answers peers)", NON_NEGATIVE)
-    correction: bool = _field(True, "keep a drift correction (added to the gradients; its "
-                              "estimate travels with the weights): what keeps nodes on skewed "
-                              "data from drifting apart. Costs two model-sized buffers on the "
-                              "device, doubles the host's exchange buffers and the bytes of an "
-                              "exchange")
-    leak: float = _field(0.01, "fraction of the drift correction that fades at each exchange, "
-                         "so that departures leave no lasting bias; in [0, 1)",
-                         _want(lambda v: 0 <= v < 1, "a number in [0, 1)"))
-    mixing: str = _field("fixed", "fixed: own += weight * (peer - own); samples: weigh both "
-                         "sides by samples trained (push-sum)", _one_of("fixed", "samples"))
-    weight: float = _field(0.5, "fixed mixing's weight, in (0, 1]; 0.5 keeps the swarm's mean",
-                           _want(lambda v: 0 < v <= 1, "a number in (0, 1]"))
-    codec: str = _field("fp32", "wire format of exchanged states: fp32 (exact, 4 bytes a "
-                        "parameter), bf16 or fp16 (2), int8 (~1.06: blocks of 64 values "
-                        "against one scale; for thin links)",
-                        _one_of("fp32", "bf16", "fp16", "int8"))
-    clip: float = _field(5.0, "clip a step to clip x the median distance of our recent rounds "
-                         "(>= 0); 0: off", NON_NEGATIVE)
-    max_norm_ratio: float = _field(100.0, "refuse a state farther from ours than this x our "
-                                   "norm (> 0)", POSITIVE)
-    strikes: int = _field(3, "refused payloads in a row that quarantine a peer (>= 1)",
-                          AT_LEAST_1)
-    quarantine: float = _field(600.0, "s a quarantined peer is left alone (>= 0)", NON_NEGATIVE)
-    trust_after: float = _field(10.0, "s a peer must have been an alive member before its offers "
-                                "move our model (unless we picked it before); until then they "
-                                "commit but move it by nothing (>= 0)", NON_NEGATIVE)
-    start: str = _field("auto", "first weights: auto (download if a ready peer exists, else "
-                        "own), own or download", _one_of("auto", "own", "download"))
-    download_wait: float = _field(5.0, "s; with start = auto, how long to look for a ready peer "
-                                  "after joining (>= 0)", NON_NEGATIVE)
-    connect_timeout: float = _field(5.0, "s to open a TCP connection (> 0)", POSITIVE)
-    handshake_timeout: float = _field(5.0, "s for the whole handshake (> 0)", POSITIVE)
-    record_timeout: float = _field(30.0, "s from a record's first byte to its last (> 0); 30 "
-                                   "lets a 1 MiB record cross at 35 kB/s: keep it above 1 MiB "
-                                   "/ min_rate", POSITIVE)
-    offer_timeout: float = _field(5.0, "s from sending an offer to its answer (> 0)", POSITIVE)
-    transfer_timeout: float = _field(10.0, "s for both payloads, plus encoded bytes at the "
-                                     "peer link's measured rate / 4, or at min_rate if that "
-                                     "is slower or unknown (> 0; docs/OPERATIONS.md, Thin "
-                                     "and slow links)", POSITIVE)
-    commit_timeout: float = _field(5.0, "s for the peer's commit, past the transfer deadline "
-                                   "(> 0)", POSITIVE)
-    min_rate: float = _field(5e4, "bytes/s of the slowest link every payload is given time "
-                             "for (> 0): exchanges and downloads (50 kB/s = 400 kbit/s: 100 MB "
-                             "in 2,000 s)", POSITIVE)
-    stall_timeout: float = _field(10.0, "s a payload (exchange or download) may go without a "
-                                  "byte before its peer is dropped (> 0)", POSITIVE)
+    # every and interval: 0 here is the library's None.
+    every: int = _field(gossip.AveragingConfig.every or 0, "local steps between the rounds we "
+                        "start (x U(0.75, 1.25)); a round on a slow link is followed at once by "
+                        "the next; 0: by interval only (see docs/DAEMON.md, Choosing "
+                        "averaging.every)", COUNT)
+    interval: float = _field(gossip.AveragingConfig.interval or 0.0, "s after our last round "
+                             "ends before we start another anyway, for a node that steps slower "
+                             "than every (or not at all); 0: by steps only (every and interval "
+                             "both 0: never start one; still answers peers)", NON_NEGATIVE)
+    correction: bool = _from(gossip.AveragingConfig, "correction")
+    leak: float = _from(gossip.AveragingConfig, "leak")
+    mixing: str = _field("samples" if gossip.AveragingConfig.by_samples else "fixed",
+                         "fixed: own += weight * (peer - own); samples: weigh both sides by "
+                         "samples trained (push-sum)", one_of("fixed", "samples"))
+    weight: float = _from(gossip.AveragingConfig, "weight")
+    codec: str = _from(gossip.AveragingConfig, "codec")
+    clip: float = _from(gossip.AveragingConfig, "clip")
+    max_norm_ratio: float = _from(gossip.AveragingConfig, "max_norm_ratio")
+    strikes: int = _from(gossip.AveragingConfig, "strikes")
+    quarantine: float = _from(gossip.AveragingConfig, "quarantine")
+    trust_after: float = _from(gossip.AveragingConfig, "trust_after")
+    start: str = _from(gossip.AveragingConfig, "start")
+    download_wait: float = _from(gossip.AveragingConfig, "download_wait")
+    connect_timeout: float = _from(gossip.Timeouts, "connect")
+    handshake_timeout: float = _from(gossip.Timeouts, "handshake")
+    record_timeout: float = _from(gossip.Timeouts, "record")
+    offer_timeout: float = _from(gossip.AveragingConfig, "offer_timeout")
+    transfer_timeout: float = _from(gossip.AveragingConfig, "transfer_timeout",
+                                    see="docs/OPERATIONS.md, Thin and slow links")
+    commit_timeout: float = _from(gossip.AveragingConfig, "commit_timeout")
+    min_rate: float = _from(gossip.AveragingConfig, "min_rate")
+    stall_timeout: float = _from(gossip.AveragingConfig, "stall_timeout")
 
     def to_averaging(self) -> gossip.AveragingConfig:
-        """The library's averaging settings: the fields of the same name, plus every and
+        """The library's averaging settings: the fields declared from them, plus every and
         interval 0 as None (not by steps; not by time) and mixing as ``by_samples``."""
-        shared = {f.name for f in fields(gossip.AveragingConfig)}
-        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name in shared}
-        values["every"] = None if self.every == 0 else self.every
-        values["interval"] = None if self.interval == 0 else self.interval
-        return gossip.AveragingConfig(**values, by_samples=self.mixing == "samples")
-
-    def to_timeouts(self) -> gossip.Timeouts:
-        """The channel's per-phase deadlines."""
-        return gossip.Timeouts(connect=self.connect_timeout, handshake=self.handshake_timeout,
-                               record=self.record_timeout)
+        return gossip.AveragingConfig(**_settings(gossip.AveragingConfig, self),
+                                      every=self.every or None, interval=self.interval or None,
+                                      by_samples=self.mixing == "samples")
 
 
 @dataclass(frozen=True)
-class CheckpointConfig(_Section):
+class CheckpointSection(_Section):
     """When, and where, the model is saved."""
 
     section = "checkpoint"
@@ -445,7 +411,7 @@ class CheckpointConfig(_Section):
 
 
 @dataclass(frozen=True)
-class MetricsConfig(_Section):
+class MetricsSection(_Section):
     """What this node reports about itself, and where."""
 
     section = "metrics"
@@ -455,8 +421,8 @@ class MetricsConfig(_Section):
     every: float = _field(10.0, "s between JSON lines (> 0)", POSITIVE)
 
 
-_SECTIONS = {cls.section: cls for cls in (NodeConfig, SwarmConfig, TaskConfig, AveragingSection,
-                                          CheckpointConfig, MetricsConfig)}
+_SECTIONS = {cls.section: cls for cls in (NodeSection, SwarmSection, TaskSection, AveragingSection,
+                                          CheckpointSection, MetricsSection)}
 
 # Keys that were renamed, with what to write instead: an old config is one clear error away
 # from running, not silently read with another meaning.
@@ -470,12 +436,12 @@ _RENAMED = {
 class Config:
     """The whole configuration: one field per TOML table, plus where relative paths start."""
 
-    node: NodeConfig = field(default_factory=NodeConfig)
-    swarm: SwarmConfig = field(default_factory=SwarmConfig)
-    task: TaskConfig = field(default_factory=TaskConfig)
+    node: NodeSection = field(default_factory=NodeSection)
+    swarm: SwarmSection = field(default_factory=SwarmSection)
+    task: TaskSection = field(default_factory=TaskSection)
     averaging: AveragingSection = field(default_factory=AveragingSection)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    metrics: MetricsSection = field(default_factory=MetricsSection)
     base: Path = Path(".")  # the config file's directory; node.data_dir starts here. Not a key
     # False skips stage 2 (the required values): for commands that only look for the node's
     # files, such as `gossipd status`, which must not need node.advertise to find a socket.
@@ -509,11 +475,25 @@ class Config:
         """``relative`` under :meth:`data_dir`; an absolute path stays as it is."""
         return self.data_dir() / relative
 
-    def membership(self) -> gossip.MembershipConfig:
-        """Membership timing for ``swarm.profile``."""
-        if self.swarm.profile == "wan":
-            return gossip.MembershipConfig.wan()
-        return gossip.MembershipConfig()
+    def node_config(self, *, start: str | None = None) -> gossip.NodeConfig:
+        """The library's settings of this node: what :func:`gossip.open_swarm` takes.
+
+        Args:
+            start: overrides ``averaging.start`` (a node resuming a checkpoint starts from it:
+                ``"own"``).
+        """
+        averaging = self.averaging.to_averaging()
+        if start is not None:
+            averaging = replace(averaging, start=start)
+        return gossip.NodeConfig(
+            listen=self.node.listen, advertise=self.node.advertise or None,
+            bootstrap=self.swarm.bootstrap, allow=frozenset(self.swarm.allow) or None,
+            reachable=None if self.node.reachable == "auto" else bool(self.node.reachable),
+            averaging=averaging,
+            membership=(gossip.MembershipConfig.wan() if self.swarm.profile == "wan"
+                        else gossip.MembershipConfig.lan()),
+            timeouts=gossip.Timeouts(**_settings(gossip.Timeouts, self.averaging)),
+            limits=gossip.Limits(**_settings(gossip.Limits, self.swarm)))
 
 
 # --- reading ---------------------------------------------------------------------------------

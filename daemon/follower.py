@@ -15,8 +15,7 @@ import signal
 from typing import Any
 
 import gossip
-from gossip.nodegroup import NodeGroup
-from gossip.replica import Replica
+from gossip import NodeGroup, Replica
 
 from . import checkpoint
 from .config import Config

@@ -43,11 +43,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, quote, unquote
 
-from gossip.address import parse_address
-from gossip.handshake import DEFAULT_CIPHER, Swarm
-from gossip.messages import MAX_SHARDS
+from gossip import DEFAULT_CIPHER, MAX_SHARDS, Swarm, parse_address
 
-from .config import WILDCARDS, AveragingSection, Config, ConfigError, SwarmConfig
+from .config import WILDCARDS, AveragingSection, Config, ConfigError, SwarmSection
 
 __all__ = ["KeyFileError", "JoinLine", "read_swarm_key", "write_swarm_key", "write_new",
            "replace_swarm_key", "same_owner", "load_swarm", "encode_options", "decode_options",
@@ -71,7 +69,7 @@ _NUMBER = re.compile(r"[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?")  # a weight= as the
 SETTINGS = (("cipher", "swarm.cipher"), ("profile", "swarm.profile"),
             ("codec", "averaging.codec"), ("mixing", "averaging.mixing"),
             ("weight", "averaging.weight"), ("correction", "averaging.correction"))
-_SECTIONS = {"swarm": SwarmConfig, "averaging": AveragingSection}
+_SECTIONS = {"swarm": SwarmSection, "averaging": AveragingSection}
 _FIELDS = frozenset({"key", "task", "seed", "shards", "options", *(name for name, _ in SETTINGS)})
 
 
@@ -212,8 +210,8 @@ class JoinLine:
     shards: int = 1  # task.shards: every node cuts the data the same way
     options: Mapping[str, Any] = field(default_factory=dict)  # [task.options]
     # SETTINGS, their defaults the config's:
-    cipher: str = SwarmConfig.cipher
-    profile: str = SwarmConfig.profile
+    cipher: str = SwarmSection.cipher
+    profile: str = SwarmSection.profile
     codec: str = AveragingSection.codec
     mixing: str = AveragingSection.mixing
     weight: float = AveragingSection.weight

@@ -27,6 +27,10 @@ followers it started, and says which one died and how. Followers started by ``go
 live in their own session, so a terminal's Ctrl-C reaches the speaker alone, which stops them
 in order; a follower's first SIGINT or SIGTERM (torchrun forwards them to every process) is
 noted and the follower waits for the speaker's stop; a second one ends it at once.
+
+On the speaker's trio side, :class:`Speaker` brings the group to the node's starting state,
+stops it at the last step boundary, and turns a lost process into the daemon's stop and its
+exit code 1.
 """
 
 from __future__ import annotations
@@ -42,18 +46,26 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, NoReturn, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn, Sequence
 
 import torch
 import torch.distributed as dist
+import trio
 
-from gossip.nodegroup import NodeGroup
+import gossip
+from gossip import NodeGroup, Replica
 
-__all__ = ["Placement", "ProcessesError", "agree_shard", "describe_exit", "die_with_parent",
-           "exit_now", "init_group", "leave_group", "node_device", "placement", "set_threads",
-           "spawn_followers", "stop_followers"]
+if TYPE_CHECKING:
+    from .train import Stop
+
+__all__ = ["Placement", "ProcessesError", "Speaker", "agree_shard", "describe_exit",
+           "die_with_parent", "exit_now", "init_group", "leave_group", "node_device",
+           "placement", "set_threads", "spawn_followers", "stop_followers"]
 
 log = logging.getLogger(__name__)
+# The speaker's lines keep the logger name operators filter on and the docs show
+# (docs/DAEMON.md).
+run_log = logging.getLogger("daemon.service")
 
 SPAWNED = "GOSSIPD_NODE_PROCESS"  # the followers gossipd run starts: its pid (not torchrun's)
 START_TIMEOUT = 600.0  # s for every process to reach the group at start-up (a big task's build)
@@ -63,6 +75,7 @@ START_TIMEOUT = 600.0  # s for every process to reach the group at start-up (a b
 # header, so theirs can be short: it is what ends a process stuck on a dead peer.
 COLLECTIVE_TIMEOUT = datetime.timedelta(days=7)
 NCCL_TIMEOUT = datetime.timedelta(minutes=10)
+LOST_GRACE = 60.0  # s a node of several processes may take to stop once one has died
 
 
 class ProcessesError(Exception):
@@ -302,3 +315,107 @@ def set_threads(threads: int, where: Placement, device: torch.device) -> None:
         torch.set_num_threads(threads)
     elif where.several and device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // where.size))
+
+
+class Speaker:
+    """Process 0's side of its node's ``group`` (None: a node of one process, for which
+    every method does nothing), on trio's thread: start and finish the group, watch the
+    ``followers`` it started, and turn a lost process into ``stop`` and a failure.
+
+    :attr:`failed` is the error the daemon exits 1 with once stopped (None: none).
+    """
+
+    def __init__(self, group: NodeGroup | None, followers: Sequence[subprocess.Popen],
+                 stop: Stop) -> None:
+        self.group = group
+        self.followers = list(followers)
+        self.stop = stop
+        self.failed: gossip.GossipError | None = None  # the node's processes broke apart
+
+    async def start(self, replica: Replica, resumed: int | None, shard: int) -> None:
+        """Every process takes the state the node starts from (the step of the checkpoint it
+        ``resumed``, if any), and its ``shard``."""
+        group = self.group
+        if group is None:
+            return
+        try:
+            await trio.to_thread.run_sync(group.start, replica, resumed)
+            await trio.to_thread.run_sync(agree_shard, group, shard)
+        except gossip.ProcessLost as exc:
+            self.lost(exc)
+            return
+        run_log.info("node of %d processes backend=%s: this process speaks for it and trains "
+                     "on batches 0, %d, %d, ... of its shard", group.size, group.backend,
+                     group.size, 2 * group.size)
+
+    async def finish(self) -> None:
+        """The last step boundary: the other processes stop (none if one died)."""
+        group = self.group
+        if group is None or self.failed is not None:
+            return
+        try:
+            await trio.to_thread.run_sync(group.finish)
+        except gossip.ProcessLost as exc:
+            self.lost(exc)
+
+    def lost(self, exc: gossip.GossipError) -> None:
+        """Another process of the node died (or they diverged): stop as on a signal, then
+        exit 1."""
+        if self.failed is None:
+            self.failed = exc
+            run_log.error("%s: stopping the node (a restart resumes it from its checkpoint)",
+                          exc)
+        self.stop.set()
+
+    def name_the_lost(self) -> None:
+        """Which follower we started has died, and how, when a collective said only that one
+        had (the node may stop before :meth:`watch` looks)."""
+        ended = [(rank, proc.poll()) for rank, proc in enumerate(self.followers, start=1)]
+        dead = [(rank, code) for rank, code in ended if code is not None and code < 0] or [
+            (rank, code) for rank, code in ended if code]
+        # Only in place of a collective's "another process is gone" (which has a cause).
+        if dead and self.failed is not None and self.failed.__cause__ is not None:
+            rank, code = dead[0]
+            self.failed = gossip.ProcessLost(f"process {rank} of this node {describe_exit(code)}")
+            run_log.error("%s", self.failed)
+
+    async def watch(self) -> None:
+        """Say which process of the node died and how, and stop the node. If training is
+        still stuck :data:`LOST_GRACE` seconds later (an NCCL collective waits for a dead
+        peer, where gloo notices the closed connection), exit 1 at once: the last periodic
+        checkpoint stands. Runs until cancelled (when training returns)."""
+        group, followers = self.group, list(enumerate(self.followers, start=1))
+        assert group is not None
+        while followers or self.failed is not None:
+            if self.failed is not None:
+                await trio.sleep(LOST_GRACE)  # cancelled when training returns
+                run_log.error("training is still stuck %.0f s after %s: exiting without a "
+                              "final checkpoint", LOST_GRACE, self.failed)
+                logging.shutdown()
+                for proc in self.followers:
+                    proc.kill()
+                os._exit(1)
+            for rank, proc in list(followers):
+                code = proc.poll()
+                if code is None:
+                    continue
+                followers.remove((rank, proc))
+                if code != 0 or not group.stopped:
+                    # Said even when a collective said so first: this names who and how.
+                    exc = gossip.ProcessLost(f"process {rank} of this node {describe_exit(code)}")
+                    run_log.error("%s", exc)
+                    if self.failed is None or self.failed.__cause__ is not None:
+                        self.failed = exc  # in place of a collective's "one is gone"
+                    self.stop.set()
+            await trio.sleep(0.2)
+
+    def status(self) -> dict[str, Any] | None:
+        """The node's processes, for ``gossipd status`` (None: a node of one)."""
+        group = self.group
+        if group is None:
+            return None
+        stats = group.statistics()
+        return {"count": group.size, "backend": group.backend, "syncs": stats.syncs,
+                "sync_seconds": round(stats.sync_seconds, 3),
+                "header_seconds": round(stats.header_seconds, 3),
+                "gradient_seconds": round(stats.reduce_seconds, 3), "checks": stats.checks}

@@ -44,8 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gossip.handshake import Swarm
-from gossip.rotation import Holds
+from gossip import Holds, Swarm
 
 from .keys import read_swarm_key, replace_swarm_key, same_owner, write_new
 

@@ -36,7 +36,7 @@ import random
 from collections.abc import Iterable
 from pathlib import Path
 
-from gossip.messages import MAX_SHARDS
+from gossip import MAX_SHARDS
 
 __all__ = ["CHOICE_FILE", "coverage", "choose_shard", "describe", "read_choice", "write_choice"]
 

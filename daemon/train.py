@@ -1,11 +1,24 @@
-"""The training side of the daemon: steps in a worker thread, in chunks.
+"""The training side of the daemon: the loop, and the steps it runs in a worker thread.
 
 Theory of operation
 -------------------
-The service's trio loop calls :meth:`Trainer.chunk` through ``trio.to_thread.run_sync``.
-One chunk is a run of optimizer steps that ends after ``seconds`` of wall time, at the step
-limit, or as soon as :attr:`Trainer.stop` is set (a signal). After each step, still in the
-worker thread, the step and its samples are counted on the replica (which starts an averaging
+:class:`Training.run` is the whole loop, top to bottom: wait until the node is ready (a
+joiner without a checkpoint downloads the swarm's state first; ``task.shard = "auto"``
+chooses its shard once joined), then alternate a chunk of steps in a worker thread with, on
+the trio side between chunks, whatever :class:`Cadence` says is due: the progress line (every
+``task.progress_interval`` seconds, however fast the steps), a checkpoint (state copied
+between chunks, written by :class:`daemon.checkpoint.Checkpointer` in a background thread),
+an evaluation, and the stop at ``task.max_steps``. :meth:`Training.finish` writes the final
+checkpoint once the node has left. "Is it due" is pure (:func:`due`, :class:`Cadence`) and
+tested without trio.
+
+One flag stops everything (:class:`Stop`): a signal, ``task.max_steps`` and a lost process of
+the node set it on trio's side; the trainer's thread reads it after every step, so the chunk
+in flight ends after its step; the loop and the waits for the node wake on it.
+
+:meth:`Trainer.chunk` is a run of optimizer steps that ends after ``seconds`` of wall time, at
+the step limit, or as soon as the stop flag is set. After each step, still in the worker
+thread, the step and its samples are counted on the replica (which starts an averaging
 round every ``averaging.every`` of them) and the deltas queued by exchanges that committed
 meanwhile are added to the model: a delta waits for at most one step. The thread never waits
 on the network: exchanges read the model through the replica's snapshot (a copy under the
@@ -13,7 +26,7 @@ replica's lock) and hand back deltas, while this thread steps. A snapshot may st
 (some tensors from step t, the rest from t+1); that is one step's worth of noise in one
 exchange, cheaper than making every exchange wait for a step to end.
 
-Between chunks, and only then, the service takes checkpoints (:meth:`Trainer.state`) and
+Between chunks, and only then, the loop takes checkpoints (:meth:`Trainer.state`) and
 evaluations, so neither ever sees a half-applied step.
 
 On a node of several processes (:mod:`daemon.processes`) this is process 0's trainer: each
@@ -27,26 +40,104 @@ after every step would wait for the GPU each time.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
+import random
+import threading
 import time
 from dataclasses import dataclass
-import threading
-from typing import Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import torch
+import trio
 
 import gossip
-from gossip.correction import check_state, corrected
-from gossip.nodegroup import NodeGroup
-from gossip.replica import Counters
+from gossip import Counters, NodeGroup, check_correction
 
-from . import checkpoint
+from . import checkpoint, sharding
 from .task import Shard, Task, TaskError, to_device
 
-__all__ = ["Batches", "Chunk", "Trainer"]
+if TYPE_CHECKING:
+    from .config import Config
+    from .logs import LiveLine
+    from .metrics import Metrics
+    from .processes import Speaker
+    from .status import PeerSteps
+
+__all__ = ["Batches", "Cadence", "Chunk", "Stop", "Trainer", "Training", "due", "first_batches"]
 
 log = logging.getLogger(__name__)
+# The loop's own lines (progress, evaluation, stopped, ...) keep the logger name they have
+# always had, which operators filter on and the docs show (docs/DAEMON.md, docs/TASKS.md).
+run_log = logging.getLogger("daemon.service")
+
+
+class Stop:
+    """The daemon's one stop flag: a signal, ``task.max_steps`` and a lost process of the node
+    set it; the trainer's thread reads it after every step (the chunk in flight ends after its
+    step); trio tasks wait on it. Hooks given to :meth:`on_set` run once, when it is set.
+
+    :meth:`set` is called on trio's thread (or where no trio task waits, as in a test);
+    :meth:`is_set` from any thread.
+    """
+
+    def __init__(self) -> None:
+        self._flag = threading.Event()  # what the trainer's thread reads
+        self._woken = trio.Event()  # the same fact, for trio tasks in wait()
+        self._hooks: list[Callable[[], None]] = []
+
+    def set(self) -> None:
+        self._flag.set()
+        self._woken.set()
+        hooks, self._hooks = self._hooks, []
+        for hook in hooks:
+            hook()
+
+    def is_set(self) -> bool:
+        return self._flag.is_set()
+
+    async def wait(self) -> None:
+        await self._woken.wait()
+
+    def on_set(self, hook: Callable[[], None]) -> None:
+        """Call ``hook`` when the flag is set: now, if it already is."""
+        if self.is_set():
+            hook()
+        else:
+            self._hooks.append(hook)
+
+
+def due(now: float, last: float, interval: float) -> bool:
+    """Whether a thing done every ``interval`` seconds, last at ``last``, is due at ``now``
+    (0: every time it is asked; ``math.inf``: never)."""
+    return now >= last + interval
+
+
+@dataclass(frozen=True)
+class Cadence:
+    """How often the loop does what it does between chunks (all from the config)."""
+
+    chunk: float  # s of steps in one chunk, between two looks at the clock: task.chunk
+    progress: float  # s between progress lines: task.progress_interval (0: every chunk)
+    checkpoint: float  # s between periodic checkpoints: checkpoint.interval
+    evaluate: float  # s between evaluations: task.eval_every (inf: never)
+    max_steps: int  # steps this run takes, then stops: task.max_steps (0: no limit)
+
+    @classmethod
+    def of(cls, config: Config, can_evaluate: bool) -> Cadence:
+        """The config's cadence; no evaluation when the task has no ``evaluate()``."""
+        t = config.task
+        every = t.eval_every if t.eval_every and can_evaluate else math.inf
+        return cls(t.chunk, t.progress_interval, config.checkpoint.interval, every, t.max_steps)
+
+    def steps_left(self, done: int) -> int:
+        """The most steps the next chunk may take, ``done`` taken so far."""
+        return self.max_steps - done if self.max_steps else 1 << 62
+
+    def finished(self, done: int) -> bool:
+        """Whether ``done`` steps reach ``task.max_steps``."""
+        return bool(self.max_steps) and done >= self.max_steps
 
 
 @dataclass(frozen=True)
@@ -145,12 +236,13 @@ class Trainer:
 
     def __init__(self, task: Task, node: gossip.SwarmNode, device: torch.device,
                  shard: Shard, batches: Iterator[Any] | None = None,
-                 own_steps: int | None = 0, group: NodeGroup | None = None) -> None:
+                 own_steps: int | None = 0, group: NodeGroup | None = None,
+                 stop: Stop | None = None) -> None:
         self.task = task
         self.node = node
         self.device = device
         self.group = group
-        self.stop = threading.Event()  # set from any thread: the chunk ends after this step
+        self.stop = stop if stop is not None else Stop()  # set: the chunk ends after this step
         self.batches = Batches(task, shard, batches, 0, 1 if group is None else group.size)
         self._warned_nan = False
         self.own_steps_before = own_steps  # of the runs before (own_steps_in); None: unknown
@@ -262,5 +354,221 @@ class Trainer:
         c = state["counters"]
         correction = state.get("correction")
         if correction is not None:
-            check_state(corrected(task.model), correction)
+            check_correction(task.model, correction)
         return Counters(int(c["step"]), int(c["samples"]), float(c["weight"])), correction
+
+
+class Training:
+    """The training loop of a running node (:meth:`run`), its final checkpoint
+    (:meth:`finish`), and what it reports: log lines, events, metrics, and the ``shard`` and
+    ``evaluation`` that ``gossipd status`` shows.
+
+    Args:
+        choose_shard: ``task.shard = "auto"`` and no earlier choice holds: choose once joined.
+        resumed_step: the step of the checkpoint this run resumed (None: none), which the
+            other processes of a node of several start from.
+        started: ``time.monotonic()`` when the daemon started (the ``uptime_s`` it reports).
+    """
+
+    def __init__(self, config: Config, node: gossip.SwarmNode, trainer: Trainer, stop: Stop,
+                 checkpoints: checkpoint.Checkpointer, speaker: Speaker, metrics: Metrics,
+                 event: Callable[..., None], *, live: LiveLine | None = None,
+                 peer_steps: PeerSteps | None = None, choose_shard: bool = False,
+                 resumed_step: int | None = None, started: float = 0.0) -> None:
+        self.config, self.node, self.trainer, self.stop = config, node, trainer, stop
+        self.checkpoints, self.speaker, self.metrics, self.event = (checkpoints, speaker,
+                                                                     metrics, event)
+        self.live, self.peer_steps, self.started = live, peer_steps, started
+        self.choose, self.resumed_step = choose_shard, resumed_step
+        self.shard: Shard | None = None if choose_shard else trainer.shard  # auto: once chosen
+        self.evaluation: dict[str, Any] | None = None  # the latest, for gossipd status
+
+    async def run(self) -> None:
+        """Train until the stop flag is set (a signal, ``task.max_steps``, a lost process)."""
+        c, node, trainer, stop = self.config, self.node, self.trainer, self.stop
+        if self.choose:
+            # As soon as the join's push-pull has brought the swarm's table, not after the
+            # download: from then on, other joiners see this node's choice.
+            await _race(node.roster.wait_joined, stop.wait)
+            if not stop.is_set():
+                await self.choose_shard()
+        await _race(node.wait_ready, stop.wait)
+        if stop.is_set():
+            await self.speaker.finish()
+            return
+        await self.speaker.start(node.replica, self.resumed_step, trainer.shard.index)
+        if node.downloaded is not None:
+            self.downloaded()
+        if c.task.eval_every and trainer.task.evaluate is None:
+            run_log.warning("task.eval_every is set but the task has no evaluate(): nothing "
+                            "to run")
+        cadence = Cadence.of(c, trainer.task.evaluate is not None)
+        steps = 0  # this run's
+        last_progress = last_checkpoint = last_eval = trio.current_time()
+        async with trio.open_nursery() as writers:
+            while not stop.is_set():
+                try:
+                    chunk = await trio.to_thread.run_sync(trainer.chunk, cadence.chunk,
+                                                          cadence.steps_left(steps))
+                except (gossip.ProcessLost, gossip.ReplicasDiverged) as exc:
+                    self.speaker.lost(exc)
+                    break
+                steps += chunk.steps
+                self.metrics.trained(chunk.steps, chunk.samples, chunk.loss)
+                self.show(chunk)
+                if due(trio.current_time(), last_progress, cadence.progress):
+                    last_progress = trio.current_time()  # at most one line per interval
+                    self.progress(chunk)
+                if cadence.finished(steps):
+                    run_log.info("stopping reason=max_steps steps=%d", steps)
+                    stop.set()
+                elif (due(trio.current_time(), last_checkpoint, cadence.checkpoint)
+                      and not self.checkpoints.busy):
+                    last_checkpoint = trio.current_time()
+                    state = await self.capture()
+                    writers.start_soon(self.checkpoints.write_periodic, state)
+                if due(trio.current_time(), last_eval, cadence.evaluate) and not stop.is_set():
+                    last_eval = trio.current_time()
+                    await self.evaluate()
+        await self.speaker.finish()
+
+    async def finish(self) -> None:
+        """Once the node has left: the final checkpoint first (a supervisor's grace period may
+        run out), then the task's evaluation, then the ``stopped`` line."""
+        if not self.node.ready:
+            # Stopped while fetching the swarm's state: the model is still our own
+            # initialization, and a checkpoint of it would make the next start skip the
+            # download.
+            run_log.info("stopped before the node was ready: no checkpoint written")
+            self.stopped()
+            return
+        await self.checkpoints.write(await self.capture())
+        await self.evaluate()
+        self.stopped()
+
+    # ---- between chunks ---------------------------------------------------------------
+
+    async def choose_shard(self) -> None:
+        """``task.shard = "auto"``: choose the shard the fewest alive members announce, keep
+        the choice, announce it, and train on it (:mod:`daemon.sharding`)."""
+        c, node, trainer = self.config, self.node, self.trainer
+        shards = c.task.shards
+        announced = [(m.shard, m.shards) for m in node.roster.alive()]
+        counts = sharding.coverage(shards, announced)
+        if not c.swarm.bootstrap:
+            index, why = 0, "as the first node of the swarm (no bootstrap address)"
+        else:
+            index = sharding.choose_shard(shards, announced, random.Random(str(node.peer_id)))
+            why = (f"as the least covered: {sum(counts)} of {len(announced)} alive members "
+                   f"announce a shard of {shards}; {sharding.describe(counts)}")
+        shard = Shard(index, shards)
+        path = c.path(sharding.CHOICE_FILE)
+        try:
+            await trio.to_thread.run_sync(sharding.write_choice, path, index, shards)
+        except OSError as exc:  # training goes on; the next run chooses again
+            run_log.warning("cannot keep the shard choice in %s: %s; the next start chooses "
+                            "again", path, exc.strerror)
+        run_log.info("data shard %d of %d, chosen %s", index, shards, why)
+        self.event("shard", shard=index, shards=shards, members=len(announced),
+                   covering=counts[index])
+        node.roster.set_meta(shard=index, shards=shards)
+        self.shard = shard
+        if shard != trainer.shard:
+            batches = await trio.to_thread.run_sync(first_batches, trainer.task, shard,
+                                                    c.task.entry)
+            trainer.use_shard(shard, batches)
+
+    def downloaded(self) -> None:
+        """The node started from the swarm's state: say whose, and warn of another task."""
+        node, entry = self.node, self.config.task.entry
+        assert node.downloaded is not None
+        theirs = node.downloaded.task.get("entry")
+        if theirs != entry:
+            run_log.warning("task mismatch ours=%s theirs=%s: the swarm may train another "
+                            "model", entry, theirs)
+        self.event("download", peer=node.downloaded.peer, step=node.downloaded.step)
+        if self.peer_steps is not None:
+            self.peer_steps.heard(node.downloaded.peer, node.downloaded.step,
+                                  trio.current_time())
+
+    def progress(self, chunk: Chunk) -> None:
+        stats, peers = self.node.statistics(), self.node.roster.statistics().alive
+        rate = self.metrics.samples_per_second()
+        run_log.info("progress step=%d loss=%.4f samples_per_s=%.0f peers=%d exchanges=%d "
+                     "pending=%d", stats.step, chunk.loss, rate, peers, stats.committed,
+                     stats.pending)
+        self.event("progress", step=stats.step, loss=_finite(chunk.loss),
+                   samples_per_s=round(rate, 1), peers=peers, exchanges=stats.committed)
+
+    def show(self, chunk: Chunk) -> None:
+        """The live status line on a terminal."""
+        if self.live is None:
+            return
+        stats = self.node.statistics()
+        self.live.show(f"step {stats.step}  loss {chunk.loss:.4f}  "
+                       f"{self.metrics.samples_per_second():.0f} samples/s  "
+                       f"peers {self.node.roster.statistics().alive}  "
+                       f"exchanges {stats.committed}")
+
+    async def capture(self) -> dict[str, Any]:
+        """A checkpoint's state (in the trainer's thread, between chunks)."""
+        node = self.node
+        meta = {"entry": self.config.task.entry, "peer": str(node.peer_id),
+                "schema": node.replica.schema.fingerprint.hex(), "time": time.time()}
+        return await trio.to_thread.run_sync(self.trainer.state, meta)
+
+    async def evaluate(self) -> None:
+        """The task's evaluation (in the trainer's thread, between chunks): logged, an
+        ``eval`` event, and the ``gossip_eval`` gauges."""
+        evaluation = await trio.to_thread.run_sync(self.trainer.evaluate)
+        if evaluation:
+            run_log.info("evaluation %s", " ".join(f"{k}={v:.4f}" for k, v in evaluation.items()))
+        self.metrics.evaluated(evaluation)
+        if evaluation:
+            self.evaluation = {"metrics": evaluation, "step": self.node.global_step,
+                               "time": time.monotonic()}
+        self.event("eval", step=self.node.global_step, **evaluation)
+
+    def stopped(self) -> None:
+        """The ``stopped`` line and ``stop`` event: this run's totals (:meth:`Metrics.totals`)."""
+        t = self.metrics.totals(self.node)
+        uptime = round(time.monotonic() - self.started, 1)
+        loss = "-" if t["loss"] is None else f"{t['loss']:.4f}"
+        evaluation = "".join(f" eval_{k}={v:.4f}" for k, v in (t["eval"] or {}).items())
+        x = t["exchanges"]  # exchanges= is the committed ones, as in the progress line
+        run_log.info("stopped step=%d steps=%d samples=%d loss=%s exchanges=%d failed=%d "
+                     "busy=%d rejected=%d invalid=%d no_peer=%d uptime_s=%.1f%s", t["step"],
+                     t["steps"], t["samples"], loss, x["committed"], x["failed"], x["busy"],
+                     x["rejected"], x["invalid"], x["no_peer"], uptime, evaluation)
+        self.event("stop", **t, uptime_s=uptime)
+
+
+def first_batches(task: Task, shard: Shard, entry: str) -> Iterator[Any]:
+    """``task.batches(shard)`` with its first batch drawn (so that it exists), as start-up
+    draws one (in a worker thread: a task may load its data there).
+
+    Raises:
+        TaskError: it yields nothing or fails.
+    """
+    try:
+        first = iter(task.batches(shard))
+        return itertools.chain([next(first)], first)
+    except StopIteration:
+        raise TaskError(f"{entry}: batches({shard}) yields nothing") from None
+    except Exception as exc:  # the task's own code: one line names it, the log has the rest
+        run_log.debug("the task's batches() failed", exc_info=True)
+        raise TaskError(f"{entry}: batches({shard}) failed: {exc!r}") from None
+
+
+async def _race(*fns: Any) -> None:
+    """Wait until the first of the async functions ``fns`` returns, then cancel the rest."""
+    async with trio.open_nursery() as nursery:
+        async def one(fn: Any) -> None:
+            await fn()
+            nursery.cancel_scope.cancel()
+        for fn in fns:
+            nursery.start_soon(one, fn)
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None

@@ -72,11 +72,12 @@ def main() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
     swarm = gossip.Swarm.from_hex("example", key_hex)
-    config = gossip.AveragingConfig(every=1)  # a round each local step, or when the last ends
+    config = gossip.NodeConfig(
+        listen=args.listen, bootstrap=args.bootstrap,
+        averaging=gossip.AveragingConfig(every=1))  # a round each step, or when the last ends
     # Returns once the node is ready: a joiner has downloaded the swarm's weights by then.
     # The optimizer is for the drift correction, added to its gradients before each step.
-    with gossip.Averager(model, swarm, listen=args.listen, bootstrap=args.bootstrap,
-                         config=config, optimizer=opt) as avg:
+    with gossip.Averager(model, swarm, config, optimizer=opt) as avg:
         print(f"node {avg.node.peer_id.short} at {avg.node.address}, shard {index}/{count} "
               f"({len(y)} samples, classes {sorted(set(y.tolist()))})")
         print(f"start another node with:\n  {sys.executable} {sys.argv[0]} "

@@ -66,11 +66,12 @@ def main() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
     swarm = gossip.Swarm.from_hex("example", key_hex)
-    config = gossip.AveragingConfig(every=1)  # a round each local step, or when the last ends
+    config = gossip.NodeConfig(
+        listen=args.listen, bootstrap=args.bootstrap,
+        averaging=gossip.AveragingConfig(every=1))  # a round each step, or when the last ends
     # Every process makes one with the same arguments; it returns once the node is ready
     # and every process holds the node's weights (a joiner's, downloaded from the swarm).
-    with gossip.Averager(ddp, swarm, listen=args.listen, bootstrap=args.bootstrap,
-                         config=config, optimizer=opt) as avg:
+    with gossip.Averager(ddp, swarm, config, optimizer=opt) as avg:
         if avg.speaker:
             print(f"node {avg.node.peer_id.short} at {avg.node.address}, {world} processes, "
                   f"shard {index}/{count} ({shard_size} samples, classes {classes})")

@@ -19,22 +19,25 @@ __version__ = "0.1.0"
 
 # The public API: module -> the names it gives. Keep the TYPE_CHECKING block in step.
 _API: dict[str, tuple[str, ...]] = {
-    "averaging": ("AveragingConfig", "AveragingStatistics", "Exchange", "Result"),
-    "channel": ("MAX_RECORD", "ChannelStatistics", "SecureChannel", "Timeouts", "connect",
-                "serve"),
+    "address": ("format_address", "parse_address"),
+    "averaging": ("AveragingStatistics", "Exchange", "Result"),
+    "channel": ("MAX_RECORD", "ChannelStatistics", "SecureChannel", "connect", "serve"),
+    "config": ("AveragingConfig", "Limits", "MembershipConfig", "NodeConfig", "Timeouts"),
+    "correction": ("check_correction",),
     "download": ("Download",),
     "errors": ("ChannelClosed", "DownloadFailed", "GossipError", "HandshakeClosed",
                "HandshakeError", "IdentityClash", "IdentityError", "LocalProtocolError",
                "PeerGone", "PeerTimeout", "ProcessLost", "RemoteProtocolError",
                "ReplicasDiverged", "SchemaMismatch", "WireError"),
-    "handshake": ("CIPHERS", "PROTOCOL_VERSION", "Swarm"),
+    "groups": ("one_error",),
+    "handshake": ("CIPHERS", "DEFAULT_CIPHER", "PROTOCOL_VERSION", "Swarm"),
     "identity": ("Identity", "PeerId"),
-    "limits": ("Limits",),
-    "member": ("Member", "MembershipConfig", "State"),
+    "member": ("Member", "State"),
+    "messages": ("MAX_COUNT", "MAX_SHARDS"),
     "network": ("Network", "TcpNetwork"),
     "node": ("SwarmNode", "open_swarm"),
     "nodegroup": ("NodeGroup", "NodeGroupStatistics"),
-    "replica": ("Counters",),
+    "replica": ("Counters", "Replica"),
     "roster": ("Roster", "RosterStatistics", "open_roster"),
     "rotation": ("Holds", "RotationStatistics"),
     "simnet": ("SimNetwork",),
@@ -60,22 +63,25 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from .averaging import AveragingConfig, AveragingStatistics, Exchange, Result
-    from .channel import (MAX_RECORD, ChannelStatistics, SecureChannel, Timeouts, connect,
-                          serve)
+    from .address import format_address, parse_address
+    from .averaging import AveragingStatistics, Exchange, Result
+    from .channel import MAX_RECORD, ChannelStatistics, SecureChannel, connect, serve
+    from .config import AveragingConfig, Limits, MembershipConfig, NodeConfig, Timeouts
+    from .correction import check_correction
     from .download import Download
     from .errors import (ChannelClosed, DownloadFailed, GossipError, HandshakeClosed,
                          HandshakeError, IdentityClash, IdentityError, LocalProtocolError,
                          PeerGone, PeerTimeout, ProcessLost, RemoteProtocolError,
                          ReplicasDiverged, SchemaMismatch, WireError)
-    from .handshake import CIPHERS, PROTOCOL_VERSION, Swarm
+    from .groups import one_error
+    from .handshake import CIPHERS, DEFAULT_CIPHER, PROTOCOL_VERSION, Swarm
     from .identity import Identity, PeerId
-    from .limits import Limits
-    from .member import Member, MembershipConfig, State
+    from .member import Member, State
+    from .messages import MAX_COUNT, MAX_SHARDS
     from .network import Network, TcpNetwork
     from .node import SwarmNode, open_swarm
     from .nodegroup import NodeGroup, NodeGroupStatistics
-    from .replica import Counters
+    from .replica import Counters, Replica
     from .roster import Roster, RosterStatistics, open_roster
     from .rotation import Holds, RotationStatistics
     from .simnet import SimNetwork

@@ -67,8 +67,9 @@ import torch
 import trio
 
 from . import exchange
-from .channel import SecureChannel, Timeouts, connect
-from .correction import CORRECTION_RATE, DEFAULT_LEAK
+from .channel import SecureChannel, connect
+from .config import AveragingConfig, Timeouts
+from .correction import CORRECTION_RATE
 from .download import CODEC as DOWNLOAD_CODEC
 from .download import Download, Said, download, serve_download
 from .errors import GossipError, PeerGone, PeerTimeout
@@ -76,7 +77,7 @@ from .exchange import Deadlines, Ending, Outcome
 from .groups import one_error
 from .handshake import Swarm
 from .identity import Identity, PeerId
-from .linkrate import MIN_RATE, STALL, LinkRates
+from .linkrate import LinkRates
 from .member import Member, State
 from .messages import Accept, Close, Offer, StateRequest
 from .mismatch import describe
@@ -87,104 +88,16 @@ from .replica import OFFLOAD_NUMEL, Counters, Replica, offload
 from .roster import Roster
 from .standing import (NewcomerBudget, Records, Standing, PeerSteps, pick, standing,
                        step_ceiling, step_move)
-from .tensors import CODECS
 
 __all__ = ["AveragingConfig", "AveragingStatistics", "Averaging", "Exchange", "Result"]
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class AveragingConfig:
-    """How a node averages. Times in seconds.
-
-    Raises:
-        ValueError: a value out of range (the message names the field).
-    """
-
-    every: int | None = 1  # local steps between our rounds (x U(0.75, 1.25)); None: by time only
-    interval: float | None = 10.0  # s after our last round ends (x U(0.75, 1.25)) before we
-    # start one anyway, for a node that steps slower than `every` or not at all; None: by
-    # steps only (both None: only average_now())
-    weight: float = 0.5  # fixed mode: delta = weight * (peer - own); 1/2 keeps the swarm's mean
-    by_samples: bool = False  # push-sum: weigh each side by the samples it trained on
-    codec: str = "fp32"  # wire codec of the exchanged states: fp32 (exact), bf16, fp16 or int8
-    correction: bool = True  # keep a drift correction (needs the optimizer; gossip.correction)
-    leak: float = DEFAULT_LEAK  # fraction of the correction that fades per committed exchange
-    attempts: int = 3  # peers tried per round when they are busy or fail
-    backoff: float = 0.2  # mean pause before trying the next peer (x U(0.5, 1.5))
-    clip: float = 5.0  # clip a step to clip x the median distance of our rounds; 0: no clipping
-    clip_window: int = 32  # exchanges we initiated that the median looks back on
-    clip_min_history: int = 8  # no clipping until this many are known
-    max_norm_ratio: float = 100.0  # refuse a state farther from ours than this x our norm
-    strikes: int = 3  # refused payloads in a row that quarantine a peer
-    quarantine: float = 600.0  # how long a quarantine lasts
-    trust_after: float = 10.0  # s alive before its offers move us, if we never picked it (standing)
-    offer_timeout: float = 5.0  # from sending Offer to its answer
-    transfer_timeout: float = 10.0  # both payloads: this + encoded bytes / rate, where rate
-    # is the peer host's measured rate / 4, at least min_rate (gossip.linkrate)
-    min_rate: float = MIN_RATE  # bytes/s the slowest link is given time for (50 kB/s, 400
-    # kbit/s: 100 MB in 2,000 s); also a state download's
-    commit_timeout: float = 5.0  # for the peer's Commit, past the end of the transfer deadline
-    stall_timeout: float = STALL  # s a payload (exchange or download) may go without a byte
-    start: str = "auto"  # "auto": download if a ready peer exists, else own init; "own"; "download"
-    download_wait: float = 5.0  # "auto": after joining, how long to look for a ready peer
-
-    def __post_init__(self) -> None:
-        for name in ("interval", "weight", "clip", "quarantine", "trust_after", "download_wait",
-                     "leak"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and type(value) is not bool
-                    or value is None and name == "interval"):
-                raise ValueError(f"averaging.{name} must be a number, not {value!r}")
-        for name in ("by_samples", "correction"):
-            if type(getattr(self, name)) is not bool:
-                raise ValueError(f"averaging.{name} must be a bool, not {getattr(self, name)!r}")
-        positive = ("backoff", "offer_timeout", "transfer_timeout", "min_rate", "commit_timeout",
-                    "stall_timeout", "max_norm_ratio")
-        for name in positive:
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and type(value) is not bool
-                    and math.isfinite(value) and value > 0):
-                raise ValueError(f"averaging.{name} must be a positive number, not {value!r}")
-        if self.interval is not None and not (math.isfinite(self.interval) and self.interval > 0):
-            raise ValueError(f"averaging.interval must be positive or None, not {self.interval!r}")
-        if self.every is not None and (type(self.every) is not int or self.every < 1):
-            raise ValueError(f"averaging.every must be an integer >= 1 or None, not "
-                             f"{self.every!r}")
-        if not 0 < self.weight <= 1:
-            raise ValueError(f"averaging.weight must be in (0, 1], not {self.weight!r}")
-        if not 0 <= self.leak < 1:
-            raise ValueError(f"averaging.leak must be in [0, 1), not {self.leak!r}")
-        if self.codec not in CODECS:
-            raise ValueError(f"averaging.codec must be one of {CODECS}, not {self.codec!r}")
-        for name in ("attempts", "clip_window", "clip_min_history", "strikes"):
-            value = getattr(self, name)
-            if type(value) is not int or value < 1:
-                raise ValueError(f"averaging.{name} must be an integer >= 1, not {value!r}")
-        if self.clip_min_history > self.clip_window:
-            raise ValueError("averaging.clip_min_history must not exceed averaging.clip_window")
-        if not (math.isfinite(self.clip) and self.clip >= 0):
-            raise ValueError(f"averaging.clip must be >= 0, not {self.clip!r}")
-        for name in ("quarantine", "trust_after"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value >= 0):
-                raise ValueError(f"averaging.{name} must be >= 0, not {value!r}")
-        if not (math.isfinite(self.download_wait) and self.download_wait >= 0):
-            raise ValueError(f"averaging.download_wait must be >= 0, not {self.download_wait!r}")
-        if self.start not in ("auto", "own", "download"):
-            raise ValueError(f"averaging.start must be auto, own or download, not {self.start!r}")
-
-    def deadlines(self) -> Deadlines:
-        """The deadlines of one exchange's phases, for a link never measured (at
-        ``min_rate``)."""
-        return Deadlines(self.offer_timeout, self.transfer_timeout, self.min_rate,
-                         self.commit_timeout, self.stall_timeout)
-
-    def transfer_deadline(self, nbytes: int) -> float:
-        """The deadline for both payloads of ``nbytes`` each over a link never measured: the
-        longest any transfer is given."""
-        return self.deadlines().transfer_for(nbytes)
+def deadlines(config: AveragingConfig) -> Deadlines:
+    """The deadlines of one exchange's phases, for a link never measured (at ``min_rate``)."""
+    return Deadlines(config.offer_timeout, config.transfer_timeout, config.min_rate,
+                     config.commit_timeout, config.stall_timeout)
 
 
 class Result(enum.Enum):
@@ -295,7 +208,7 @@ class Averaging:
         self._peer_steps = PeerSteps(config.clip_window)
         self._tally = _Tally()
         self.ready = trio.Event()
-        self._deadlines = config.deadlines()
+        self._deadlines = deadlines(config)
         self._rates = LinkRates(config.min_rate)  # per peer host: what its link carried
         self._serving = [0]  # downloads being served
         self._said = Said()  # download failures logged so far: each once out loud
@@ -306,14 +219,29 @@ class Averaging:
         t, c, now = self._tally, self.replica.counters(), trio.current_time()
         committed = t.results[Result.COMMITTED]
         return AveragingStatistics(
-            committed, t.results[Result.BUSY], t.results[Result.REJECTED],
-            t.results[Result.INVALID], t.results[Result.FAILED], t.results[Result.NO_PEER],
-            t.clipped, t.newcomers, t.newcomers_limited,
-            self._quarantine.count(now), t.bytes_sent, t.bytes_received, t.last_exchange,
-            None if t.last_exchange is None else now - t.last_exchange,
-            t.durations / committed if committed else 0.0,
-            t.last_distance, c.step, c.samples, c.weight, self.replica.pending,
-            t.downloads_served, self.ready.is_set(), t.corrected,
+            committed=committed,
+            busy=t.results[Result.BUSY],
+            rejected=t.results[Result.REJECTED],
+            invalid=t.results[Result.INVALID],
+            failed=t.results[Result.FAILED],
+            no_peer=t.results[Result.NO_PEER],
+            clipped=t.clipped,
+            newcomers=t.newcomers,
+            newcomers_limited=t.newcomers_limited,
+            quarantined=self._quarantine.count(now),
+            bytes_sent=t.bytes_sent,
+            bytes_received=t.bytes_received,
+            last_exchange=t.last_exchange,
+            seconds_since_exchange=None if t.last_exchange is None else now - t.last_exchange,
+            mean_duration=t.durations / committed if committed else 0.0,
+            last_distance=t.last_distance,
+            step=c.step,
+            samples=c.samples,
+            weight=c.weight,
+            pending=self.replica.pending,
+            downloads_served=t.downloads_served,
+            ready=self.ready.is_set(),
+            corrected=t.corrected,
         )
 
     async def run(self) -> None:
@@ -446,7 +374,7 @@ class Averaging:
                                                      difference.advance)
             result = self._settle(peer, outcome, mine, rank, theirs, started, initiated=False)
             theirs = None  # handed over
-        except (GossipError, trio.TooSlowError) as exc:
+        except GossipError as exc:
             failure = exc
             result = self._failure(peer, "accept", exc)
         finally:
@@ -540,7 +468,7 @@ class Averaging:
             result = self._settle(peer, outcome, mine, Standing.CHOSEN, theirs, started,
                                   initiated=True)
             theirs = None  # handed over
-        except (GossipError, trio.TooSlowError) as exc:
+        except GossipError as exc:
             failure = exc
             result = self._failure(peer, phase, exc)
             if isinstance(exc, (PeerGone, PeerTimeout)) and phase == "connect":
@@ -689,12 +617,12 @@ class Averaging:
             return "busy: newcomers from this address have had their share for now"
         return None
 
-    def _refusal(self, offer: Offer, peer: str) -> str | None:
+    def _refusal(self, offer: Offer, peer: PeerId) -> str | None:
         """Why we can never take this offer, or None if we could. The reason travels in
         ``Close.reason``, which is for logs: it never carries our schema's fingerprint (a
         client computes that from its model, PROTOCOL.md section 7.1); our own log does."""
         if offer.fingerprint != self.replica.schema.fingerprint:
-            log.debug("averaging offer of another schema peer=%s theirs=%s ours=%s", peer[:8],
+            log.debug("averaging offer of another schema peer=%s theirs=%s ours=%s", peer.short,
                      offer.fingerprint.hex(), self.replica.schema.fingerprint_hex)
             return "schema differs from ours (another model, or other task options)"
         if offer.codec != self.config.codec:
@@ -705,23 +633,23 @@ class Averaging:
             return "quarantined"
         return None
 
-    def _refused(self, peer: str, outcome: Outcome) -> Result:
+    def _refused(self, peer: PeerId, outcome: Outcome) -> Result:
         if outcome.ending is Ending.BUSY:
             self._tally.results[Result.BUSY] += 1
             return Result.BUSY
-        log.info("averaging refused by peer=%s reason=%s", peer[:8], outcome.reason)
+        log.info("averaging refused by peer=%s reason=%s", peer.short, outcome.reason)
         self._tally.results[Result.REJECTED] += 1
         return Result.REJECTED
 
-    def _invalid(self, peer: str, reason: str) -> Result:
+    def _invalid(self, peer: PeerId, reason: str) -> Result:
         barred = self._quarantine.strike(peer, trio.current_time())
-        log.warning("averaging refused a payload peer=%s reason=%s%s", peer[:8], reason,
+        log.warning("averaging refused a payload peer=%s reason=%s%s", peer.short, reason,
                     " (quarantined)" if barred else "")
         self._tally.results[Result.INVALID] += 1
         return Result.INVALID
 
-    def _failure(self, peer: str, phase: str, exc: BaseException) -> Result:
-        log.info("averaging round failed peer=%s phase=%s: %s", peer[:8], phase, exc)
+    def _failure(self, peer: PeerId, phase: str, exc: GossipError) -> Result:
+        log.info("averaging round failed peer=%s phase=%s: %s", peer.short, phase, exc)
         self._tally.results[Result.FAILED] += 1
         return Result.FAILED
 

@@ -47,7 +47,7 @@ from __future__ import annotations
 import logging
 import math
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Awaitable, Callable, Iterator
 
 import trio
@@ -75,8 +75,9 @@ from .handshake import (
     make_hello,
     read_first_message,
 )
+from .config import Limits, Timeouts
 from .identity import Identity, PeerId
-from .limits import Admission, Limits
+from .limits import Admission
 from .messages import Message
 from .network import Network, peer_host
 from .wire import FRAME_HEADER, decode, encode, encode_frame, frame_length
@@ -86,6 +87,8 @@ __all__ = [
     "FIRST_MESSAGE_TIMEOUT",
     "Timeouts",
     "ChannelStatistics",
+    "phase_deadline",
+    "phase_deadline_at",
     "SecureChannel",
     "handshake",
     "connect",
@@ -116,31 +119,48 @@ def _room(buf: bytearray, size: int) -> bytearray:
 
 
 @dataclass(frozen=True)
-class Timeouts:
-    """Deadlines, in seconds, one per phase.
-
-    These are the only timeouts the library takes as arguments (everywhere else the caller
-    wraps its awaits in ``trio.fail_after``): ``connect`` and ``serve`` compose two phases, and
-    the record deadline is a property of the connection that guards every read, whoever the
-    caller is. A 1 MiB record must cross the link within ``record`` seconds: the default
-    gives it 35 kB/s, below the slowest link a transfer is given time for
-    (:data:`gossip.linkrate.MIN_RATE`, 50 kB/s), so on a thin link a payload's own deadline,
-    which follows the link, decides first. Below about 35 kB/s (280 kbit/s) raise both.
-    A peer that stops sending mid-payload is dropped by the stall deadline
-    (:meth:`SecureChannel.stall_guard`), long before this one.
-    """
-
-    connect: float = 5.0  # opening the TCP connection
-    handshake: float = 5.0  # the whole three-message handshake
-    record: float = 30.0  # from a record's first byte to its last: 1 MiB needs >= 35 kB/s
-
-
-@dataclass(frozen=True)
 class ChannelStatistics:
     records_sent: int
     records_received: int
     bytes_sent: int  # on the wire, headers and tags included
     bytes_received: int
+
+
+@dataclass
+class _Counts:
+    """What a channel has carried so far: :class:`ChannelStatistics`, as it grows."""
+
+    records_sent: int = 0
+    records_received: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+
+@contextmanager
+def phase_deadline_at(deadline: float, peer: object, phase: str) -> Iterator[trio.CancelScope]:
+    """``trio.fail_at(deadline)`` at the error boundary: a deadline that passes raises
+    :class:`~gossip.errors.PeerTimeout` ``(peer, phase)``, not ``trio.TooSlowError``, so the
+    caller's callers catch :class:`~gossip.errors.GossipError` alone.
+
+    Raises:
+        PeerTimeout: ``deadline`` (on trio's clock) passed inside the block.
+    """
+    try:
+        with trio.fail_at(deadline) as scope:
+            yield scope
+    except trio.TooSlowError:
+        raise PeerTimeout(peer, phase) from None
+
+
+@contextmanager
+def phase_deadline(seconds: float, peer: object, phase: str) -> Iterator[trio.CancelScope]:
+    """``trio.fail_after(seconds)`` at the error boundary: as :func:`phase_deadline_at`.
+
+    Raises:
+        PeerTimeout: ``seconds`` passed inside the block.
+    """
+    with phase_deadline_at(trio.current_time() + seconds, peer, phase) as scope:
+        yield scope
 
 
 class _Reader:
@@ -227,10 +247,10 @@ class SecureChannel(trio.abc.AsyncResource):
         self._closed = False
         self._broken: GossipError | None = None
         self._send_lost = ""  # why sending failed (the peer went away); receiving may go on
-        self._stats = [0, 0, 0, 0]
+        self._counts = _Counts()
 
     def statistics(self) -> ChannelStatistics:
-        return ChannelStatistics(*self._stats)
+        return ChannelStatistics(**asdict(self._counts))
 
     @contextmanager
     def stall_guard(self, seconds: float) -> Iterator[None]:
@@ -310,8 +330,8 @@ class SecureChannel(trio.abc.AsyncResource):
                 raise
         finally:
             self._sending = False
-        self._stats[0] += 1
-        self._stats[2] += end
+        self._counts.records_sent += 1
+        self._counts.bytes_sent += end
 
     async def receive(self) -> bytes:
         """Wait for the next record and return its plaintext.
@@ -416,8 +436,8 @@ class SecureChannel(trio.abc.AsyncResource):
             result = size - TAGLEN
             self._receive_cipher.decrypt_into(bytes(header), body, out[:result])
         self._mid_record = False
-        self._stats[1] += 1
-        self._stats[3] += _HEADER + size
+        self._counts.records_received += 1
+        self._counts.bytes_received += _HEADER + size
         return result
 
     async def send_message(self, message: Message) -> None:
@@ -590,19 +610,13 @@ async def connect(
 async def _connect(network: Network, address: str, identity: Identity, swarm: Swarm,
                    allow: frozenset[str] | None, timeouts: Timeouts,
                    previous: bool) -> SecureChannel:
-    try:
-        with trio.fail_after(timeouts.connect):
-            stream = await network.dial(address)
-    except trio.TooSlowError:
-        raise PeerTimeout(address, "connect") from None
-    try:
-        with trio.fail_after(timeouts.handshake):
-            return await handshake(
-                stream, identity=identity, swarm=swarm, initiator=True, allow=allow,
-                record_timeout=timeouts.record, previous=previous,
-            )
-    except trio.TooSlowError:
-        raise PeerTimeout(address, "handshake") from None
+    with phase_deadline(timeouts.connect, address, "connect"):
+        stream = await network.dial(address)
+    with phase_deadline(timeouts.handshake, address, "handshake"):
+        return await handshake(
+            stream, identity=identity, swarm=swarm, initiator=True, allow=allow,
+            record_timeout=timeouts.record, previous=previous,
+        )
 
 
 ChannelHandler = Callable[[SecureChannel], Awaitable[None]]
@@ -669,14 +683,11 @@ async def serve(
             scope.deadline = math.inf
 
         try:
-            try:
-                with trio.fail_after(timeouts.handshake), scope:
-                    channel = await handshake(
-                        stream, identity=identity, swarm=swarm, initiator=False, allow=allow,
-                        record_timeout=timeouts.record, on_proved=proved,
-                    )
-            except trio.TooSlowError:
-                raise PeerTimeout("incoming", "handshake") from None
+            with phase_deadline(timeouts.handshake, "incoming", "handshake"), scope:
+                channel = await handshake(
+                    stream, identity=identity, swarm=swarm, initiator=False, allow=allow,
+                    record_timeout=timeouts.record, on_proved=proved,
+                )
             if scope.cancelled_caught:  # the handshake closed the stream
                 if trio.current_time() >= scope.deadline:
                     raise PeerTimeout("incoming", "handshake message 1")

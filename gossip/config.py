@@ -5,19 +5,286 @@ object: where to listen, whom to join, whom to trust, and the averaging, members
 and limit settings. Presets are made with :func:`dataclasses.replace` from the defaults, as
 memberlist does: :meth:`NodeConfig.default`, :meth:`NodeConfig.local` (one machine or a
 simulated network) and :meth:`NodeConfig.wan` (nodes across the internet).
+
+Theory of operation
+-------------------
+Each field of :class:`AveragingConfig`, :class:`MembershipConfig`, :class:`Timeouts` and
+:class:`Limits` is declared once, with ``setting(default, doc, check)``. That declaration is
+the field's documentation (``doc``, with its unit), its type (the type of the default: an int
+is accepted where a float is expected; a bool never where a number is; a float must be
+finite) and its range (``check``, which returns the problem as text, or None). Validation
+runs in ``__post_init__``, so a bad value is a :class:`ValueError` however the object is
+built, and the message names the field: ``averaging.every: expected an integer >= 1, got 0``.
+Relations between fields (``clip_min_history <= clip_window``) are checked after that, in the
+class itself.
+
+The daemon (``daemon/config.py``) builds its TOML sections from these declarations, so a
+default, a doc or a range lives in one place. This module is pure: it imports nothing that
+imports trio, torch or socket, so that every other module can import it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+import math
+import reprlib
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable
 
-from .averaging import AveragingConfig
-from .channel import Timeouts
-from .limits import Limits
-from .member import MembershipConfig
+from .linkrate import MIN_RATE, STALL
 
-__all__ = ["NodeConfig"]
+__all__ = [
+    "NodeConfig", "AveragingConfig", "MembershipConfig", "Timeouts", "Limits", "CODECS",
+    "DEFAULT_LEAK", "Check", "setting", "problem", "want", "one_of", "POSITIVE", "NON_NEGATIVE",
+    "COUNT", "AT_LEAST_1",
+]
+
+# Every wire codec of exchanged states: fp32 (exact), bf16 and fp16 element-wise, int8 in
+# blocks (gossip.int8). gossip.tensors checks its encoders against this list.
+CODECS: tuple[str, ...] = ("fp32", "bf16", "fp16", "int8")
+DEFAULT_LEAK = 0.01  # λ: the fraction of the correction that fades at each committed exchange
+
+
+# --- checks: each takes a value of the field's type and returns a problem, or None ----------
+
+Check = Callable[[Any], "str | None"]
+
+
+def want(ok: Callable[[Any], bool], expected: str) -> Check:
+    """A check that ``ok(value)`` holds; its problem says what was ``expected``."""
+    return lambda value: None if ok(value) else f"expected {expected}, got {reprlib.repr(value)}"
+
+
+def one_of(*choices: str) -> Check:
+    return want(lambda value: value in choices, ", ".join(choices[:-1]) + " or " + choices[-1])
+
+
+POSITIVE = want(lambda v: v > 0, "a number > 0")
+NON_NEGATIVE = want(lambda v: v >= 0, "a number >= 0")
+COUNT = want(lambda v: v >= 0, "an integer >= 0")
+AT_LEAST_1 = want(lambda v: v >= 1, "an integer >= 1")
+
+
+def setting(default: Any, doc: str, check: Check | None = None, *,
+            optional: bool = False) -> Any:
+    """A settings field: ``doc`` (with its unit) is the only description the field has.
+    ``optional`` accepts None besides values of the default's type (and skips ``check``)."""
+    return field(default=default, metadata={"doc": doc, "check": check, "optional": optional})
+
+
+_KINDS = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
+
+
+def problem(f: dataclasses.Field, value: Any) -> str | None:
+    """What is wrong with ``value`` for the setting ``f``, or None."""
+    if value is None and f.metadata["optional"]:
+        return None
+    kind = type(f.default)
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    ok = {bool: isinstance(value, bool), int: number and isinstance(value, int),
+          float: number}.get(kind, isinstance(value, kind))
+    if not ok:
+        expected = _KINDS[kind] + (" or None" if f.metadata["optional"] else "")
+        return f"expected {expected}, got {reprlib.repr(value)}"
+    if kind is float and not math.isfinite(value):
+        return f"expected a finite number, got {value!r}"
+    check = f.metadata["check"]
+    return check(value) if check is not None else None
+
+
+class _Settings:
+    """Validation shared by the settings classes. ``section`` names them in errors: a plain
+    class attribute (it has no annotation), not a field."""
+
+    section = ""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):  # type: ignore[arg-type]
+            wrong = problem(f, getattr(self, f.name))
+            if wrong:
+                raise self.refuse(f.name, wrong)
+
+    def refuse(self, name: str, wrong: str) -> ValueError:
+        return ValueError(f"{self.section}.{name}: {wrong}")
+
+
+@dataclass(frozen=True)
+class AveragingConfig(_Settings):
+    """How a node averages (:mod:`gossip.averaging`)."""
+
+    section = "averaging"
+    every: int | None = setting(1, "local steps between the rounds we start (x U(0.75, 1.25)); "
+                                "a round on a slow link is followed at once by the next; None: "
+                                "by interval only", AT_LEAST_1, optional=True)
+    interval: float | None = setting(10.0, "s after our last round ends (x U(0.75, 1.25)) before "
+                                     "we start another anyway, for a node that steps slower "
+                                     "than every or not at all; None: by steps only (both None: "
+                                     "only average_now())", POSITIVE, optional=True)
+    weight: float = setting(0.5, "fixed mixing's weight, in (0, 1]; 0.5 keeps the swarm's mean",
+                            want(lambda v: 0 < v <= 1, "a number in (0, 1]"))
+    by_samples: bool = setting(False, "push-sum: weigh both sides by the samples they trained "
+                               "on; False: fixed mixing, own += weight * (peer - own)")
+    codec: str = setting("fp32", "wire format of exchanged states: fp32 (exact, 4 bytes a "
+                         "parameter), bf16 or fp16 (2), int8 (~1.06: blocks of 64 values "
+                         "against one scale; for thin links)", one_of(*CODECS))
+    correction: bool = setting(True, "keep a drift correction (added to the gradients; its "
+                               "estimate travels with the weights): what keeps nodes on skewed "
+                               "data from drifting apart. Costs two model-sized buffers on the "
+                               "device, doubles the host's exchange buffers and the bytes of "
+                               "an exchange")
+    leak: float = setting(DEFAULT_LEAK, "fraction of the drift correction that fades at each "
+                          "exchange, so that departures leave no lasting bias; in [0, 1)",
+                          want(lambda v: 0 <= v < 1, "a number in [0, 1)"))
+    attempts: int = setting(3, "peers tried per round when they are busy or fail (>= 1)",
+                            AT_LEAST_1)
+    backoff: float = setting(0.2, "s; mean pause before trying the next peer (x U(0.5, 1.5)) "
+                             "(> 0)", POSITIVE)
+    clip: float = setting(5.0, "clip a step to clip x the median distance of our recent rounds "
+                          "(>= 0); 0: off", NON_NEGATIVE)
+    clip_window: int = setting(32, "exchanges we initiated that the clip's median looks back on "
+                               "(>= 1)", AT_LEAST_1)
+    clip_min_history: int = setting(8, "no clipping until this many are known (>= 1, at most "
+                                    "clip_window)", AT_LEAST_1)
+    max_norm_ratio: float = setting(100.0, "refuse a state farther from ours than this x our "
+                                    "norm (> 0)", POSITIVE)
+    strikes: int = setting(3, "refused payloads in a row that quarantine a peer (>= 1)",
+                           AT_LEAST_1)
+    quarantine: float = setting(600.0, "s a quarantined peer is left alone (>= 0)",
+                                NON_NEGATIVE)
+    trust_after: float = setting(10.0, "s a peer must have been an alive member before its "
+                                 "offers move our model (unless we picked it before); until "
+                                 "then they commit but move it by nothing (>= 0)", NON_NEGATIVE)
+    offer_timeout: float = setting(5.0, "s from sending an offer to its answer (> 0)", POSITIVE)
+    transfer_timeout: float = setting(10.0, "s for both payloads, plus encoded bytes at the "
+                                      "peer link's measured rate / 4, or at min_rate if that "
+                                      "is slower or unknown (> 0)", POSITIVE)
+    min_rate: float = setting(MIN_RATE, "bytes/s of the slowest link every payload is given "
+                              "time for (> 0): exchanges and downloads (50 kB/s = 400 kbit/s: "
+                              "100 MB in 2,000 s)", POSITIVE)
+    commit_timeout: float = setting(5.0, "s for the peer's commit, past the transfer deadline "
+                                    "(> 0)", POSITIVE)
+    stall_timeout: float = setting(STALL, "s a payload (exchange or download) may go without a "
+                                   "byte before its peer is dropped (> 0)", POSITIVE)
+    start: str = setting("auto", "first weights: auto (download if a ready peer exists, else "
+                         "own), own or download", one_of("auto", "own", "download"))
+    download_wait: float = setting(5.0, "s; with start = auto, how long to look for a ready "
+                                   "peer after joining (>= 0)", NON_NEGATIVE)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.clip_min_history > self.clip_window:
+            raise self.refuse("clip_min_history", f"expected at most averaging.clip_window "
+                              f"({self.clip_window}), got {self.clip_min_history}")
+
+    def transfer_deadline(self, nbytes: int) -> float:
+        """The deadline for both payloads of ``nbytes`` each over a link never measured (at
+        ``min_rate``): the longest any transfer is given (as
+        :meth:`gossip.exchange.Deadlines.transfer_for`)."""
+        return self.transfer_timeout + nbytes / self.min_rate
+
+
+@dataclass(frozen=True)
+class MembershipConfig(_Settings):
+    """Membership timing. The defaults are memberlist's LAN profile; :meth:`wan` is its WAN
+    profile. N below is the number of members believed alive, this node included."""
+
+    section = "membership"
+    probe_interval: float = setting(1.0, "s; one probe per period, times (local health score "
+                                    "+ 1)", POSITIVE)
+    probe_timeout: float = setting(0.5, "s; wait for a direct Ack before asking helpers; same "
+                                   "scaling (shorter than probe_interval)", POSITIVE)
+    indirect_checks: int = setting(3, "helpers asked to probe a silent member for us", COUNT)
+    suspicion_mult: float = setting(4.0, "min suspicion timeout = mult * max(1, log10 N) * "
+                                    "probe_interval", POSITIVE)
+    suspicion_max_mult: float = setting(6.0, "max suspicion timeout = this * min (Lifeguard)",
+                                        want(lambda v: v >= 1, "a number >= 1"))
+    retransmit_mult: int = setting(4, "each update is sent mult * ceil(log10(N + 1)) times",
+                                   COUNT)
+    awareness_max: int = setting(8, "local health score cap: timeouts stretch at most (max + 1) "
+                                 "times", COUNT)
+    gossip_interval: float = setting(0.2, "s between gossip rounds while updates are queued",
+                                     POSITIVE)
+    gossip_nodes: int = setting(3, "members each gossip round sends to", COUNT)
+    gossip_to_the_dead: float = setting(30.0, "s after its death a member still receives "
+                                        "gossip", NON_NEGATIVE)
+    push_pull_interval: float = setting(30.0, "s; times ceil(log2(N / 32)) + 1 above 32 "
+                                        "members", POSITIVE)
+    reconnect_interval: float = setting(10.0, "s between push-pulls with a random dead member",
+                                        POSITIVE)
+    reap_after: float = setting(3600.0, "s a dead or departed member is remembered, then "
+                                "forgotten", POSITIVE)
+    meta_interval: float = setting(30.0, "s; a changed training step is re-announced at most "
+                                   "this often", POSITIVE)
+    join_retry_min: float = setting(1.0, "s; first wait after no bootstrap address answered",
+                                    POSITIVE)
+    join_retry_max: float = setting(30.0, "s; the wait doubles up to this (>= join_retry_min)",
+                                    POSITIVE)
+    push_pull_timeout: float = setting(10.0, "s; a whole push-pull exchange, dial to last page",
+                                       POSITIVE)
+    leave_timeout: float = setting(2.0, "s a leaving node keeps gossiping its departure",
+                                   NON_NEGATIVE)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.probe_timeout >= self.probe_interval:
+            raise self.refuse("probe_timeout", f"expected less than membership.probe_interval "
+                              f"({self.probe_interval}), got {self.probe_timeout}")
+        if self.join_retry_max < self.join_retry_min:
+            raise self.refuse("join_retry_max", f"expected at least membership.join_retry_min "
+                              f"({self.join_retry_min}), got {self.join_retry_max}")
+
+    @classmethod
+    def lan(cls) -> MembershipConfig:
+        """memberlist's LAN profile (the default): fast detection on a low-latency network."""
+        return cls()
+
+    @classmethod
+    def wan(cls) -> MembershipConfig:
+        """memberlist's WAN profile: slower, more patient, for nodes across the internet."""
+        return cls(
+            probe_interval=5.0, probe_timeout=3.0, suspicion_mult=6.0, gossip_interval=0.5,
+            gossip_nodes=4, gossip_to_the_dead=60.0, push_pull_interval=60.0,
+            reconnect_interval=30.0, push_pull_timeout=30.0, leave_timeout=5.0,
+        )
+
+
+@dataclass(frozen=True)
+class Timeouts(_Settings):
+    """Deadlines, in seconds, one per phase of a channel (:mod:`gossip.channel`).
+
+    These are the only timeouts the library takes as arguments (everywhere else the caller
+    wraps its awaits in ``trio.fail_after``): ``connect`` and ``serve`` compose two phases, and
+    the record deadline is a property of the connection that guards every read, whoever the
+    caller is. A 1 MiB record must cross the link within ``record`` seconds: the default
+    gives it 35 kB/s, below the slowest link a transfer is given time for
+    (:data:`gossip.linkrate.MIN_RATE`, 50 kB/s), so on a thin link a payload's own deadline,
+    which follows the link, decides first. Below about 35 kB/s (280 kbit/s) raise both.
+    A peer that stops sending mid-payload is dropped by the stall deadline
+    (:meth:`gossip.channel.SecureChannel.stall_guard`), long before this one.
+    """
+
+    section = "timeouts"
+    connect: float = setting(5.0, "s to open a TCP connection (> 0)", POSITIVE)
+    handshake: float = setting(5.0, "s for the whole handshake (> 0)", POSITIVE)
+    record: float = setting(30.0, "s from a record's first byte to its last (> 0); 30 lets a "
+                            "1 MiB record cross at 35 kB/s: keep it above 1 MiB / min_rate",
+                            POSITIVE)
+
+
+@dataclass(frozen=True)
+class Limits(_Settings):
+    """A node's limits on inbound work (:mod:`gossip.limits`, whose docstring says why)."""
+
+    section = "limits"
+    max_connections: int = setting(256, "inbound connections open at once, handshakes included "
+                                   "(>= 1); more are closed unread", AT_LEAST_1)
+    max_handshakes_per_host: int = setting(8, "connections from one IP address that have not "
+                                           "proved the swarm key yet, at once (>= 1); one more "
+                                           "closes the oldest", AT_LEAST_1)
+    peer_rate: float = setting(10.0, "inbound channels per second one peer may open on average "
+                               "(> 0); more are closed unread", POSITIVE)
+    peer_burst: int = setting(20, "inbound channels one peer may open at once (>= 1)",
+                              AT_LEAST_1)
 
 
 @dataclass(frozen=True)

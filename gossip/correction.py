@@ -94,12 +94,12 @@ from collections.abc import Mapping
 
 import torch
 
+from .config import DEFAULT_LEAK  # λ, declared with the averaging.leak setting
 from .tensors import StateSchema, all_finite
 
 __all__ = ["Correction", "CORRECTION_RATE", "DEFAULT_LEAK", "FULL_SPACING", "GRADIENT_AVERAGE",
-           "check_state", "corrected"]
+           "check_state", "corrected", "check_correction"]
 
-DEFAULT_LEAK = 0.01  # λ: the fraction of the correction that fades at each committed exchange
 GRADIENT_AVERAGE = 0.2  # β: the weight of each new gradient in the recent average ĝ
 CORRECTION_RATE = 0.5  # κ: the correction moves by κ x the state's fraction of the difference
 SCALE_STEPS = 16  # steps whose gradient norms give the scale an estimate's check starts from
@@ -111,6 +111,17 @@ def corrected(model: torch.nn.Module) -> dict[str, torch.Size]:
     place = StateSchema.from_module(model).places()
     return {name: p.shape for name, p in model.named_parameters()
             if p.requires_grad and name in place}
+
+
+def check_correction(model: torch.nn.Module, state: object) -> None:
+    """Check a correction saved with a checkpoint (from
+    :meth:`~gossip.replica.Replica.correction_state`) against ``model``, before resuming from
+    it: the same check :func:`gossip.open_swarm` makes when it takes it, made early.
+
+    Raises:
+        ValueError: as :func:`check_state`.
+    """
+    check_state(corrected(model), state)
 
 
 def check_state(shapes: Mapping[str, torch.Size], state: object) -> None:

@@ -51,8 +51,10 @@ from typing import Any, Callable
 import cbor2
 import trio
 
-from .channel import SecureChannel, Timeouts, connect
-from .errors import DownloadFailed, GossipError, PeerTimeout, RemoteProtocolError, SchemaRefused
+from .channel import SecureChannel, connect, phase_deadline
+from .config import Timeouts
+from .errors import (DownloadFailed, GossipError, PeerTimeout, RemoteProtocolError,
+                     SchemaRefused, WireError)
 from .handshake import Swarm
 from .identity import Identity, PeerId
 from .linkrate import STALL, LinkRates
@@ -64,7 +66,7 @@ from .replica import Replica, offload
 from .standing import step_ceiling
 from .tensors import all_finite
 from .transfer import receive_state, send_state
-from .wire import MAX_DEPTH
+from .wire import MAX_DEPTH, decode_canonical
 
 __all__ = ["Download", "Said", "encode_meta", "decode_meta", "serve_download", "download",
            "MAX_SERVING"]
@@ -134,17 +136,9 @@ def decode_meta(data: bytes) -> tuple[dict[str, int], dict[str, Any]]:
         RemoteProtocolError: not a canonical map of the expected shape.
     """
     try:
-        obj = cbor2.loads(data, max_depth=MAX_DEPTH, allow_indefinite=False,
-                          allow_duplicate_keys=False, str_errors="strict")
-    except (cbor2.CBORDecodeError, ValueError, TypeError, OverflowError, RecursionError) as exc:
+        obj = decode_canonical(data, max_depth=MAX_DEPTH)
+    except WireError as exc:
         raise RemoteProtocolError(f"malformed state metadata: {exc}") from None
-    try:
-        canonical = cbor2.dumps(obj, canonical=True)
-    except (cbor2.CBOREncodeError, ValueError, TypeError) as exc:
-        raise RemoteProtocolError(f"state metadata holds an unencodable value: {exc}") from None
-    if canonical != bytes(data):
-        raise RemoteProtocolError("state metadata is not canonical CBOR (trailing bytes or "
-                                  "non-shortest form)")
     if type(obj) is not dict or set(obj) != {"buffers", "task"}:
         raise RemoteProtocolError("state metadata is not a map of 'buffers' and 'task'")
     buffers, task = obj["buffers"], obj["task"]
@@ -220,14 +214,14 @@ async def serve_download(channel: SecureChannel, request: StateRequest, replica:
     flat = buffer[:replica.schema.numel]  # the state alone: a joiner starts with no correction
     try:
         counters = await offload(replica, replica.snapshot, buffer, 1)
-        with trio.fail_after(deadline(channel.host)):
+        with phase_deadline(deadline(channel.host), peer.short, "serving a download"):
             await channel.send_message(StateInfo(counters.step, counters.samples,
                                                  counters.weight, meta))
             await send_state(channel, flat, replica.schema, CODEC, step=counters.step,
                              samples=counters.samples)
         log.info("state served peer=%s step=%d", peer.short, counters.step)
         return True
-    except trio.TooSlowError:
+    except PeerTimeout:  # only ours: sending raises none
         log.info("state download by peer=%s timed out", peer.short)
         return False
     finally:
@@ -285,7 +279,7 @@ async def download(replica: Replica, candidates: list[Member], network: Network,
                     member.peer.short, exc)
             last = exc
             continue
-        except (GossipError, trio.TooSlowError) as exc:
+        except GossipError as exc:
             log.log(said.level((member.peer, type(exc)), logging.INFO),
                     "state download failed peer=%s: %s", member.peer.short, exc)
             last = exc
@@ -310,7 +304,8 @@ async def _fetch(replica: Replica, member: Member, network: Network, identity: I
             try:
                 # The answer comes after the server's snapshot (seconds for the largest
                 # models), the state right after it: a server silent for `stall` is dropped.
-                with trio.fail_after(deadline(channel.host)), channel.stall_guard(stall):
+                with (phase_deadline(deadline(channel.host), member.peer.short, "download"),
+                      channel.stall_guard(stall)):
                     await channel.send_message(StateRequest(replica.schema.fingerprint, CODEC))
                     info = await channel.receive_message()
                     if isinstance(info, SchemaInfo):
@@ -320,11 +315,8 @@ async def _fetch(replica: Replica, member: Member, network: Network, identity: I
                     if not isinstance(info, StateInfo):
                         raise RemoteProtocolError(f"expected StateInfo, got {type(info).__name__}")
                     await receive_state(channel, replica.schema, CODEC, flat)
-            except trio.TooSlowError:
-                _time_link(rates, channel, started, complete=False)
-                raise PeerTimeout(member.peer.short, "download") from None
             except PeerTimeout as exc:
-                if exc.phase == "record":
+                if exc.phase in ("download", "record"):  # not a stall: the link's rate at most
                     _time_link(rates, channel, started, complete=False)
                 raise
             _time_link(rates, channel, started, complete=True)

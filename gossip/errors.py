@@ -48,8 +48,15 @@ class WireError(GossipError):
 class LocalProtocolError(GossipError):
     """We tried to do something the protocol does not allow.
 
-    Our fault (a bug, or a misuse of the API): sending on a closed or broken channel,
-    encoding an out-of-range field, sending a record larger than the limit.
+    Our fault (a bug, or a misuse of the API): a record larger than
+    :data:`~gossip.channel.MAX_RECORD`, two tasks sending (or two receiving) on one channel at
+    once, a handshake step out of turn or after the end, a nonce counter run out.
+
+    Using a channel that is no longer usable is not this error: after *we* closed it, or a
+    send or receive of ours was cancelled mid-record, it raises :class:`ChannelClosed`; after
+    a record of the peer's broke it, the :class:`RemoteProtocolError` again; after the peer
+    went away or timed out, :class:`PeerGone` (:meth:`gossip.channel.SecureChannel.send`). A message field out of range, or a message too large
+    to encode, is a ``ValueError`` from the message class or the codec.
     """
 
 
@@ -73,6 +80,14 @@ class PeerTimeout(GossipError):
     """The peer did not answer within the deadline for this phase.
 
     Nobody's fault for sure: the peer may be slow, overloaded or gone, or the network lossy.
+    The library raises it wherever it sets a deadline, in place of ``trio.TooSlowError``, so a
+    caller catches :class:`GossipError` alone.
+
+    Attributes:
+        peer: whom we waited for, as the log names it: a peer id's short form, the address
+            dialed, or ``"incoming"`` for a connection not yet identified.
+        phase: what we waited for: ``"connect"``, ``"handshake"``, ``"offer"``,
+            ``"transfer"``, ``"commit"``, ``"record"`` (a record begun and not finished), ...
     """
 
     def __init__(self, peer: object, phase: str) -> None:
@@ -126,17 +141,19 @@ class SchemaMismatch(GossipError):
 
 
 class DownloadFailed(GossipError):
-    """No peer gave us its state: every peer asked failed or refused, or one refused in a way
-    that asking again will not help. The local model is untouched.
+    """No peer gave us its state: every candidate asked failed or refused (the message says
+    how many, and what the last one said). The local model is untouched.
 
-    Expected now and then while a swarm starts (no member is ready yet): log it, retry later.
-    A failed *exchange* raises nothing: it is logged, counted and skipped inside the node.
+    Nobody's fault for sure. Expected now and then while a swarm starts (no member is ready
+    yet): log it, retry later. Within one download, a peer's refusal (``Close``) is this error
+    too, logged and followed by the next candidate. A failed *exchange* raises nothing: it is
+    logged, counted and skipped inside the node.
     """
 
 
 class SchemaRefused(DownloadFailed):
-    """A peer refused our state request or our offer because our model's schema is not its
-    own: another model, or other task options. Asking again will not help.
+    """A peer refused our state request because our model's schema is not its own: another
+    model, or other task options. Asking that peer again will not help.
 
     The operator's to fix (on our side, or on the peer's): the message names the tensors that
     differ, and the task metadata, as far as the peer's answer lists them (gossip.mismatch).

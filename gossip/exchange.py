@@ -49,7 +49,7 @@ from typing import Any, Awaitable, Callable, Protocol
 import torch
 import trio
 
-from .channel import SecureChannel
+from .channel import SecureChannel, phase_deadline, phase_deadline_at
 from .errors import GossipError, PeerTimeout, RemoteProtocolError, SchemaMismatch
 from .groups import first_error
 from .linkrate import STALL
@@ -144,12 +144,9 @@ async def initiate(channel: SecureChannel, offer: Offer, own: torch.Tensor,
         PeerTimeout: a phase's deadline passed.
         GossipError: the channel failed or the peer broke the protocol.
     """
-    try:
-        with trio.fail_after(deadlines.offer):
-            await channel.send_message(offer)
-            answer = await channel.receive_message()
-    except trio.TooSlowError:
-        raise PeerTimeout(channel.peer.short, "offer") from None
+    with phase_deadline(deadlines.offer, channel.peer.short, "offer"):
+        await channel.send_message(offer)
+        answer = await channel.receive_message()
     if isinstance(answer, Close):
         return _refused(answer)
     if isinstance(answer, SchemaInfo):  # a Close follows; what it lists says more
@@ -173,11 +170,8 @@ async def respond(channel: SecureChannel, offer: Offer, accept: Accept, own: tor
     must be true only if ``offer.correction`` is and ``own`` holds an estimate."""
     if accept.correction and not offer.correction:
         raise ValueError("cannot accept a correction the offer did not bring")
-    try:
-        with trio.fail_after(deadlines.offer):
-            await channel.send_message(accept)
-    except trio.TooSlowError:
-        raise PeerTimeout(channel.peer.short, "accept") from None
+    with phase_deadline(deadlines.offer, channel.peer.short, "accept"):
+        await channel.send_message(accept)
     return await _swap(channel, offer, offer.codec, 1 + accept.correction, own, theirs,
                        schema, check, deadlines, ready, on_decoded)
 
@@ -203,7 +197,7 @@ async def _swap(channel: SecureChannel, peer: Offer | Accept, codec: str, parts:
     transfer_end = trio.current_time() + deadlines.transfer_for(
         encoded_nbytes(codec, schema.numel, parts))
     try:
-        with trio.fail_at(transfer_end), first_error():
+        with phase_deadline_at(transfer_end, channel.peer.short, "transfer"), first_error():
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(send)
                 with channel.stall_guard(deadlines.stall):
@@ -211,12 +205,10 @@ async def _swap(channel: SecureChannel, peer: Offer | Accept, codec: str, parts:
                                         on_decoded=on_decoded)
         if lost:
             raise lost[0]
-    except trio.TooSlowError:
-        raise PeerTimeout(channel.peer.short, "transfer") from None
     except PeerTimeout as exc:
-        if exc.phase == "record":
+        if exc.phase in ("transfer", "record"):  # the payload's deadline, or a record's
             raise
-        raise PeerTimeout(channel.peer.short, f"transfer, {exc.phase}") from None
+        raise PeerTimeout(channel.peer.short, f"transfer, {exc.phase}") from None  # a stall
     except (SchemaMismatch, RemoteProtocolError) as exc:
         return Outcome(Ending.INVALID, f"bad payload: {exc}", peer, parts)
     # Our send waited for the snapshot, so it is whole by now.
@@ -228,15 +220,13 @@ async def _swap(channel: SecureChannel, peer: Offer | Accept, codec: str, parts:
         except GossipError:
             pass  # it hung up already (say, it refused ours): the verdict stands
         return Outcome(Ending.INVALID, verdict.refused, peer, parts, verdict)
-    try:
-        # Our send may have returned while the last of our payload still sat in socket
-        # buffers on a slow link: the peer may still be receiving it, and it has until the
-        # transfer deadline to, so the commit deadline counts from there.
-        with trio.fail_at(max(transfer_end, trio.current_time()) + deadlines.commit):
-            await channel.send_message(Commit())
-            answer = await channel.receive_message()
-    except trio.TooSlowError:
-        raise PeerTimeout(channel.peer.short, "commit") from None
+    # Our send may have returned while the last of our payload still sat in socket buffers
+    # on a slow link: the peer may still be receiving it, and it has until the transfer
+    # deadline to, so the commit deadline counts from there.
+    with phase_deadline_at(max(transfer_end, trio.current_time()) + deadlines.commit,
+                           channel.peer.short, "commit"):
+        await channel.send_message(Commit())
+        answer = await channel.receive_message()
     if isinstance(answer, Close):
         refused = _refused(answer)
         return Outcome(refused.ending, refused.reason, peer, parts, verdict)

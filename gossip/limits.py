@@ -1,4 +1,6 @@
-"""What one node lets others make it do: :class:`Limits` and the per-peer :class:`RateLimit`.
+"""What one node lets others make it do: the per-peer :class:`RateLimit` and the
+:class:`Admission` of inbound connections, which enforce the settings of
+:class:`gossip.config.Limits`.
 
 Theory of operation
 -------------------
@@ -36,43 +38,14 @@ of letting honest peers in). :class:`Admission` holds one entry per open connect
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Generic, Hashable, TypeVar
+
+from .config import Limits
 
 __all__ = ["Limits", "RateLimit", "Admission", "MAX_BUCKETS"]
 
 MAX_BUCKETS = 4096  # peers whose budget is remembered at once
-
-
-@dataclass(frozen=True)
-class Limits:
-    """A node's limits on inbound work. See the module docstring.
-
-    Attributes:
-        max_connections: inbound connections open at once, handshakes included (>= 1).
-        max_handshakes_per_host: connections from one host that have not proved the swarm
-            key yet, at once (>= 1); one more evicts the oldest.
-        peer_rate: inbound channels per second one peer may open on average (> 0).
-        peer_burst: inbound channels one peer may open at once (>= 1).
-    """
-
-    max_connections: int = 256
-    max_handshakes_per_host: int = 8
-    peer_rate: float = 10.0
-    peer_burst: int = 20
-
-    def __post_init__(self) -> None:
-        if self.max_connections < 1:
-            raise ValueError(f"max_connections must be >= 1, not {self.max_connections!r}")
-        if self.max_handshakes_per_host < 1:
-            raise ValueError("max_handshakes_per_host must be >= 1, not "
-                             f"{self.max_handshakes_per_host!r}")
-        if not (math.isfinite(self.peer_rate) and self.peer_rate > 0):
-            raise ValueError(f"peer_rate must be > 0, not {self.peer_rate!r}")
-        if self.peer_burst < 1:
-            raise ValueError(f"peer_burst must be >= 1, not {self.peer_burst!r}")
 
 
 class RateLimit:

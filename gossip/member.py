@@ -1,5 +1,6 @@
-"""The vocabulary of membership: member states, what a node knows of a member, and the
-timing knobs (:class:`MembershipConfig`, with memberlist's LAN and WAN profiles).
+"""The vocabulary of membership: member states and what a node knows of a member. The timing
+knobs, :class:`MembershipConfig` with memberlist's LAN and WAN profiles, are declared with the
+other settings in :mod:`gossip.config`.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import random
 from dataclasses import dataclass
 from typing import Callable
 
+from .config import MembershipConfig
 from .identity import PeerId
 from .messages import MemberState
 
@@ -20,64 +22,6 @@ class State(enum.IntEnum):
     SUSPECT = MemberState.SUSPECT
     DEAD = MemberState.DEAD
     LEFT = MemberState.LEFT
-
-
-@dataclass(frozen=True)
-class MembershipConfig:
-    """Membership timing. The defaults are memberlist's LAN profile; :meth:`wan` is its WAN
-    profile. N below is the number of members believed alive, this node included."""
-
-    probe_interval: float = 1.0  # s; one probe per period, times (local health score + 1)
-    probe_timeout: float = 0.5  # s; wait for a direct Ack before asking helpers; same scaling
-    indirect_checks: int = 3  # helpers asked to probe a silent member for us
-    suspicion_mult: float = 4.0  # min suspicion timeout = mult * max(1, log10 N) * probe_interval
-    suspicion_max_mult: float = 6.0  # max suspicion timeout = this * min (Lifeguard)
-    retransmit_mult: int = 4  # each update is sent mult * ceil(log10(N + 1)) times
-    awareness_max: int = 8  # local health score cap: timeouts stretch at most (max + 1) times
-    gossip_interval: float = 0.2  # s between gossip rounds while updates are queued
-    gossip_nodes: int = 3  # members each gossip round sends to
-    gossip_to_the_dead: float = 30.0  # s after its death a member still receives gossip
-    push_pull_interval: float = 30.0  # s; times ceil(log2(N / 32)) + 1 above 32 members
-    reconnect_interval: float = 10.0  # s between push-pulls with a random dead member
-    reap_after: float = 3600.0  # s a dead or departed member is remembered, then forgotten
-    meta_interval: float = 30.0  # s; a changed training step is re-announced at most this often
-    join_retry_min: float = 1.0  # s; first wait after no bootstrap address answered
-    join_retry_max: float = 30.0  # s; the wait doubles up to this
-    push_pull_timeout: float = 10.0  # s; a whole push-pull exchange, dial to last page
-    leave_timeout: float = 2.0  # s a leaving node keeps gossiping its departure
-
-    def __post_init__(self) -> None:
-        positive = ("probe_interval", "probe_timeout", "suspicion_mult", "gossip_interval",
-                    "push_pull_interval", "reconnect_interval", "reap_after", "meta_interval",
-                    "join_retry_min", "push_pull_timeout")
-        for name in positive:
-            if not getattr(self, name) > 0:
-                raise ValueError(f"membership.{name} must be > 0")
-        if self.probe_timeout >= self.probe_interval:
-            raise ValueError("membership.probe_timeout must be shorter than probe_interval")
-        if self.suspicion_max_mult < 1:
-            raise ValueError("membership.suspicion_max_mult must be >= 1")
-        if self.join_retry_max < self.join_retry_min:
-            raise ValueError("membership.join_retry_max must be >= join_retry_min")
-        for name in ("indirect_checks", "retransmit_mult", "awareness_max", "gossip_nodes"):
-            if type(getattr(self, name)) is not int or getattr(self, name) < 0:
-                raise ValueError(f"membership.{name} must be an integer >= 0")
-        if self.gossip_to_the_dead < 0 or self.leave_timeout < 0:
-            raise ValueError("membership.gossip_to_the_dead and leave_timeout must be >= 0")
-
-    @classmethod
-    def lan(cls) -> "MembershipConfig":
-        """memberlist's LAN profile (the default): fast detection on a low-latency network."""
-        return cls()
-
-    @classmethod
-    def wan(cls) -> "MembershipConfig":
-        """memberlist's WAN profile: slower, more patient, for nodes across the internet."""
-        return cls(
-            probe_interval=5.0, probe_timeout=3.0, suspicion_mult=6.0, gossip_interval=0.5,
-            gossip_nodes=4, gossip_to_the_dead=60.0, push_pull_interval=60.0,
-            reconnect_interval=30.0, push_pull_timeout=30.0, leave_timeout=5.0,
-        )
 
 
 @dataclass(frozen=True)

@@ -71,9 +71,10 @@ from dataclasses import dataclass
 from typing import Iterable, Union
 
 from .broadcast import PART_OVERHEAD, BroadcastQueue, retransmit_limit
+from .config import MembershipConfig
 from .errors import WireError
 from .identity import PeerId
-from .member import Member, MembershipConfig, PeerPool, State, _Counters, _Record
+from .member import Member, PeerPool, State, _Counters, _Record
 from .messages import (
     MAX_PARTS,
     MAX_SEQUENCE,

@@ -115,9 +115,11 @@ def peer_host(stream: trio.abc.Stream) -> str:
 async def run_handler(handler: Handler, stream: trio.abc.Stream, peer: str) -> None:
     """Run one connection's handler; a failure of that connection never escapes it.
 
-    A handler's own deadline (``trio.fail_after`` around a phase, as every network await is
-    meant to be wrapped) counts as that connection's failure too: a peer that stalls must not
-    take the server and every other connection down with it.
+    A handler's deadline that passes counts as that connection's failure too: a peer that
+    stalls must not take the server and every other connection down with it. gossip's own
+    deadlines raise :class:`~gossip.errors.PeerTimeout` (a ``GossipError``); a bare
+    ``trio.TooSlowError`` is caught as well, for handlers that are not gossip's (this is the
+    seam: any stream handler may be served) and for any deadline left unconverted.
     """
     try:
         await handler(stream)

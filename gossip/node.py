@@ -7,8 +7,8 @@ Theory of operation
 the download server (:mod:`gossip.download`), and runs two tasks in its own nursery:
 
 * *start*: become ready. The first node of a swarm (no bootstrap addresses), or one started
-  with ``start="own"`` (it has a checkpoint), is ready at once. Otherwise it joins, then
-  downloads the full state from the alive, ready peer with the highest step not above the
+  with ``averaging.start="own"`` (it has a checkpoint), is ready at once. Otherwise it joins,
+  then downloads the full state from the alive, ready peer with the highest step not above the
   members' median (:func:`~gossip.download.download`; falling back to the next); with
   ``start="auto"`` a node that finds no ready peer within ``download_wait``
   of joining starts from its own initialization (a swarm whose first nodes start together).
@@ -27,20 +27,20 @@ import logging
 import random
 from collections.abc import Mapping
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Callable, Collection, Sequence
+from typing import Any, AsyncIterator, Callable
 
 import torch
 import trio
 
-from .averaging import Averaging, AveragingConfig, AveragingStatistics, Exchange, Result
-from .channel import SecureChannel, Timeouts
+from .averaging import Averaging, AveragingStatistics, Exchange, Result
+from .channel import SecureChannel
+from .config import NodeConfig
 from .download import Download, encode_meta
 from .errors import DownloadFailed
 from .groups import one_error
 from .handshake import Swarm
 from .identity import Identity, PeerId
-from .limits import Limits
-from .member import Member, MembershipConfig
+from .member import Member
 from .messages import Close, Message, Offer, StateRequest
 from .network import Network, TcpNetwork
 from .replica import Counters, Replica
@@ -179,25 +179,17 @@ class SwarmNode:
 async def open_swarm(
     model: torch.nn.Module,
     swarm: Swarm,
+    config: NodeConfig = NodeConfig(),
     *,
-    listen: str = "127.0.0.1:0",
-    bootstrap: Sequence[str] = (),
-    advertise: str | None = None,
     identity: Identity | None = None,
     network: Network | None = None,
-    config: AveragingConfig = AveragingConfig(),
-    membership: MembershipConfig = MembershipConfig(),
-    timeouts: Timeouts = Timeouts(),
     task: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None = None,
     rng: random.Random | None = None,
     counters: Counters | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     correction: Mapping[str, torch.Tensor] | None = None,
-    allow: Collection[str] | None = None,
     on_change: Callable[[Member], None] | None = None,
     on_exchange: Callable[[Exchange], None] | None = None,
-    limits: Limits = Limits(),
-    reachable: bool | None = True,
 ) -> AsyncIterator[SwarmNode]:
     """Join (or start) a swarm and average ``model`` with it in the background.
 
@@ -205,42 +197,39 @@ async def open_swarm(
         model: the live module (CPU or CUDA). The node only reads it (snapshots) until the
             caller applies deltas with :meth:`SwarmNode.step`; a download replaces it.
         swarm: the swarm's name and key.
-        listen: ``host:port`` for datagrams and channels (port 0 picks one).
-        bootstrap: some members' addresses; empty starts a new swarm.
-        advertise: the address others should dial, when not ``listen`` (say, behind NAT).
+        config: every setting: where to listen, whom to join, whom to trust, and how to
+            average (:class:`~gossip.config.NodeConfig`; ``NodeConfig.local()`` for nodes on
+            one machine or a simulated network). The rest are objects and callbacks.
         identity: the node key; a fresh one if omitted.
         network: real TCP by default; a :class:`~gossip.simnet.SimNetwork` host in tests.
         task: metadata published to joiners with the state (JSON-like values), or a
             function returning it at each download.
         rng: the node's only source of randomness (seed it in tests).
         counters: the step, samples and weight to resume from (saved with a checkpoint).
-        optimizer: the model's optimizer. With ``config.correction`` (the default) the node
-            keeps a drift correction and adds it to the gradients before each of this
-            optimizer's steps (:mod:`gossip.correction`); without an optimizer it averages
-            the weights alone. Its state never leaves the node.
+        optimizer: the model's optimizer. With ``config.averaging.correction`` (the default)
+            the node keeps a drift correction and adds it to the gradients before each of
+            this optimizer's steps (:mod:`gossip.correction`); without an optimizer it
+            averages the weights alone. Its state never leaves the node.
         correction: the correction to resume from (saved with a checkpoint, from
             :meth:`~gossip.replica.Replica.correction_state`).
-        allow: the peer ids this node exchanges weights with (offers, downloads, both ways);
-            None: any holder of the swarm key. Membership itself is open to every key holder.
         on_change: called with every membership change (see :func:`~gossip.roster.open_roster`).
         on_exchange: called with every exchange as it ends, in the node's event loop
             (synchronously, so keep it quick): for logs, metrics, or a test waiting on one.
-        limits: inbound connections open at once, and how often one peer may open one
-            (:class:`~gossip.limits.Limits`).
-        reachable: whether other members can dial ``advertise`` (or ``listen``). False, behind
-            a NAT or a firewall: the node initiates every exchange and download itself and is
-            never chosen by others. None: find out after joining, with a dial-back check
-            (:mod:`gossip.reachability`).
 
     Raises:
         SchemaMismatch, ValueError: the model cannot be averaged (unsupported dtype).
+        TypeError: ``config`` is not a :class:`~gossip.config.NodeConfig`.
         GossipError: a background task failed (as one typed error).
     """
+    if not isinstance(config, NodeConfig):  # say, the AveragingConfig that goes inside it
+        raise TypeError(f"config must be a gossip.NodeConfig, not {type(config).__name__}: "
+                        f"put averaging settings in NodeConfig(averaging=...)")
     identity = identity or Identity.generate()
     network = network or TcpNetwork()
     rng = rng or random.Random()
-    replica = Replica(model, by_samples=config.by_samples, leak=config.leak,
-                      optimizer=optimizer if config.correction else None)
+    averaging_config = config.averaging
+    replica = Replica(model, by_samples=averaging_config.by_samples, leak=averaging_config.leak,
+                      optimizer=optimizer if averaging_config.correction else None)
     if counters is not None:
         replica.restore(counters, correction)
     task_fn: Callable[[], Mapping[str, Any]]
@@ -261,17 +250,15 @@ async def open_swarm(
         await node._handle(channel, first)
 
     try:
-        async with open_roster(network, identity, swarm, listen, bootstrap=bootstrap,
-                               advertise=advertise, config=membership, timeouts=timeouts,
+        async with open_roster(network, identity, swarm, config,
                                rng=random.Random(rng.getrandbits(64)), handler=handle,
-                               on_change=on_change, limits=limits,
-                               reachable=reachable) as roster:
-            averaging = Averaging(replica, roster, network, identity, swarm, config, timeouts, rng,
-                                  on_exchange, allow=None if allow is None else frozenset(allow))
+                               on_change=on_change) as roster:
+            averaging = Averaging(replica, roster, network, identity, swarm, averaging_config,
+                                  config.timeouts, rng, on_exchange, allow=config.allow)
             node = SwarmNode(roster, replica, averaging, task_fn)
             with one_error():
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(node._start, bool(bootstrap))
+                    nursery.start_soon(node._start, bool(config.bootstrap))
                     nursery.start_soon(averaging.run)
                     try:
                         yield node

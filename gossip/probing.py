@@ -11,8 +11,9 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from .config import MembershipConfig
 from .identity import PeerId
-from .member import MembershipConfig, PeerPool, State
+from .member import PeerPool, State
 from .messages import MAX_PARTS, Ack, Ping, PingReq, Suspect
 from .suspicion import Suspicion
 from .wire import encode

@@ -52,8 +52,9 @@ from dataclasses import dataclass
 import trio
 
 from .address import parse_address
-from .channel import SecureChannel, Timeouts, connect
-from .errors import GossipError
+from .channel import SecureChannel, connect, phase_deadline
+from .config import Timeouts
+from .errors import GossipError, PeerTimeout
 from .groups import one_error
 from .handshake import Swarm
 from .identity import Identity, PeerId
@@ -135,9 +136,10 @@ async def ask(network: Network, member: str, address: str, *, identity: Identity
     refusal would be.
 
     Raises:
-        GossipError: the request itself failed (the member is not to blame for our state:
-            ask another).
-        trio.TooSlowError: not even the request got through within :func:`budget`.
+        PeerTimeout: not even the request got through within :func:`budget` (phase
+            ``"dial-back request"``).
+        GossipError: the request itself failed otherwise (the member is not to blame for our
+            state: ask another).
     """
     short, sent = PeerId(member).short, False
     try:
@@ -148,9 +150,9 @@ async def ask(network: Network, member: str, address: str, *, identity: Identity
                 await channel.send_message(DialBack(nonce))
                 sent = True
                 answer = await _first_of(channel, reached)
-    except trio.TooSlowError:
+    except trio.TooSlowError:  # not phase_deadline: once the request is out, it is a verdict
         if not sent:
-            raise
+            raise PeerTimeout(short, "dial-back request") from None
         return True, f"{short} gave no answer within {budget(timeouts):g} s"
     if isinstance(answer, DialBack) and not reached.is_set():
         # It says it got through: give its channel a moment.
@@ -199,22 +201,23 @@ async def answer(channel: SecureChannel, request: DialBack, address: str, *,
     told). Returns whether the dial got through.
 
     Raises:
-        GossipError: ``channel`` itself failed while we answered.
-        trio.TooSlowError: the requester did not take our answer in time.
+        PeerTimeout: the requester did not take our answer in time (phase
+            ``"dial-back answer"``).
+        GossipError: ``channel`` itself failed otherwise while we answered.
     """
     peer, limit = channel.peer, timeouts.connect + timeouts.handshake
     try:
-        with trio.fail_after(limit):
+        with phase_deadline(limit, address, "dial-back"):
             back = await connect(network, address, identity=identity, swarm=swarm,
                                  allow=frozenset({peer}), timeouts=timeouts)
             async with back:
                 await back.send_message(request)
         reached = True
-    except (GossipError, trio.TooSlowError) as exc:
-        log.debug("dial-back failed peer=%s address=%s: %s", peer.short, address,
-                  exc or "no channel in time")
+    except GossipError as exc:
+        log.debug("dial-back failed peer=%s address=%s: %s", peer.short, address, exc)
         reached = False
-    with trio.fail_after(timeouts.connect):  # the requester is waiting: it reads at once
+    # The requester is waiting: it reads at once.
+    with phase_deadline(timeouts.connect, peer.short, "dial-back answer"):
         await channel.send_message(request if reached else Close(
             Close.REJECTED, f"no channel to {address} within {limit:g} s"[:200]))
     return reached

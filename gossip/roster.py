@@ -2,8 +2,9 @@
 
 Theory of operation
 -------------------
-:func:`open_roster` binds a datagram endpoint and a channel server on the same address and
-runs :class:`gossip.membership.Membership` over them with three kinds of task:
+:func:`open_roster` runs :meth:`Roster.run`, which binds a datagram endpoint and a channel
+server on the same port (:func:`_bind`) and runs :class:`gossip.membership.Membership` over
+them with three kinds of task, all in the roster's own nursery:
 
 * the *receiver* opens each sealed datagram (:mod:`gossip.seal`), hands the plaintext to
   the state machine and sends what it answers at once (an Ack must not wait);
@@ -18,28 +19,31 @@ its own (so the table the initiator gets already carries any refutation the resp
 make), and the initiator merges that and sends its own record once more (so a refutation on
 its side reaches the responder too). Both ends then hold the other alive at a fresh
 incarnation even if each had declared the other dead, which is how the halves of a healed
-partition find their way back.
+partition find their way back. Tables travel in pages; cutting and reassembling them, and
+refusing a table no honest sender sends, is pure protocol logic in :mod:`gossip.pushpull`.
 
 Datagrams that fail to open or decode are dropped and counted; they never stop the roster.
-Every effect's network wait is under a deadline.
+Every effect's network wait is under a deadline; a deadline missed is a
+:class:`~gossip.errors.PeerTimeout` from where it is set, so callers catch
+:class:`~gossip.errors.GossipError` only.
 """
 
 from __future__ import annotations
 
 import errno
-import functools
 import logging
 import math
 import random
 import secrets
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
-from typing import AsyncIterator, Awaitable, Callable, Sequence
+from typing import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 
 import trio
 
 from .address import parse_address
-from .channel import SecureChannel, Timeouts, connect, serve
+from .channel import SecureChannel, connect, serve
+from .config import NodeConfig
 from .errors import (
     GossipError,
     HandshakeClosed,
@@ -47,29 +51,18 @@ from .errors import (
     IdentityClash,
     PeerGone,
     PeerTimeout,
-    RemoteProtocolError,
 )
 from .groups import one_error
 from .handshake import PROTOCOL_VERSION, Swarm
 from .identity import Identity, PeerId
-from .limits import Limits, RateLimit
-from .membership import (
-    MAX_MEMBERS,
-    Changed,
-    Effect,
-    Member,
-    Membership,
-    MembershipConfig,
-    PushPullWith,
-    Send,
-    State,
-)
+from .limits import RateLimit
+from .membership import Changed, Effect, Member, Membership, PushPullWith, Send, State
 from .messages import DIAL_BACK_NONCE, Close, DialBack, MemberState, Message, PushPull
-from .network import Network
-from . import reachability
+from .network import DatagramEndpoint, Network
+from . import pushpull, reachability
+from .pushpull import MAX_RECORD_BYTES as MAX_RECORD_BYTES  # its old home: test_wire imports it
 from .reachability import DialBacks, Reachability
 from .seal import Sealer
-from .wire import decode, encode
 
 __all__ = ["JoinTrouble", "Roster", "RosterStatistics", "open_roster", "MAX_PUSH_PULLS"]
 
@@ -80,12 +73,6 @@ MAX_PUSH_PULLS = 2  # outgoing push-pulls in flight at once; more are skipped, n
 FIRST_WARNING_GAP = 30.0  # s from the first "cannot join" warning to the next
 MAX_WARNING_GAP = 600.0  # s: the warnings' gap doubles up to this
 SEND_TIMEOUT = 0.1  # s one datagram send may take (a host name's lookup included)
-PAGE_RECORDS = 256  # member records per PushPull page, at most (the message allows 256)
-PAGE_BYTES = 48 * 1024  # and at most this many bytes of them: a page stays under MAX_MESSAGE
-MAX_RECORD_BYTES = 1100  # a MemberState with a 256-character address and the largest ints
-# A whole table: up to MAX_MEMBERS records plus our own, in pages as full as the sender
-# could make them. Anything longer is refused before it is all held in memory.
-MAX_PAGES = (MAX_MEMBERS + 1) // (PAGE_BYTES // MAX_RECORD_BYTES) + 2
 
 # What a channel whose first message is not a PushPull is handed to (averaging, later).
 ChannelHandler = Callable[[SecureChannel, Message], Awaitable[None]]
@@ -119,21 +106,31 @@ class RosterStatistics:
 
 
 class Roster:
-    """Who is in the swarm, as this node sees it. Get one from :func:`open_roster`."""
+    """Who is in the swarm, as this node sees it. Get one from :func:`open_roster`, which
+    runs it (:meth:`run`) for as long as its ``async with`` block lasts."""
 
-    def __init__(self, machine: Membership, identity: Identity, swarm: Swarm, network: Network,
-                 endpoint, config: MembershipConfig, timeouts: Timeouts,
-                 limits: Limits = Limits(), *, reachable: bool | None = True) -> None:
-        self._m = machine
+    # Set by run() once the port is bound, before any task or channel can use it: the
+    # machine's address is the bound one, known only then.
+    _m: Membership
+
+    def __init__(self, network: Network, identity: Identity, swarm: Swarm, config: NodeConfig,
+                 *, rng: random.Random | None = None, handler: ChannelHandler | None = None,
+                 on_change: Callable[[Member], None] | None = None) -> None:
+        """See :func:`open_roster` for the arguments."""
+        self._settings = config
         self._identity = identity
         self._swarm = swarm
         self._network = network
-        self._endpoint = endpoint
+        self._rng = rng or random.Random()
+        self._handler = handler
+        self._on_change = on_change
         self._sealer = Sealer(swarm)
-        self._config = config
-        self._timeouts = timeouts
-        self._nursery: trio.Nursery | None = None
-        self._on_change: Callable[[Member], None] | None = None
+        self._config = config.membership
+        self._timeouts = config.timeouts
+        self._nursery: trio.Nursery | None = None  # run()'s own, for the tasks it starts
+        # Bound by run(); closed by _aclose(), after run() is over: the departure is sent on
+        # it while run() unwinds (open_roster leaves even when cancelled from outside).
+        self._endpoint: DatagramEndpoint | None = None
         self._wake = trio.Event()
         self._drained = trio.Event()  # set by the ticker whenever no update is left to gossip
         self._pending: list[Effect] = []  # effects of calls from other tasks, for the ticker
@@ -145,7 +142,7 @@ class Roster:
         self._rejected = 0
         self._push_pulls_done = 0
         self._push_pulls_failed = 0
-        self._rate = RateLimit(limits.peer_rate, limits.peer_burst)
+        self._rate = RateLimit(config.limits.peer_rate, config.limits.peer_burst)
         self._over_limit = {"max_connections": 0, "max_handshakes_per_host": 0}  # by serve
         self._channels_limited = 0
         self._clash: str | None = None  # proven: a channel with our identity from there
@@ -154,9 +151,9 @@ class Roster:
         self._warned_at = -math.inf  # when the last join warning was logged
         self._warning_gap = FIRST_WARNING_GAP  # until the next one; doubles each time
         # Whether others can dial us: configured, or (None) found out by a dial-back check.
-        if reachable is not None:
-            self._reachability = Reachability(reachable, "set", False, "configured")
-        elif machine.myself().reachable:
+        if config.reachable is not None:
+            self._reachability = Reachability(config.reachable, "set", False, "configured")
+        elif not config.bootstrap:
             self._reachability = Reachability(True, "auto", False, "the swarm's first node (no "
                                               "bootstrap address): taken to be reachable")
         else:
@@ -253,12 +250,17 @@ class Roster:
             counts[member.state] += 1
         c = self._m.counters
         return RosterStatistics(
-            counts[State.ALIVE], counts[State.SUSPECT], counts[State.DEAD], counts[State.LEFT],
-            self._m.incarnation, self._m.awareness, c.probes, c.probes_failed, c.suspicions,
-            c.refutations, c.deaths, c.datagrams_sent, c.bytes_sent, c.datagrams_received,
-            c.bytes_received, c.malformed + self._rejected, self._push_pulls_done,
-            self._push_pulls_failed, self._over_limit["max_connections"],
-            self._over_limit["max_handshakes_per_host"], self._channels_limited,
+            alive=counts[State.ALIVE], suspect=counts[State.SUSPECT], dead=counts[State.DEAD],
+            left=counts[State.LEFT], incarnation=self._m.incarnation,
+            awareness=self._m.awareness, probes=c.probes, probes_failed=c.probes_failed,
+            suspicions=c.suspicions, refutations=c.refutations, deaths=c.deaths,
+            datagrams_sent=c.datagrams_sent, bytes_sent=c.bytes_sent,
+            datagrams_received=c.datagrams_received, bytes_received=c.bytes_received,
+            datagrams_rejected=c.malformed + self._rejected, push_pulls=self._push_pulls_done,
+            push_pulls_failed=self._push_pulls_failed,
+            connections_refused=self._over_limit["max_connections"],
+            connections_evicted=self._over_limit["max_handshakes_per_host"],
+            channels_limited=self._channels_limited,
         )
 
     async def leave(self) -> None:
@@ -275,6 +277,59 @@ class Roster:
             await self._drained.wait()
 
     # ---- tasks ------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+                  ) -> None:
+        """Bind the port, then run until cancelled: the channel server, the receiver, the
+        ticker, the join loop (given bootstrap addresses), and the push-pulls and clash
+        checks they start, all in a nursery of its own. Calls ``task_status.started()`` once
+        every one of them runs. :func:`open_roster` runs it, leaves before cancelling it, and
+        closes the endpoint (:meth:`_aclose`) after it.
+
+        Raises:
+            OSError: the address cannot be bound (see :func:`_bind`).
+            GossipError: our own endpoint failed (its host crashed, say).
+        """
+        settings = self._settings
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            endpoint = await _bind(nursery, self._network, settings.listen, self._serve)
+            # No checkpoint from here to started(): no channel is handled before the machine
+            # exists (a handshake takes round trips anyway).
+            self._endpoint = endpoint
+            # auto: unreachable until a check says otherwise, but the first node of a swarm
+            # is taken to be reachable, as others must dial it to join at all.
+            reachable = settings.reachable
+            self._m = Membership(
+                self._identity.peer_id, settings.advertise or endpoint.local_address,
+                trio.current_time(), self._config, self._rng, version=PROTOCOL_VERSION,
+                reachable=reachable if reachable is not None else not settings.bootstrap)
+            nursery.start_soon(self._receiver)
+            nursery.start_soon(self._ticker)
+            if settings.bootstrap:
+                nursery.start_soon(self._join, list(settings.bootstrap))
+            else:
+                self._joined.set()
+            log.info("roster open peer=%s address=%s bootstrap=%d",
+                     self._identity.peer_id.short, self.address, len(settings.bootstrap))
+            task_status.started()
+
+    async def _aclose(self) -> None:
+        """Close the endpoint :meth:`run` bound, once run is over and the departure sent."""
+        if self._endpoint is not None:
+            with trio.CancelScope(shield=True):
+                await self._endpoint.aclose()
+
+    async def _serve(self, address: str, *,
+                     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
+        """The channel server on ``address``: push-pulls, dial-backs, and the handler's."""
+        settings = self._settings
+        await serve(self._network, address, self._on_channel, identity=self._identity,
+                    swarm=self._swarm, timeouts=settings.timeouts, limits=settings.limits,
+                    on_refused=self._refused, task_status=task_status)
+
+    def _refused(self, limit: str) -> None:
+        self._over_limit[limit] += 1
 
     def _queue(self, effects: list[Effect]) -> None:
         self._pending.extend(effects)
@@ -345,7 +400,7 @@ class Roster:
     async def _push_pull_task(self, address: str, peer: PeerId | None) -> None:
         try:
             await self._push_pull(address, peer, join=False)
-        except (GossipError, trio.TooSlowError) as exc:
+        except GossipError as exc:
             self._push_pulls_failed += 1
             log.debug("push-pull failed address=%s: %s", address, exc)
         finally:
@@ -355,12 +410,12 @@ class Roster:
         """Swap tables with whoever is at ``address`` (``peer``, if given). Returns its id.
 
         Raises:
+            PeerTimeout: the whole exchange ran past ``push_pull_timeout``.
             GossipError: the channel failed or the peer misbehaved; nothing was merged from
                 a table that did not arrive whole.
-            trio.TooSlowError: the whole exchange ran past ``push_pull_timeout``.
         """
         allow = frozenset({peer}) if peer is not None else None
-        with trio.fail_after(self._config.push_pull_timeout):
+        with _deadline(self._config.push_pull_timeout, address, "push-pull"):
             channel = await connect(self._network, address, identity=self._identity,
                                     swarm=self._swarm, allow=allow, timeouts=self._timeouts)
             async with channel:
@@ -392,24 +447,24 @@ class Roster:
         self._found_clash(other)
         raise IdentityClash(other)
 
-    async def _on_channel(self, channel: SecureChannel, handler: ChannelHandler | None) -> None:
+    async def _on_channel(self, channel: SecureChannel) -> None:
         if not self._rate.allow(str(channel.peer), trio.current_time()):
             # Closed unread: whatever the peer asked for, it asks too often.
             self._channels_limited += 1
             log.debug("channel over the peer's rate limit peer=%s", channel.peer.short)
             return
-        with trio.fail_after(self._config.push_pull_timeout):
+        with _deadline(self._config.push_pull_timeout, channel.peer.short, "first message"):
             first = await channel.receive_message()
         if isinstance(first, DialBack):
             await self._on_dial_back(channel, first)
             return
         if not isinstance(first, PushPull):
-            if handler is not None:
-                await handler(channel, first)
+            if self._handler is not None:
+                await self._handler(channel, first)
             else:
                 await channel.send_message(Close(Close.REJECTED, "this node only does membership"))
             return
-        with trio.fail_after(self._config.push_pull_timeout):
+        with _deadline(self._config.push_pull_timeout, channel.peer.short, "push-pull"):
             records = await _receive_table(channel, first)
             if channel.peer == self._identity.peer_id:  # see _meet_myself
                 mine = self._m.own_state()
@@ -465,7 +520,7 @@ class Roster:
             except _Myself:
                 myself += 1
                 continue
-            except (GossipError, trio.TooSlowError) as exc:
+            except GossipError as exc:
                 reasons[address] = _why_not(exc, self._config.push_pull_timeout)
                 log.info("bootstrap did not answer address=%s: %s", address, reasons[address])
                 continue
@@ -529,7 +584,7 @@ class Roster:
             # no member reachable yet, nor anyone us.
             try:
                 await self._push_pull(member.address, member.peer, join=False)
-            except (GossipError, trio.TooSlowError) as exc:
+            except GossipError as exc:
                 log.debug("push-pull after the dial-back failed peer=%s: %s", member.peer.short,
                           exc)
 
@@ -611,7 +666,7 @@ class Roster:
         try:
             while True:
                 try:
-                    with trio.fail_after(self._config.push_pull_timeout):
+                    with _deadline(self._config.push_pull_timeout, address, "push-pull"):
                         channel = await connect(self._network, address,
                                                 identity=self._identity, swarm=self._swarm,
                                                 allow=frozenset({self._identity.peer_id}),
@@ -620,7 +675,7 @@ class Roster:
                             await self._meet_myself(channel, address, join=False)
                 except IdentityClash:
                     pass  # it stands; _meet_myself recorded it
-                except (GossipError, trio.TooSlowError) as exc:  # _Myself, gone, or renamed
+                except GossipError as exc:  # _Myself, gone, timed out, or renamed
                     if self._clash == address:
                         log.warning("identity clash over: %s no longer runs with this node's "
                                     "identity (%s)", address, exc)
@@ -650,7 +705,7 @@ class JoinTrouble:
     reasons: dict[str, str]  # address -> what went wrong, and what to check
 
 
-def _why_not(exc: BaseException, timeout: float) -> str:
+def _why_not(exc: GossipError, timeout: float) -> str:
     """What a failed bootstrap attempt means, and what the operator should check."""
     if isinstance(exc, IdentityClash):
         return f"{exc} (a copied identity key?)"
@@ -659,7 +714,7 @@ def _why_not(exc: BaseException, timeout: float) -> str:
                 "address")
     if isinstance(exc, HandshakeError):
         return f"{exc}: check swarm.name and the address"
-    if isinstance(exc, (trio.TooSlowError, PeerTimeout)):
+    if isinstance(exc, PeerTimeout):
         return (f"no answer within {timeout:g} s: a firewall that drops packets, a wrong "
                 "address, or an overloaded node?")
     if isinstance(exc, PeerGone):
@@ -680,149 +735,113 @@ async def open_roster(
     network: Network,
     identity: Identity,
     swarm: Swarm,
-    address: str,
+    config: NodeConfig,
     *,
-    bootstrap: Sequence[str] = (),
-    advertise: str | None = None,
-    config: MembershipConfig = MembershipConfig(),
-    timeouts: Timeouts = Timeouts(),
     rng: random.Random | None = None,
-    step: int = 0,
-    ready: bool = False,
     handler: ChannelHandler | None = None,
     on_change: Callable[[Member], None] | None = None,
-    limits: Limits = Limits(),
-    reachable: bool | None = True,
 ) -> AsyncIterator[Roster]:
     """Join (or start) a swarm and keep a live view of its members.
 
-    Binds datagrams and a channel server on ``address`` (the same port serves both; port 0
-    picks one that is free for both), starts a new swarm if ``bootstrap`` is empty and
-    otherwise joins through any of its addresses in the background
+    Binds datagrams and a channel server on ``config.listen`` (the same port serves both;
+    port 0 picks one that is free for both), starts a new swarm if ``config.bootstrap`` is
+    empty and otherwise joins through any of its addresses in the background
     (:meth:`Roster.wait_joined`). On exit it leaves gracefully, gossiping the departure for up
-    to ``config.leave_timeout``.
+    to ``config.membership.leave_timeout``.
 
     Args:
-        address: where to listen, ``host:port``.
-        bootstrap: addresses of some members; one answering is enough.
-        advertise: the address others should use, if not the bound one (``0.0.0.0`` is not).
+        config: the node's settings; the roster reads ``listen``, ``advertise`` (the address
+            others should use, if not the bound one: ``0.0.0.0`` is not), ``bootstrap``
+            (some members' addresses; one answering is enough), ``membership``,
+            ``timeouts``, ``limits`` (inbound connections at once, and how often one peer
+            may open one) and ``reachable`` (False: behind a NAT or a firewall that lets
+            nothing in, so we initiate every exchange ourselves; None: find out with a
+            dial-back check after joining, :mod:`gossip.reachability`, announcing ourselves
+            unreachable until one succeeds; a node that starts a swarm, with no
+            ``bootstrap``, is taken to be reachable, as others must dial it to join).
         handler: gets channels whose first message is not a push-pull (averaging traffic);
             without one, such channels are refused with Close(REJECTED).
         rng: the roster's only source of randomness (seed it in tests).
         on_change: called (synchronously, so keep it quick) with every member whose state,
             address or metadata changed, in the order the changes happened.
-        limits: how many inbound connections at once, and how often one peer may open one.
-        reachable: whether other members can dial us (False: behind a NAT or a firewall
-            that lets nothing in; we then initiate every exchange ourselves). None: find out
-            with a dial-back check after joining (:mod:`gossip.reachability`), announcing
-            ourselves unreachable until one succeeds; a node that starts a swarm (no
-            ``bootstrap``) is taken to be reachable, as others must dial it to join.
     """
-    any_port = parse_address(address)[1] == 0
-    endpoint = await network.open_datagram(address)
+    roster = Roster(network, identity, swarm, config, rng=rng, handler=handler,
+                    on_change=on_change)
     try:
         with one_error():
             async with trio.open_nursery() as nursery:
-                roster: Roster | None = None
-
-                async def on_channel(channel: SecureChannel) -> None:
-                    # The server starts first, but nothing runs before the roster exists:
-                    # there is no checkpoint between the server's start and the roster.
-                    assert roster is not None
-                    await roster._on_channel(channel, handler)
-
-                def refused(limit: str) -> None:
-                    if roster is not None:
-                        roster._over_limit[limit] += 1
-
-                for attempt in range(1, PORT_ATTEMPTS + 1):
-                    try:
-                        await nursery.start(functools.partial(
-                            serve, network, endpoint.local_address, on_channel,
-                            identity=identity, swarm=swarm, timeouts=timeouts,
-                            limits=limits,
-                            on_refused=refused,
-                        ))
-                        break
-                    except OSError as exc:
-                        # Port 0: the system picked a datagram port that a stream socket
-                        # (say, a connection's local end) holds. Another port will do.
-                        if not (any_port and exc.errno == errno.EADDRINUSE
-                                and attempt < PORT_ATTEMPTS):
-                            raise
-                    await endpoint.aclose()
-                    endpoint = await network.open_datagram(address)
-                bound = endpoint.local_address
-                # auto: unreachable until a check says otherwise, but the first node of a
-                # swarm is taken to be reachable, as others must dial it to join at all.
-                machine = Membership(identity.peer_id, advertise or bound, trio.current_time(),
-                                     config, rng or random.Random(), version=PROTOCOL_VERSION,
-                                     step=step, ready=ready,
-                                     reachable=reachable if reachable is not None
-                                     else not bootstrap)
-                roster = Roster(machine, identity, swarm, network, endpoint, config, timeouts,
-                                limits, reachable=reachable)
-                roster._on_change = on_change
-                roster._nursery = nursery
-                nursery.start_soon(roster._receiver)
-                nursery.start_soon(roster._ticker)
-                if bootstrap:
-                    nursery.start_soon(roster._join, list(bootstrap))
-                else:
-                    roster._joined.set()
-                log.info("roster open peer=%s address=%s bootstrap=%d", identity.peer_id.short,
-                         machine.myself().address, len(bootstrap))
+                await nursery.start(roster.run)
                 try:
                     yield roster
                 finally:
                     if not roster._dead:
-                        with trio.move_on_after(config.leave_timeout + 1, shield=True):
+                        with trio.move_on_after(config.membership.leave_timeout + 1,
+                                                shield=True):
                             await roster.leave()
                     nursery.cancel_scope.cancel()
     finally:
+        await roster._aclose()
+
+
+async def _bind(nursery: trio.Nursery, network: Network, address: str,
+                serve_at: Callable[..., Awaitable[object]]) -> DatagramEndpoint:
+    """Open a datagram endpoint on ``address`` and start ``serve_at(bound, task_status=...)``
+    (a channel server) in ``nursery`` on the same port. Returns the endpoint, the caller's to
+    close.
+
+    For port 0 the system picks the datagram port, which a stream socket (say, a connection's
+    local end) may hold already: then another port will do, up to :data:`PORT_ATTEMPTS`.
+
+    Raises:
+        OSError: a fixed port that is taken (``EADDRINUSE``), or any other failure to bind;
+            the endpoint is closed then.
+    """
+    any_port = parse_address(address)[1] == 0
+    endpoint = await network.open_datagram(address)
+    try:
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            try:
+                await nursery.start(serve_at, endpoint.local_address)
+                return endpoint
+            except OSError as exc:
+                if not (any_port and exc.errno == errno.EADDRINUSE and attempt < PORT_ATTEMPTS):
+                    raise
+            await endpoint.aclose()
+            endpoint = await network.open_datagram(address)
+        raise AssertionError("unreachable: the last attempt returns or raises")
+    except BaseException:
         with trio.CancelScope(shield=True):
             await endpoint.aclose()
+        raise
+
+
+@contextmanager
+def _deadline(seconds: float, peer: object, phase: str) -> Iterator[None]:
+    """``trio.fail_after(seconds)``, a missed deadline raised as :class:`PeerTimeout`: the
+    conversion at the boundary, so that callers catch :class:`GossipError` alone."""
+    try:
+        with trio.fail_after(seconds):
+            yield
+    except trio.TooSlowError:
+        raise PeerTimeout(peer, phase) from None
 
 
 async def _send_table(channel: SecureChannel, records: list[MemberState], *, join: bool) -> None:
-    pages: list[list[bytes]] = [[]]
-    size = 0
-    for record in records:
-        data = encode(record)
-        if len(pages[-1]) == PAGE_RECORDS or size + len(data) > PAGE_BYTES:
-            pages.append([])
-            size = 0
-        pages[-1].append(data)
-        size += len(data)
-    for i, page in enumerate(pages):
-        await channel.send_message(PushPull(join, i == len(pages) - 1, tuple(page)))
+    for page in pushpull.pages(records, join=join):
+        await channel.send_message(page)
 
 
 async def _receive_table(channel: SecureChannel, first: Message) -> list[MemberState]:
     """The records of a table whose first page is ``first``, read to its last page.
 
     Raises:
-        RemoteProtocolError: not a PushPull, a record that is not a MemberState, more
-            than :data:`MAX_PAGES` pages, or more than MAX_MEMBERS + 1 records.
+        RemoteProtocolError, WireError: a table that :class:`gossip.pushpull.TableReader`
+            refuses.
     """
-    records: list[MemberState] = []
-    page, pages = first, 1
-    while True:
-        if not isinstance(page, PushPull):
-            raise RemoteProtocolError(f"expected a PushPull page, got {type(page).__name__}")
-        for data in page.records:
-            record = decode(data)
-            if not isinstance(record, MemberState):
-                raise RemoteProtocolError("a PushPull record is not a MemberState")
-            records.append(record)
-        if len(records) > MAX_MEMBERS + 1:
-            raise RemoteProtocolError(f"push-pull of more than {MAX_MEMBERS + 1} members")
-        if page.last:
-            return records
-        pages += 1
-        if pages > MAX_PAGES:
-            raise RemoteProtocolError(f"push-pull of more than {MAX_PAGES} pages")
+    reader, page = pushpull.TableReader(), first
+    while (records := reader.add(page)) is None:
         page = await channel.receive_message()
+    return records
 
 
 def _log_change(member: Member) -> None:

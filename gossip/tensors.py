@@ -54,6 +54,7 @@ import cbor2
 import torch
 
 from . import int8
+from .config import CODECS
 from .errors import SchemaMismatch
 
 __all__ = [
@@ -64,8 +65,9 @@ __all__ = [
 
 # Element-wise wire codecs: name -> element dtype. Each element is little-endian on the wire.
 _CODEC_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-# Every wire codec; "int8" is blockwise (gossip.int8), so it has no dtype above.
-CODECS: tuple[str, ...] = (*_CODEC_DTYPES, "int8")
+# Every wire codec is named in gossip.config.CODECS, which the averaging.codec setting checks;
+# "int8" is blockwise (gossip.int8), so it has no dtype above.
+assert CODECS == (*_CODEC_DTYPES, "int8"), "gossip.config.CODECS and the encoders differ"
 
 # Dtypes a schema entry may have, by the name the fingerprint uses.
 _DTYPES = {str(d).removeprefix("torch."): d

@@ -45,6 +45,7 @@ alone calls the module inside a ``DistributedDataParallel`` wrapper
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 from typing import Any
@@ -53,7 +54,8 @@ import torch
 import torch.distributed as dist
 import trio
 
-from .averaging import AveragingConfig, AveragingStatistics, Result
+from .averaging import AveragingStatistics, Result
+from .config import NodeConfig
 from .errors import GossipError
 from .handshake import Swarm
 from .node import SwarmNode, open_swarm
@@ -64,13 +66,18 @@ __all__ = ["Averager"]
 
 log = logging.getLogger(__name__)
 
+# What open_swarm takes by keyword: the objects and callbacks; the settings are its config.
+_OBJECTS = frozenset(name for name, p in inspect.signature(open_swarm).parameters.items()
+                     if p.kind is inspect.Parameter.KEYWORD_ONLY)
+
 
 class Averager:
     """Average ``model`` with a swarm from a synchronous training loop.
 
     ::
 
-        with gossip.Averager(model, swarm, listen="0.0.0.0:7070", bootstrap=[...]) as avg:
+        config = gossip.NodeConfig(listen="0.0.0.0:7070", bootstrap=["10.0.0.2:7070"])
+        with gossip.Averager(model, swarm, config, optimizer=opt) as avg:
             for batch in data:
                 loss = train_step(model, batch)
                 avg.step(samples=len(batch))   # applies pending deltas; never blocks
@@ -82,6 +89,8 @@ class Averager:
     Args:
         model: the live module (CPU or CUDA), or its ``DistributedDataParallel`` wrapper.
         swarm: the swarm's name and key.
+        config: the node's settings (:class:`~gossip.config.NodeConfig`), as
+            :func:`gossip.node.open_swarm` takes them.
         ready_timeout: seconds to wait for the node to be ready (None: as long as it takes;
             a joiner retries its bootstrap addresses meanwhile and logs each attempt). The
             other processes of a node wait for the speaker, as long as their process group's
@@ -89,7 +98,8 @@ class Averager:
         check_every: several processes: every this many steps, check that the processes hold
             bit-identical parameters (a broadcast of the model; 0: never). Ignored in a
             single process.
-        **options: every keyword argument of :func:`gossip.node.open_swarm`. Several
+        **objects: the objects and callbacks :func:`gossip.node.open_swarm` takes by keyword
+            (``optimizer``, ``counters``, ``identity``, ``on_exchange``...). Several
             processes without a ``DistributedDataParallel`` wrapper need the ``optimizer``:
             the processes' gradients are averaged before it steps.
 
@@ -97,14 +107,27 @@ class Averager:
         GossipError: the node failed to start, or was not ready within ``ready_timeout``
             (:class:`~gossip.errors.PeerTimeout`); or, several processes, they were not given
             the same settings (:meth:`gossip.nodegroup.NodeGroup.start`).
+        TypeError: ``config`` is not a :class:`~gossip.config.NodeConfig`, or a keyword
+            argument that :func:`gossip.node.open_swarm` does not take (settings such as
+            ``listen`` go in ``config``).
     """
 
-    def __init__(self, model: torch.nn.Module, swarm: Swarm, *,
-                 ready_timeout: float | None = None, check_every: int = 0,
-                 **options: Any) -> None:
+    def __init__(self, model: torch.nn.Module, swarm: Swarm, config: NodeConfig = NodeConfig(),
+                 *, ready_timeout: float | None = None, check_every: int = 0,
+                 **objects: Any) -> None:
+        if not isinstance(config, NodeConfig):  # here, not from the background thread
+            raise TypeError(f"config must be a gossip.NodeConfig, not "
+                            f"{type(config).__name__}: put averaging settings in "
+                            f"NodeConfig(averaging=...)")
+        unknown = sorted(set(objects) - _OBJECTS)
+        if unknown:
+            raise TypeError(f"Averager() got unexpected keyword arguments {unknown}: settings "
+                            f"go in config (a gossip.NodeConfig); the keywords are the "
+                            f"objects open_swarm takes, {sorted(_OBJECTS)}")
         self._model = unwrap(model)
         self._swarm = swarm
-        self._options = options
+        self._config = config
+        self._objects = objects
         self._node: SwarmNode | None = None
         self._token: trio.lowlevel.TrioToken | None = None
         self._stop: trio.Event | None = None
@@ -115,8 +138,8 @@ class Averager:
         self._started = threading.Event()  # the node is ready, or the thread ended
         # Before open_swarm: the group's gradient hooks go on the optimizer ahead of the
         # correction's.
-        self._group = _open_group(model, options.get("optimizer"), check_every)
-        counters = options.get("counters")
+        self._group = _open_group(model, objects.get("optimizer"), check_every)
+        counters = objects.get("counters")
         resumed = None if counters is None else counters.step
         if self._group is not None and not self._group.speaker:
             self._follow(resumed)
@@ -322,8 +345,8 @@ class Averager:
         """A follower's start: a replica made as :func:`~gossip.node.open_swarm` makes the
         speaker's (for the drift correction's hook), then the speaker's state."""
         assert self._group is not None
-        config = self._options.get("config", AveragingConfig())
-        optimizer = self._options.get("optimizer")
+        config = self._config.averaging
+        optimizer = self._objects.get("optimizer")
         self._replica = Replica(self._model, by_samples=config.by_samples, leak=config.leak,
                                 optimizer=optimizer if config.correction else None)
         try:
@@ -350,7 +373,8 @@ class Averager:
     async def _run(self) -> None:
         self._token = trio.lowlevel.current_trio_token()
         self._stop = trio.Event()
-        async with open_swarm(self._model, self._swarm, **self._options) as node:
+        async with open_swarm(self._model, self._swarm, self._config,
+                              **self._objects) as node:
             self._node = node
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._when_ready, node)

@@ -12,7 +12,9 @@ may be hostile or buggy:
 * the tag must be in :data:`gossip.messages.TAGS` and the array must have exactly that
   message's number of fields, each of which the message class checks for type and range.
 
-Any violation raises :class:`~gossip.errors.WireError` naming what was wrong.
+Any violation raises :class:`~gossip.errors.WireError` naming what was wrong. The middle two
+rules are :func:`decode_canonical`, which the other CBOR a peer sends (a state download's
+metadata) goes through too.
 
 A frame is a 4-byte big-endian unsigned length followed by that many bytes. The length is
 checked against the reader's limit (:func:`frame_length`) before a single payload byte is
@@ -22,6 +24,8 @@ read or buffered.
 from __future__ import annotations
 
 import struct
+from typing import Any
+
 import cbor2
 
 from .errors import WireError
@@ -34,6 +38,7 @@ __all__ = [
     "FRAME_HEADER",
     "encode",
     "decode",
+    "decode_canonical",
     "encode_frame",
     "frame_length",
 ]
@@ -67,23 +72,7 @@ def decode(data: bytes | bytearray | memoryview) -> Message:
     """
     if len(data) > MAX_MESSAGE:
         raise WireError(f"message of {len(data)} bytes exceeds MAX_MESSAGE={MAX_MESSAGE}")
-    data = bytes(data)
-    try:
-        obj = cbor2.loads(
-            data,
-            max_depth=MAX_DEPTH,
-            allow_indefinite=False,
-            allow_duplicate_keys=False,
-            str_errors="strict",
-        )
-    except (cbor2.CBORDecodeError, ValueError, TypeError, OverflowError, RecursionError) as exc:
-        raise WireError(f"malformed CBOR: {exc}") from None
-    try:
-        canonical = cbor2.dumps(obj, canonical=True)
-    except (cbor2.CBOREncodeError, ValueError, TypeError) as exc:
-        raise WireError(f"undecodable value: {exc}") from None
-    if canonical != data:
-        raise WireError("not the canonical CBOR encoding (trailing bytes or non-shortest form)")
+    obj = decode_canonical(data, max_depth=MAX_DEPTH)
     if type(obj) is not list or not obj:
         raise WireError("a message is a non-empty CBOR array")
     tag, *values = obj
@@ -97,6 +86,30 @@ def decode(data: bytes | bytearray | memoryview) -> Message:
         return cls(*values)
     except (ValueError, TypeError) as exc:
         raise WireError(str(exc)) from None
+
+
+def decode_canonical(data: bytes | bytearray | memoryview, *, max_depth: int) -> Any:
+    """Decode one CBOR item, strictly: at most ``max_depth`` levels deep, no
+    indefinite-length items, no duplicate map keys, text that is valid UTF-8, and ``data``
+    exactly the canonical encoding of what it decodes to (so nothing trails it and every value
+    has one spelling). The caller bounds ``len(data)`` first.
+
+    Raises:
+        WireError: any of those is violated; the message says which.
+    """
+    data = bytes(data)
+    try:
+        obj = cbor2.loads(data, max_depth=max_depth, allow_indefinite=False,
+                          allow_duplicate_keys=False, str_errors="strict")
+    except (cbor2.CBORDecodeError, ValueError, TypeError, OverflowError, RecursionError) as exc:
+        raise WireError(f"malformed CBOR: {exc}") from None
+    try:
+        canonical = cbor2.dumps(obj, canonical=True)
+    except (cbor2.CBOREncodeError, ValueError, TypeError) as exc:
+        raise WireError(f"undecodable value: {exc}") from None
+    if canonical != data:
+        raise WireError("not the canonical CBOR encoding (trailing bytes or non-shortest form)")
+    return obj
 
 
 def encode_frame(payload: bytes) -> bytes:

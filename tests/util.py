@@ -1,4 +1,5 @@
-"""Shared test helpers: a tapping stream, a handshaken channel pair, and a signal to wait on."""
+"""Shared test helpers: a tapping stream, a handshaken channel pair, a signal to wait on, and
+local node settings."""
 
 import sys
 
@@ -16,6 +17,16 @@ from gossip.identity import Identity
 
 SWARM = Swarm.generate("test")
 ALICE, BOB = Identity.generate(), Identity.generate()
+
+
+def local(**changes):
+    """``gossip.NodeConfig.local()`` with ``changes`` (whole fields: ``averaging=...``): the
+    settings of nodes on a simulated network or on one machine."""
+    import dataclasses
+
+    from gossip.config import NodeConfig  # imports torch: only for the tests that ask
+
+    return dataclasses.replace(NodeConfig.local(), **changes)
 
 
 class Signal:

@@ -18,8 +18,13 @@ from .proxyctl import ProxyServer as ProxyServer
 from .proxyctl import open_proxy_server as open_proxy_server
 from .proxyfaults import Faults as Faults
 from .proxyfaults import ProxyStatistics as ProxyStatistics
-from .sim import SIM_CONFIG as SIM_CONFIG
 from .sim import SimExchange as SimExchange
 from .sim import SimNode as SimNode
 from .sim import SimSwarm as SimSwarm
 from .sim import open_sim_swarm as open_sim_swarm
+
+__all__ = [
+    "Flood", "HostilePeer", "Outcome", "Outsider", "Reaction", "FaultProxy",
+    "open_fault_proxy", "ProxyClient", "ProxyError", "ProxyServer", "open_proxy_server",
+    "Faults", "ProxyStatistics", "SimExchange", "SimNode", "SimSwarm", "open_sim_swarm",
+]

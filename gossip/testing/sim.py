@@ -53,13 +53,13 @@ import torch
 import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from ..averaging import AveragingConfig, Exchange, Result
-from ..channel import Timeouts
+from ..averaging import Exchange, Result
+from ..config import NodeConfig
 from ..errors import PeerGone
 from ..groups import leaves, one_error
 from ..handshake import Swarm
 from ..identity import Identity, PeerId
-from ..member import MembershipConfig, State
+from ..member import State
 from ..node import SwarmNode, open_swarm
 from ..replica import Counters
 from ..simnet import SimNetwork
@@ -68,10 +68,9 @@ from ..tensors import StateSchema, snapshot
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
 
-__all__ = ["open_sim_swarm", "SimSwarm", "SimNode", "SimExchange", "SIM_CONFIG"]
+__all__ = ["open_sim_swarm", "SimSwarm", "SimNode", "SimExchange"]
 
 PORT = 7000
-SIM_CONFIG = AveragingConfig(interval=1.0, start="own")  # a round a step, or a second idle
 
 
 @dataclass(frozen=True)
@@ -177,9 +176,8 @@ class SimSwarm:
     """
 
     def __init__(self, net: SimNetwork, nursery: trio.Nursery, seed: int, *,
-                 config: AveragingConfig, membership: MembershipConfig, timeouts: Timeouts,
-                 train: Callable[[SimNode], float] | None, step_time: float,
-                 reachable: bool | None = True) -> None:
+                 config: NodeConfig, train: Callable[[SimNode], float] | None,
+                 step_time: float) -> None:
         self.net = net
         self.rng = random.Random(f"{seed}:test")
         self.nodes: list[SimNode] = []
@@ -187,9 +185,8 @@ class SimSwarm:
         self._nursery = nursery
         self._seed = seed
         self._swarm = Swarm("sim", _digest(seed, "swarm key"))
-        self._config, self._membership, self._timeouts = config, membership, timeouts
+        self._config = config
         self._train, self._step_time = train, step_time
-        self._reachable = reachable
         self._changed = _Signal()
         self._by_peer: dict[PeerId, SimNode] = {}
 
@@ -234,7 +231,8 @@ class SimSwarm:
         node.steps = checkpoint.steps
         node.restarts += 1
         self.net.restart(node.name)
-        config = dataclasses.replace(self._config, start="own")
+        config = dataclasses.replace(
+            self._config, averaging=dataclasses.replace(self._config.averaging, start="own"))
         await self._start(node, [n.address for n in self.running()], config, checkpoint.counters,
                           checkpoint.correction)
 
@@ -404,28 +402,32 @@ class SimSwarm:
             raise ValueError(f"a link joins two nodes, not {a.name} and itself")
         return a, b
 
-    async def _start(self, node: SimNode, bootstrap: list[str], config: AveragingConfig,
+    async def _start(self, node: SimNode, bootstrap: list[str], config: NodeConfig,
                      counters: Counters | None,
                      correction: dict[str, torch.Tensor] | None = None) -> None:
         node._done = trio.Event()
         self._by_peer[node.peer_id] = node
         await self._nursery.start(self._run, node, bootstrap, config, counters, correction)
 
-    async def _run(self, node: SimNode, bootstrap: list[str], config: AveragingConfig,
+    async def _run(self, node: SimNode, bootstrap: list[str], config: NodeConfig,
                    counters: Counters | None, correction: dict[str, torch.Tensor] | None, *,
                    task_status: trio.TaskStatus[None]) -> None:
+        # The addresses are the node's own; a node behind a NAT at its start is told that
+        # it cannot be dialled, unless the swarm's nodes find out for themselves (None).
+        reachable = config.reachable
+        if reachable is not None and self.net.behind_nat(node.name):
+            reachable = False
+        config = dataclasses.replace(config, listen=node.address, advertise=None,
+                                     bootstrap=tuple(bootstrap), reachable=reachable)
         try:
             with trio.CancelScope() as node._scope:
                 async with open_swarm(
-                    node.model, self._swarm, network=self.net.host(node.name),
-                    listen=node.address, bootstrap=bootstrap, identity=node.identity,
-                    config=config, membership=self._membership, timeouts=self._timeouts,
+                    node.model, self._swarm, config, network=self.net.host(node.name),
+                    identity=node.identity,
                     rng=random.Random(f"{self._seed}:{node.name}:{node.restarts}"),
                     counters=counters, optimizer=node.optimizer, correction=correction,
                     on_change=self._changed.fire,
                     on_exchange=functools.partial(self._exchanged, node),
-                    reachable=(self._reachable if self._reachable is None
-                               or not self.net.behind_nat(node.name) else False),
                 ) as swarm_node:
                     node.node, node._down = swarm_node, None
                     self._changed.fire()
@@ -475,14 +477,11 @@ async def open_sim_swarm(
     optimizer: Callable[[int], torch.optim.Optimizer] | None = None,
     train: Callable[[SimNode], float] | None = None,
     step_time: float = 0.05,
-    config: AveragingConfig = SIM_CONFIG,
-    membership: MembershipConfig = MembershipConfig(),
-    timeouts: Timeouts = Timeouts(),
+    config: NodeConfig = NodeConfig.local(),
     latency: float = 0.001,
     bandwidth: float | None = None,
     loss: float = 0.0,
     nat: Collection[int] = (),
-    reachable: bool | None = True,
 ) -> AsyncIterator[SimSwarm]:
     """Run ``n`` nodes on a fresh simulated network; returns once every node runs (not yet
     ready: see :meth:`SimSwarm.wait_ready`). On exit every running node leaves.
@@ -499,24 +498,27 @@ async def open_sim_swarm(
             loss; each running node calls it every ``step_time`` virtual seconds. None: no
             training, and deltas are added as exchanges end.
         step_time: virtual seconds a training step takes.
-        config: averaging settings; ``start="own"`` (the default) starts every node from
-            its own model, ``"auto"`` lets the joiners download node 0's. A restart always
-            starts from its checkpoint.
-        membership, timeouts: as :func:`gossip.open_swarm` takes them.
+        config: every node's settings (:class:`~gossip.config.NodeConfig`), but for its
+            addresses: the sim sets ``listen``, ``advertise`` and ``bootstrap`` per node.
+            The default, ``NodeConfig.local()``, starts every node from its own model
+            (``averaging.start="own"``; ``"auto"`` lets the joiners download node 0's) and
+            averages every step, or every second idle. A restart always starts from its
+            checkpoint. ``config.reachable`` is what each node tells
+            :func:`gossip.open_swarm`: None lets every node but node 0 find out with a
+            dial-back check after joining; True (the default) says every node is
+            reachable, except a node behind a NAT when it starts, which is told False.
         latency, bandwidth, loss: every link's defaults (see :class:`SimNetwork`).
         nat: the indices of the nodes whose hosts are behind a NAT from the start
             (:meth:`SimSwarm.nat`), outbound-only volunteers. Node 0, which the others join
             through, cannot be one of them.
-        reachable: what each node tells :func:`gossip.open_swarm`: None lets every node but
-            node 0 find out with a dial-back check after joining; True (the default) says
-            every node is reachable, except a node behind a NAT when it starts, which is
-            told False.
 
     Raises:
         ValueError: a bad argument (the message says which).
     """
     if type(n) is not int or n < 1:
         raise ValueError(f"n must be an integer >= 1, not {n!r}")
+    if not isinstance(config, NodeConfig):
+        raise ValueError(f"config must be a gossip.NodeConfig, not {config!r}")
     if not (isinstance(step_time, (int, float)) and math.isfinite(step_time) and step_time > 0):
         raise ValueError(f"step_time must be a positive number of seconds, not {step_time!r}")
     nat = sorted(set(nat))
@@ -534,9 +536,8 @@ async def open_sim_swarm(
             raise ValueError(f"model({i}) returned {type(m).__name__}, not a torch.nn.Module")
     with one_error():
         async with trio.open_nursery() as nursery:
-            sim = SimSwarm(net, nursery, seed, config=config, membership=membership,
-                           timeouts=timeouts, train=train, step_time=step_time,
-                           reachable=reachable)
+            sim = SimSwarm(net, nursery, seed, config=config, train=train,
+                           step_time=step_time)
             for i, m in enumerate(models):
                 key = Ed25519PrivateKey.from_private_bytes(_digest(seed, f"identity n{i}"))
                 sim.nodes.append(SimNode(i, m, Identity(key),

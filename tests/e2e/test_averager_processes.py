@@ -24,17 +24,18 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 # Both nodes: a small classifier on random data of their own, an exchange every step.
 COMMON = r"""
-import json, os, sys, time
+import dataclasses, json, os, sys, time
 import torch
 import torch.nn.functional as F
 import gossip
+from gossip.config import NodeConfig
 
 STEP_TIME = 0.002  # s a step of a real model would take: leaves the CPU to the other node
 role, address, key, out = sys.argv[1:5]
 swarm = gossip.Swarm.from_hex("test", key)
-config = gossip.AveragingConfig(every=1, download_wait=30.0)
 # Leaving gossips the departure for up to leave_timeout (2 s), all of it for a node left alone.
-membership = gossip.MembershipConfig(leave_timeout=0.2)
+config = NodeConfig(averaging=gossip.AveragingConfig(every=1, download_wait=30.0),
+                    membership=gossip.MembershipConfig(leave_timeout=0.2))
 torch.manual_seed(int(os.environ.get("RANK", "9")))  # different weights: start() evens them
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
 opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -54,7 +55,7 @@ SOLO = COMMON + r"""
 import threading
 stop = threading.Event()
 threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
-with gossip.Averager(model, swarm, listen=address, config=config, membership=membership,
+with gossip.Averager(model, swarm, dataclasses.replace(config, listen=address),
                      optimizer=opt) as avg:
     while not stop.wait(STEP_TIME):
         train_step()
@@ -69,8 +70,8 @@ import torch.distributed as dist
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 steps, applied = [], 0
-with gossip.Averager(model, swarm, listen="127.0.0.1:0", bootstrap=[address], config=config,
-                     membership=membership, optimizer=opt, check_every=1) as avg:
+with gossip.Averager(model, swarm, dataclasses.replace(config, bootstrap=[address]),
+                     optimizer=opt, check_every=1) as avg:
     assert avg.speaker == (rank == 0) and avg.group.size == 2
     refused = []  # what only the speaker has
     if not avg.speaker:

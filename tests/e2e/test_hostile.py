@@ -23,7 +23,7 @@ import torch
 import trio
 
 from daemon import checkpoint
-from daemon.config import SwarmConfig
+from daemon.config import SwarmSection
 from daemon.task import Context
 from daemon.tasks import digits
 from gossip import Identity
@@ -46,7 +46,7 @@ MiB = 1 << 20
 # buffer plus 16 KiB of socket, task and key state, a few copies of the (19 KB) model for the
 # exchanges, and 48 MiB for the allocator and for the daemon's own growth (checkpoints, logs,
 # metrics) over the run, which the pre-attack figure does not include.
-RSS_BOUND = SwarmConfig().max_handshakes_per_host * (HANDSHAKE_BUFFER + 16 * 1024) + 48 * MiB
+RSS_BOUND = SwarmSection().max_handshakes_per_host * (HANDSHAKE_BUFFER + 16 * 1024) + 48 * MiB
 QUICK = 1.0  # s: a refusal that needs no deadline comes this fast (in practice < 0.1 s)
 
 
@@ -287,7 +287,7 @@ def test_half_open_connections_leave_the_node_responsive_and_bounded(bench: Benc
     a, b, mark = bench.a, bench.b, bench.mark()
     # The flood comes from one host (127.0.0.1), the honest daemons from addresses of
     # their own: b admits at most max_handshakes_per_host of the flood at once.
-    limit = SwarmConfig().max_handshakes_per_host
+    limit = SwarmSection().max_handshakes_per_host
     base_fds, base_rss = b.open_files(), vm_hwm(b)
     fds: list[int] = []
 

@@ -12,8 +12,8 @@ import pytest
 import trio
 
 from gossip.channel import FIRST_MESSAGE_TIMEOUT, connect, serve
+from gossip.config import Limits
 from gossip.identity import Identity
-from gossip.limits import Limits
 from gossip.network import TcpNetwork
 from gossip.testing.hostile import Outsider
 from tests.util import SWARM

@@ -18,7 +18,7 @@ import torch
 import trio
 
 from gossip import AveragingConfig, MembershipConfig, Result, State, open_swarm
-from gossip.channel import Timeouts
+from gossip.config import NodeConfig, Timeouts
 from gossip.identity import Identity
 from gossip.network import TcpNetwork
 from gossip.testing import open_fault_proxy
@@ -53,17 +53,18 @@ async def test_an_unreachable_node_finds_out_and_averages_through_its_own_offers
             if member.peer == u_id.peer_id:
                 seen_u.append((name, member.state))
 
-        def node(name: str, **kwargs):
-            return open_swarm(torch.nn.Linear(4, 4), SWARM, listen="127.0.0.1:0",
-                              network=TcpNetwork("127.0.0.1"), config=AVERAGING,
-                              membership=FAST, timeouts=TIMEOUTS,
+        def node(name: str, identity: Identity | None = None, **settings):
+            config = NodeConfig(listen="127.0.0.1:0", averaging=AVERAGING, membership=FAST,
+                                timeouts=TIMEOUTS, **settings)
+            return open_swarm(torch.nn.Linear(4, 4), SWARM, config,
+                              network=TcpNetwork("127.0.0.1"), identity=identity,
                               on_exchange=lambda e: record(name, e),
-                              on_change=lambda m: changed(name, m), **kwargs)
+                              on_change=lambda m: changed(name, m))
 
         a = await stack.enter_async_context(node("a"))
         b = await stack.enter_async_context(node("b", bootstrap=[a.address], reachable=None))
-        u = await stack.enter_async_context(node("u", bootstrap=[a.address], reachable=None,
-                                                 advertise=proxy.address, identity=u_id))
+        u = await stack.enter_async_context(node("u", u_id, bootstrap=[a.address], reachable=None,
+                                                 advertise=proxy.address))
         with trio.fail_after(20):
             while not (u.roster.reachability.checked and b.roster.reachability.checked):
                 await u.roster.wait_changed()

@@ -14,16 +14,15 @@ import dataclasses
 import random
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Collection, Sequence
 
 import torch
 import trio
 
-from gossip.averaging import AveragingConfig, Result
-from gossip.channel import Timeouts
+from gossip.averaging import Result
+from gossip.config import AveragingConfig, MembershipConfig, NodeConfig, Timeouts
 from gossip.errors import PeerGone
 from gossip.identity import Identity
-from gossip.member import MembershipConfig
 from gossip.node import SwarmNode, open_swarm
 from gossip.simnet import SimNetwork
 from gossip.tensors import StateSchema, snapshot
@@ -96,26 +95,30 @@ class AveragingSwarm:
 
     async def start(self, model: torch.nn.Module, *, name: str | None = None,
                     bootstrap: Sequence[Peer] = (), config: AveragingConfig = ROUNDS,
-                    membership: MembershipConfig | None = None, **options: Any) -> Peer:
+                    membership: MembershipConfig | None = None,
+                    allow: Collection[str] | None = None, **objects: Any) -> Peer:
         """Run a node on host ``name`` in the background; returns once it is open (not
-        necessarily ready: see :meth:`SwarmNode.wait_ready`). ``options`` go to
-        :func:`open_swarm` (``allow``, ``counters``)."""
+        necessarily ready: see :meth:`SwarmNode.wait_ready`). ``config`` is its averaging
+        settings, ``membership`` (default: the swarm's) and ``allow`` go into its
+        :class:`NodeConfig` too; ``objects`` go to :func:`open_swarm` (``counters``,
+        ``task``)."""
         peer = Peer(name or f"n{len(self.peers)}", model, Identity.generate())
         self.peers.append(peer)
-        await self._nursery.start(self._run, peer, [p.address for p in bootstrap], config,
-                                  membership or self._membership, options)
+        node_config = NodeConfig(listen=peer.address, bootstrap=[p.address for p in bootstrap],
+                                 allow=allow, averaging=config,
+                                 membership=membership or self._membership,
+                                 timeouts=self._timeouts)
+        await self._nursery.start(self._run, peer, node_config, objects)
         return peer
 
-    async def _run(self, peer: Peer, bootstrap: list[str], config: AveragingConfig,
-                   membership: MembershipConfig, options: dict[str, Any], *,
+    async def _run(self, peer: Peer, config: NodeConfig, objects: dict[str, Any], *,
                    task_status) -> None:
         rng = random.Random(f"{self._seed}:{peer.name}")
         try:
             async with open_swarm(
-                peer.model, SWARM, network=self.net.host(peer.name), listen=peer.address,
-                bootstrap=bootstrap, identity=peer.identity, rng=rng, config=config,
-                membership=membership, timeouts=self._timeouts, on_change=self._changed.fire,
-                on_exchange=self._changed.fire, **options,
+                peer.model, SWARM, config, network=self.net.host(peer.name),
+                identity=peer.identity, rng=rng, on_change=self._changed.fire,
+                on_exchange=self._changed.fire, **objects,
             ) as node:
                 peer.node = node
                 task_status.started()

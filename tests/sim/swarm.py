@@ -15,10 +15,11 @@ from typing import AsyncIterator, Callable
 
 import trio
 
+from gossip.config import MembershipConfig, NodeConfig
 from gossip.errors import PeerGone
 from gossip.handshake import Swarm
 from gossip.identity import Identity, PeerId
-from gossip.membership import Member, MembershipConfig, State
+from gossip.membership import Member, State
 from gossip.roster import Roster, open_roster
 from gossip.simnet import SimNetwork
 from tests.util import SWARM
@@ -81,9 +82,9 @@ class SimSwarm:
         try:
             with trio.CancelScope() as node.scope:
                 async with open_roster(
-                    self.net.host(node.name), node.identity, self.swarm_of(node), node.address,
-                    bootstrap=bootstrap, config=self.config, rng=rng,
-                    on_change=lambda m: self._record(node, m),
+                    self.net.host(node.name), node.identity, self.swarm_of(node),
+                    NodeConfig(listen=node.address, bootstrap=bootstrap, membership=self.config),
+                    rng=rng, on_change=lambda m: self._record(node, m),
                 ) as roster:
                     node.roster = roster
                     task_status.started()

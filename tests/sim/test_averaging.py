@@ -21,8 +21,8 @@ import torch
 import trio
 from trio.testing import MockClock
 
-from gossip.averaging import AveragingConfig, Result
-from gossip.member import MembershipConfig
+from gossip.averaging import Result
+from gossip.config import AveragingConfig, MembershipConfig
 from tests.sim.averaging_swarm import (
     ROUNDS,
     AveragingSwarm,

@@ -8,10 +8,11 @@ import pytest
 import torch
 from trio.testing import MockClock
 
-from gossip.averaging import AveragingConfig
+from gossip.config import AveragingConfig
 from gossip.tensors import CODECS
 from gossip.testing import open_sim_swarm
 from tests.sim.quadratic import Quadratics
+from tests.util import local
 
 NODES = 4
 SIZE = 200  # three whole int8 blocks and a short one of 8
@@ -22,7 +23,7 @@ async def test_a_swarm_commits_and_settles_in_every_codec(autojump_clock: MockCl
                                                           codec: str) -> None:
     swarm = Quadratics(NODES, SIZE, seed=5)
     models, targets = swarm.models, swarm.targets
-    config = AveragingConfig(start="own", trust_after=0.0, codec=codec)
+    config = local(averaging=AveragingConfig(start="own", trust_after=0.0, codec=codec))
     async with open_sim_swarm(NODES, seed=5, model=lambda i: models[i],
                               optimizer=lambda i: swarm.optimizers[i], train=swarm.train,
                               step_time=0.1, config=config) as sim:

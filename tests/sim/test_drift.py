@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import trio
 from trio.testing import MockClock
 
-from gossip.averaging import AveragingConfig
+from gossip.config import AveragingConfig, NodeConfig
 from gossip.node import SwarmNode, open_swarm
 from gossip.simnet import SimNetwork
 from gossip.testing import SimNode, open_sim_swarm
@@ -70,7 +70,7 @@ async def test_eight_label_sorted_nodes_end_near_all_reduce(autojump_clock: Mock
         trainers[node.index].step()
         return 0.0
 
-    config = AveragingConfig(start="own")  # the defaults otherwise
+    config = NodeConfig(averaging=AveragingConfig(start="own"))  # the defaults otherwise
     async with open_sim_swarm(NODES, seed=seed, model=lambda i: trainers[i].model,
                               optimizer=lambda i: trainers[i].optimizer, train=train,
                               step_time=STEP_TIME, config=config) as sim:
@@ -114,7 +114,8 @@ async def test_the_corrections_sum_stays_near_zero_and_a_departures_bias_fades(
     async with open_sim_swarm(NODES, seed=3, model=lambda i: models[i],
                               optimizer=lambda i: swarm.optimizers[i], train=swarm.train,
                               step_time=0.1,
-                              config=AveragingConfig(start="own", trust_after=0.0)) as sim:
+                              config=NodeConfig(averaging=AveragingConfig(
+                                  start="own", trust_after=0.0))) as sim:
         spread = sum(float((t - torch.stack(targets).mean(0)).norm()) for t in targets) / NODES
         await sim.run_for(30.0)  # settled: every c near (mean target - own target)
         # Not quite 0: clipping may shorten one side's step and not the other's, and the
@@ -175,10 +176,12 @@ async def test_nodes_of_different_speeds_agree_on_a_step_that_never_goes_back(
     async with AsyncExitStack() as stack:
         nodes: list[SwarmNode] = []
         for i in range(len(periods)):
+            config = NodeConfig(listen=f"n{i}:7000",
+                                bootstrap=[nodes[0].address] if nodes else [],
+                                averaging=AveragingConfig(start="own", trust_after=0.0))
             nodes.append(await stack.enter_async_context(open_swarm(
-                torch.nn.Linear(4, 2), SWARM, network=net.host(f"n{i}"), listen=f"n{i}:7000",
-                bootstrap=[nodes[0].address] if nodes else [], rng=random.Random(i),
-                config=AveragingConfig(start="own", trust_after=0.0))))
+                torch.nn.Linear(4, 2), SWARM, config, network=net.host(f"n{i}"),
+                rng=random.Random(i))))
 
         async def trainer(i: int) -> None:
             while True:

@@ -25,10 +25,12 @@ import torch.nn.functional as F
 import trio
 from trio.testing import MockClock
 
-from gossip.averaging import AveragingConfig, Result
+from gossip.averaging import Result
+from gossip.config import AveragingConfig
 from gossip.member import State
 from gossip.tensors import StateSchema, snapshot
 from gossip.testing.sim import SimExchange, SimNode, SimSwarm, open_sim_swarm
+from tests.util import local
 
 FEATURES, OUTPUTS, BLOCKS, ROWS = 32, 8, 4, 512
 BATCH = 16
@@ -200,7 +202,8 @@ async def test_partition_isolates_the_groups_and_after_heal_the_swarm_converges(
     autojump_clock: MockClock,
 ) -> None:
     n = 8
-    config = AveragingConfig(interval=INTERVAL, start="own")  # each from its own model
+    # each from its own model
+    config = local(averaging=AveragingConfig(interval=INTERVAL, start="own"))
     async with open_sim_swarm(n, seed=3, config=config) as sim:
         left, right = sim.nodes[: n // 2], sim.nodes[n // 2:]
         side = {node: i for i, group in enumerate((left, right)) for node in group}

@@ -16,8 +16,7 @@ import dataclasses
 import trio
 from trio.testing import MockClock
 
-from gossip.averaging import AveragingConfig
-from gossip.limits import Limits
+from gossip.config import AveragingConfig, Limits
 from gossip.testing.hostile import Outsider
 from tests.sim.averaging_swarm import ROUNDS, Peer, constant, open_averaging_swarm
 

@@ -14,7 +14,8 @@ import pytest
 import trio
 from trio.testing import MockClock
 
-from gossip.membership import MembershipConfig, State
+from gossip.config import MembershipConfig
+from gossip.membership import State
 from gossip.suspicion import suspicion_bounds
 from tests.sim.swarm import SimNode, SimSwarm, open_sim_swarm
 

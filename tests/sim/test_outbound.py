@@ -7,6 +7,7 @@ dials it back after it joins), nobody ever picks an outbound-only node, they sti
 in averaging by initiating every exchange, and nobody is declared dead for being unreachable.
 """
 
+import dataclasses
 import random
 
 import torch
@@ -15,12 +16,12 @@ import trio
 from gossip import AveragingConfig, Result, State, open_swarm
 from gossip.simnet import SimNetwork
 from gossip.testing import open_sim_swarm
-from tests.util import SWARM
+from tests.util import SWARM, local
 
 REACHABLE = 2
 N = 8
-AVERAGING = AveragingConfig(every=None, interval=2.0, start="own")
-QUIET = AveragingConfig(every=None, interval=None, start="own")  # membership alone
+AVERAGING = local(averaging=AveragingConfig(every=None, interval=2.0, start="own"))
+QUIET = local(averaging=AveragingConfig(every=None, interval=None, start="own"))  # membership
 
 
 def views_agree(sim, n_reachable: int) -> bool:
@@ -42,8 +43,8 @@ def deaths(sim) -> int:
 
 async def test_outbound_only_nodes_find_out_average_and_stay_alive(autojump_clock):
     nat = range(REACHABLE, N)
-    async with open_sim_swarm(N, seed=3, config=AVERAGING, nat=nat, reachable=None,
-                              latency=0.02) as sim:
+    async with open_sim_swarm(N, seed=3, config=dataclasses.replace(AVERAGING, reachable=None),
+                              nat=nat, latency=0.02) as sim:
         with trio.fail_after(120):
             await sim.wait_until(lambda: views_agree(sim, REACHABLE) and all(
                 n.node.roster.reachability.checked for n in sim.nodes[1:]))
@@ -83,7 +84,7 @@ async def test_a_crashed_outbound_node_times_out_and_a_stopped_one_leaves(autoju
 
 
 async def test_a_firewalled_node_that_refuses_finds_itself_unreachable(autojump_clock):
-    async with open_sim_swarm(3, seed=7, config=QUIET, reachable=None) as sim:
+    async with open_sim_swarm(3, seed=7, config=dataclasses.replace(QUIET, reachable=None)) as sim:
         with trio.fail_after(60):
             await sim.wait_until(lambda: views_agree(sim, 3))
         # A node that restarts behind a firewall that refuses: its check fails at once.
@@ -128,8 +129,8 @@ async def _any_change(nodes) -> None:
 
 
 async def _run_node(network, address, bootstrap, *, task_status):
-    async with open_swarm(torch.nn.Linear(2, 2), SWARM, network=network, listen=address,
-                          bootstrap=bootstrap, config=QUIET, reachable=None,
+    config = dataclasses.replace(QUIET, listen=address, bootstrap=bootstrap, reachable=None)
+    async with open_swarm(torch.nn.Linear(2, 2), SWARM, config, network=network,
                           rng=random.Random(address)) as node:
         task_status.started(node)
         await trio.sleep_forever()

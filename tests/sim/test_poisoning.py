@@ -30,6 +30,7 @@ import trio
 from trio.testing import MockClock
 
 from gossip import tensors
+from gossip.config import NodeConfig
 from gossip.node import open_swarm
 from gossip.simnet import SimNetwork
 from gossip.testing.hostile import HostilePeer, Reaction
@@ -63,9 +64,10 @@ async def train_swarm(seed: int, *, attacked: bool) -> Run:
         nodes, models = [], []
         for i in range(NODES):
             model = make_model(seed)
+            config = NodeConfig(listen=f"n{i}:7000",
+                                bootstrap=[nodes[0].address] if nodes else [])
             node = await stack.enter_async_context(open_swarm(
-                model, SWARM, network=net.host(f"n{i}"), listen=f"n{i}:7000",
-                bootstrap=[nodes[0].address] if nodes else [],
+                model, SWARM, config, network=net.host(f"n{i}"),
                 rng=random.Random(rng.getrandbits(64))))
             nodes.append(node)
             models.append(model)

@@ -19,9 +19,10 @@ from typing import AsyncIterator
 import trio
 from trio.testing import MockClock
 
+from gossip.config import MembershipConfig
 from gossip.handshake import Swarm
 from gossip.identity import PeerId
-from gossip.membership import MembershipConfig, State
+from gossip.membership import State
 from gossip.rotation import Holds
 from gossip.simnet import SimNetwork
 from tests.sim.swarm import SimNode, SimSwarm

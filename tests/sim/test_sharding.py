@@ -15,7 +15,7 @@ import trio
 from trio.testing import MockClock
 
 from daemon.sharding import choose_shard
-from gossip.membership import MembershipConfig
+from gossip.config import MembershipConfig
 from tests.sim.swarm import SimNode, SimSwarm, open_sim_swarm
 
 SHARDS = 4

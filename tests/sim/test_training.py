@@ -53,8 +53,7 @@ import torch
 import trio
 from trio.testing import MockClock
 
-from gossip.averaging import AveragingConfig
-from gossip.member import MembershipConfig
+from gossip.config import AveragingConfig, MembershipConfig, NodeConfig
 from gossip.node import SwarmNode, open_swarm
 from gossip.simnet import SimNetwork
 from tests.sim.digits import BATCH, Trainer, accuracy, digits, held_out_loss, make_model, shards
@@ -100,9 +99,9 @@ async def open_trained_swarm(net: SimNetwork, seed: int, *, average_every: int |
             model = make_model(seed)
             bootstrap = [peers[0].node.address] if peers else []
             node = await stack.enter_async_context(open_swarm(
-                model, SWARM, network=net.host(name), listen=f"{name}:7000",
-                bootstrap=bootstrap, config=config, membership=MEMBERSHIP,
-                rng=random.Random(rng.getrandbits(64))))
+                model, SWARM, NodeConfig(listen=f"{name}:7000", bootstrap=bootstrap,
+                                         averaging=config, membership=MEMBERSHIP),
+                network=net.host(name), rng=random.Random(rng.getrandbits(64))))
             peers.append(Peer(name, node, model))
         with trio.fail_after(30):
             for peer in peers:
@@ -159,9 +158,9 @@ async def test_a_joiner_starts_from_the_swarms_weights(autojump_clock: MockClock
         # A fresh initialization, not the swarm's: what the joiner would train from alone.
         model = make_model(seed + 1000)
         untrained = held_out_loss(model, data)
-        config = AveragingConfig(every=None, interval=None, start="auto")
-        async with open_swarm(model, SWARM, network=net.host("joiner"), listen="joiner:7000",
-                              bootstrap=[peers[0].node.address], config=config,
+        config = NodeConfig(listen="joiner:7000", bootstrap=[peers[0].node.address],
+                            averaging=AveragingConfig(every=None, interval=None, start="auto"))
+        async with open_swarm(model, SWARM, config, network=net.host("joiner"),
                               rng=random.Random(seed)) as joiner:
             with trio.fail_after(30):
                 await joiner.wait_ready()

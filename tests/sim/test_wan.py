@@ -8,6 +8,7 @@ be dropped promptly (:mod:`gossip.linkrate`). Real nodes (``open_swarm``) on a
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from contextlib import AsyncExitStack
 from typing import Callable
@@ -17,8 +18,9 @@ import torch
 import trio
 from trio.testing import MockClock
 
-from gossip import AveragingConfig, MembershipConfig, SimNetwork, Swarm, open_swarm
+from gossip import AveragingConfig, SimNetwork, Swarm, open_swarm
 from gossip.averaging import Exchange, Result
+from gossip.config import NodeConfig
 from gossip.linkrate import MIN_RATE, STALL
 from gossip.network import Network
 from gossip.node import SwarmNode
@@ -40,10 +42,11 @@ class Flat(torch.nn.Module):
 async def start(stack: AsyncExitStack, net: SimNetwork, name: str, model: torch.nn.Module,
                 config: AveragingConfig = OWN, bootstrap: tuple[SwarmNode, ...] = (),
                 on_exchange: Callable[[Exchange], None] | None = None) -> SwarmNode:
+    node_config = dataclasses.replace(NodeConfig.wan(), listen=f"{name}:7000",
+                                      bootstrap=[b.address for b in bootstrap], averaging=config)
     return await stack.enter_async_context(open_swarm(
-        model, SWARM, network=net.host(name), listen=f"{name}:7000",
-        bootstrap=[b.address for b in bootstrap], config=config,
-        membership=MembershipConfig.wan(), rng=random.Random(name), on_exchange=on_exchange))
+        model, SWARM, node_config, network=net.host(name), rng=random.Random(name),
+        on_exchange=on_exchange))
 
 
 async def sees_ready(node: SwarmNode) -> None:

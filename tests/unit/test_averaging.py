@@ -7,15 +7,15 @@ import dataclasses
 import math
 import random
 from contextlib import AsyncExitStack, asynccontextmanager
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Sequence
 
 import pytest
 import torch
 import trio
 
 from gossip import tensors
-from gossip.averaging import AveragingConfig, Exchange, Result
-from gossip.member import MembershipConfig
+from gossip.averaging import Exchange, Result
+from gossip.config import AveragingConfig, MembershipConfig, NodeConfig
 from gossip.network import TcpNetwork
 from gossip.messages import MAX_COUNT, Commit, Offer, PushPull
 from gossip.node import SwarmNode, open_swarm
@@ -102,6 +102,13 @@ MEMBERSHIP = MembershipConfig(gossip_interval=0.05, leave_timeout=0.5, probe_int
                               probe_timeout=4.0)
 
 
+def on_loopback(averaging: AveragingConfig, bootstrap: Sequence[str] = ()) -> NodeConfig:
+    """A node on 127.0.0.1, port 0, joining through ``bootstrap``, with these tests'
+    membership timing."""
+    return NodeConfig(listen="127.0.0.1:0", bootstrap=bootstrap, averaging=averaging,
+                      membership=MEMBERSHIP)
+
+
 def mlp(seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4),
@@ -127,8 +134,8 @@ async def enter_node(stack: AsyncExitStack, model: torch.nn.Module, config: Aver
                      on_exchange: Callable[[Exchange], None]) -> SwarmNode:
     """open_swarm on 127.0.0.1, port 0, entered on ``stack``."""
     return await stack.enter_async_context(open_swarm(
-        model, SWARM, listen="127.0.0.1:0", network=TcpNetwork(), bootstrap=bootstrap,
-        config=config, membership=MEMBERSHIP, rng=random.Random(seed), on_exchange=on_exchange))
+        model, SWARM, on_loopback(config, bootstrap), network=TcpNetwork(),
+        rng=random.Random(seed), on_exchange=on_exchange))
 
 
 @asynccontextmanager
@@ -465,13 +472,11 @@ async def test_a_liars_step_moves_nobody_past_the_median_the_members_announce() 
     async with AsyncExitStack() as stack:
         a = await enter_node(stack, mlp(24), config, [], "a", record)
         b = await stack.enter_async_context(open_swarm(
-            mlp(24), SWARM, listen="127.0.0.1:0", network=TcpNetwork(), bootstrap=[a.address],
-            config=config, membership=MEMBERSHIP, rng=random.Random("b"),
-            counters=Counters(MAX_COUNT, 0, 1.0)))
+            mlp(24), SWARM, on_loopback(config, [a.address]), network=TcpNetwork(),
+            rng=random.Random("b"), counters=Counters(MAX_COUNT, 0, 1.0)))
         c = await stack.enter_async_context(open_swarm(
-            mlp(24), SWARM, listen="127.0.0.1:0", network=TcpNetwork(), bootstrap=[a.address],
-            config=config, membership=MEMBERSHIP, rng=random.Random("c"),
-            counters=Counters(40, 0, 1.0)))
+            mlp(24), SWARM, on_loopback(config, [a.address]), network=TcpNetwork(),
+            rng=random.Random("c"), counters=Counters(40, 0, 1.0)))
         with trio.fail_after(DEADLINE):
             await until(lambda: len(a.roster.alive(ready=True)) == 2, a)
             while {b.peer_id, c.peer_id} - set(peers):
@@ -485,9 +490,9 @@ async def test_a_liars_step_moves_nobody_past_the_median_the_members_announce() 
                 await b.average_now()  # B picks A or C: until A has answered ten
         assert a.global_step <= 40
         joiner = await stack.enter_async_context(open_swarm(
-            mlp(25), SWARM, listen="127.0.0.1:0", network=TcpNetwork(), bootstrap=[a.address],
-            config=dataclasses.replace(config, start="download"), membership=MEMBERSHIP,
-            rng=random.Random("joiner")))
+            mlp(25), SWARM,
+            on_loopback(dataclasses.replace(config, start="download"), [a.address]),
+            network=TcpNetwork(), rng=random.Random("joiner")))
         with trio.fail_after(DEADLINE):
             await joiner.wait_ready()
         assert joiner.downloaded is not None and joiner.global_step == 40
@@ -551,9 +556,9 @@ async def test_a_correction_that_is_not_finite_or_far_too_long_is_a_strike(attac
         nodes: list[SwarmNode] = []
         for i, (model, optimizer) in enumerate(zip(models, optimizers)):
             nodes.append(await stack.enter_async_context(open_swarm(
-                model, SWARM, listen="127.0.0.1:0", network=TcpNetwork(), config=config,
-                bootstrap=[nodes[0].address] if nodes else [], membership=MEMBERSHIP,
-                rng=random.Random(i), optimizer=optimizer, on_exchange=ended.fire)))
+                model, SWARM, on_loopback(config, [nodes[0].address] if nodes else []),
+                network=TcpNetwork(), rng=random.Random(i), optimizer=optimizer,
+                on_exchange=ended.fire)))
         a, b = nodes
         with trio.fail_after(DEADLINE):
             await until(lambda: sees_ready(a, b), a)
@@ -586,9 +591,9 @@ async def test_a_newcomer_swaps_no_correction_so_none_moves_on_one_side_only() -
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     config = AveragingConfig(every=None, interval=None, start="own", trust_after=60.0)
     ended = Signal()
-    async with open_swarm(model, SWARM, listen="127.0.0.1:0", network=TcpNetwork(),
-                          config=config, membership=MEMBERSHIP, rng=random.Random(0),
-                          optimizer=optimizer, on_exchange=ended.fire) as node:
+    async with open_swarm(model, SWARM, on_loopback(config), network=TcpNetwork(),
+                          rng=random.Random(0), optimizer=optimizer,
+                          on_exchange=ended.fire) as node:
         with trio.fail_after(DEADLINE):
             await node.wait_ready()
         one_step(model, optimizer)

@@ -14,7 +14,8 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gossip.channel import MAX_RECORD, SecureChannel, Timeouts, connect, handshake, serve
+from gossip.channel import MAX_RECORD, SecureChannel, connect, handshake, serve
+from gossip.config import Timeouts
 from gossip.errors import (
     ChannelClosed,
     HandshakeError,

@@ -15,15 +15,15 @@ import gossip
 from daemon import config
 from daemon.config import (
     AveragingSection,
-    CheckpointConfig,
+    CheckpointSection,
     Config,
     ConfigError,
-    MetricsConfig,
-    NodeConfig,
-    SwarmConfig,
-    TaskConfig,
+    MetricsSection,
+    NodeSection,
+    SwarmSection,
+    TaskSection,
 )
-from gossip.tensors import CODECS
+from gossip.config import CODECS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -40,8 +40,8 @@ name = "lab"
 [task]
 entry = "examples.digits:task"
 """
-SECTIONS = [NodeConfig, SwarmConfig, TaskConfig, AveragingSection, CheckpointConfig,
-            MetricsConfig]
+SECTIONS = [NodeSection, SwarmSection, TaskSection, AveragingSection, CheckpointSection,
+            MetricsSection]
 PEER = "abcdefghijklmnopqrstuvwxyz"[:24] + "23"  # 26 characters of the base32 alphabet
 
 
@@ -61,9 +61,9 @@ def write(directory, text, name="gossipd.toml"):
 
 def test_minimal_file_loads_with_defaults(tmp_path):
     loaded = config.load(write(tmp_path, MINIMAL))
-    assert loaded == Config(node=NodeConfig(listen="127.0.0.1:7070"),
-                            swarm=SwarmConfig(name="lab"),
-                            task=TaskConfig(entry="examples.digits:task"), base=tmp_path)
+    assert loaded == Config(node=NodeSection(listen="127.0.0.1:7070"),
+                            swarm=SwarmSection(name="lab"),
+                            task=TaskSection(entry="examples.digits:task"), base=tmp_path)
     assert loaded.averaging == AveragingSection()
     assert loaded.task.options == {} and loaded.swarm.bootstrap == ()
     assert loaded.base.is_absolute()
@@ -236,11 +236,11 @@ def test_options_must_hold_toml_values():
 
 def test_building_a_bad_config_in_code_raises_config_error():
     with pytest.raises(ConfigError, match=r"^task\.device: expected auto"):
-        TaskConfig(entry="m:f", device="gpu")
+        TaskSection(entry="m:f", device="gpu")
     with pytest.raises(ValueError, match=r"^node\.advertise: required"):
-        Config(swarm=SwarmConfig(name="lab"), task=TaskConfig(entry="m:f"))
-    with pytest.raises(ConfigError, match=r"^swarm: expected a SwarmConfig"):
-        Config(swarm={"name": "lab"}, task=TaskConfig(entry="m:f"))
+        Config(swarm=SwarmSection(name="lab"), task=TaskSection(entry="m:f"))
+    with pytest.raises(ConfigError, match=r"^swarm: expected a SwarmSection"):
+        Config(swarm={"name": "lab"}, task=TaskSection(entry="m:f"))
     # Each section's defaults are valid on their own; presence is checked by Config.
     for cls in SECTIONS:
         cls()
@@ -248,8 +248,8 @@ def test_building_a_bad_config_in_code_raises_config_error():
 
 def test_sections_copy_and_normalize_what_they_are_given():
     options = {"layers": (1, 2)}
-    swarm = SwarmConfig(name="lab", bootstrap=["a:1"], allow=[gossip.PeerId(PEER)])
-    task = TaskConfig(entry="m:f", options=options)
+    swarm = SwarmSection(name="lab", bootstrap=["a:1"], allow=[gossip.PeerId(PEER)])
+    task = TaskSection(entry="m:f", options=options)
     options["layers"] = ()
     assert swarm.bootstrap == ("a:1",) and type(swarm.allow[0]) is str
     assert task.options == {"layers": [1, 2]}
@@ -476,14 +476,43 @@ def test_every_codec_is_one_the_library_knows(codec):
     assert AveragingSection(codec=codec).to_averaging().codec == codec
 
 
-def test_to_timeouts():
-    timeouts = AveragingSection(connect_timeout=1, handshake_timeout=2,
-                                record_timeout=3).to_timeouts()
-    assert timeouts == gossip.Timeouts(connect=1.0, handshake=2.0, record=3.0)
+def test_node_config_takes_the_timeouts_by_their_library_names():
+    cfg = config.from_dict(minimal(averaging={"connect_timeout": 1, "handshake_timeout": 2,
+                                              "record_timeout": 3}))
+    assert cfg.node_config().timeouts == gossip.Timeouts(connect=1.0, handshake=2.0, record=3.0)
+
+
+def test_node_config_takes_the_limits():
+    cfg = config.from_dict(minimal(swarm={"max_connections": 3, "max_handshakes_per_host": 2,
+                                          "peer_rate": 0.5, "peer_burst": 4}))
+    assert cfg.node_config().limits == gossip.Limits(max_connections=3, max_handshakes_per_host=2,
+                                                     peer_rate=0.5, peer_burst=4)
 
 
 def test_membership_profile():
     lan = config.from_dict(minimal())
     wan = config.from_dict(minimal(swarm={"profile": "wan"}))
-    assert lan.membership() == gossip.MembershipConfig()
-    assert wan.membership() == gossip.MembershipConfig.wan()
+    assert lan.node_config().membership == gossip.MembershipConfig()
+    assert wan.node_config().membership == gossip.MembershipConfig.wan()
+
+
+def test_node_config_of_the_defaults_is_the_librarys():
+    """Where the daemon keeps the library's defaults, its node config is the library's own
+    (the TOML-only spellings included: every, interval, mixing and the *_timeout keys)."""
+    node = config.from_dict(minimal()).node_config()
+    assert node == gossip.NodeConfig(listen="127.0.0.1:7070", reachable=None)
+
+
+def test_node_config_maps_the_node_and_swarm_keys():
+    cfg = config.from_dict(minimal(
+        node={"listen": "0.0.0.0:7070", "advertise": "10.0.0.5:7070", "reachable": False},
+        swarm={"bootstrap": ["10.0.0.1:7070"], "allow": [PEER]},
+        averaging={"every": 0, "mixing": "samples", "start": "download"}))
+    node = cfg.node_config()
+    assert (node.listen, node.advertise, node.bootstrap) == ("0.0.0.0:7070", "10.0.0.5:7070",
+                                                             ("10.0.0.1:7070",))
+    assert node.allow == frozenset({PEER}) and node.reachable is False
+    assert node.averaging == gossip.AveragingConfig(every=None, by_samples=True,
+                                                    start="download")
+    assert cfg.node_config(start="own").averaging.start == "own"  # resuming a checkpoint
+    assert config.from_dict(minimal(node={"reachable": True})).node_config().reachable is True

@@ -28,6 +28,7 @@ import gossip
 from daemon import checkpoint
 from daemon.metrics import Metrics
 from gossip import tensors
+from gossip.config import NodeConfig
 from gossip.identity import PeerId
 from gossip.member import Member, State
 from gossip.messages import MAX_COUNT, MAX_WEIGHT, Alive, Offer, StateInfo
@@ -71,8 +72,8 @@ def lone_stats() -> tuple[gossip.AveragingStatistics, gossip.RosterStatistics]:
     """A real node's statistics, as the template the property test fills with counters."""
     async def main() -> tuple:
         net = SimNetwork(seed=1)
-        async with gossip.open_swarm(model(), gossip.Swarm.generate("t"), network=net.host("a"),
-                                     listen="a:7000") as node:
+        async with gossip.open_swarm(model(), gossip.Swarm.generate("t"),
+                                     NodeConfig(listen="a:7000"), network=net.host("a")) as node:
             await node.wait_ready()
             return node.statistics(), node.roster.statistics()
     return trio.run(main, clock=MockClock(autojump_threshold=0))

@@ -12,6 +12,7 @@ import torch
 import trio
 
 import gossip
+from gossip.config import NodeConfig
 from gossip.replica import Replica
 from tests.util import SWARM
 
@@ -43,9 +44,10 @@ async def test_cuda_and_cpu_nodes_average_to_the_midpoint() -> None:
     expected = [(a.detach().cpu() + b.detach()) / 2
                 for a, b in zip(gpu.state_dict().values(), cpu.state_dict().values())
                 if a.is_floating_point()]
-    async with gossip.open_swarm(gpu, SWARM, config=CONFIG) as a:
-        async with gossip.open_swarm(cpu, SWARM, bootstrap=[a.address],
-                                     config=gossip.AveragingConfig(every=None, interval=None, start="own")) as b:
+    async with gossip.open_swarm(gpu, SWARM, NodeConfig(averaging=CONFIG)) as a:
+        own = gossip.AveragingConfig(every=None, interval=None, start="own")
+        async with gossip.open_swarm(cpu, SWARM, NodeConfig(bootstrap=(a.address,),
+                                                            averaging=own)) as b:
             while not b.roster.alive(ready=True):
                 await b.roster.wait_changed()
             with trio.fail_after(30):
@@ -62,7 +64,7 @@ def test_averager_trains_a_cuda_model() -> None:
     model = mlp(3).cuda()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = torch.randn(64, 16, device="cuda"), torch.randint(0, 4, (64,), device="cuda")
-    with gossip.Averager(model, SWARM, config=CONFIG) as avg:
+    with gossip.Averager(model, SWARM, NodeConfig(averaging=CONFIG)) as avg:
         for _ in range(5):
             loss = torch.nn.functional.cross_entropy(model(x), y)
             opt.zero_grad()

@@ -11,8 +11,8 @@ import trio
 from trio.testing import MockClock
 
 from gossip import exchange
-from gossip.averaging import AveragingConfig
-from gossip.channel import MAX_RECORD, Timeouts
+from gossip.channel import MAX_RECORD, phase_deadline, phase_deadline_at
+from gossip.config import AveragingConfig, Timeouts
 from gossip.errors import PeerGone, PeerTimeout
 from gossip.exchange import Deadlines
 from gossip.linkrate import ALPHA, MIN_RATE, MIN_SAMPLE, SLACK, STALL, LinkRates
@@ -202,3 +202,35 @@ async def test_a_peer_that_accepts_and_sends_nothing_fails_the_transfer_at_the_s
                                     torch.zeros(4), torch.zeros(4), schema, check, deadlines)
         assert trio.current_time() - start == pytest.approx(3.0)
         nursery.cancel_scope.cancel()
+
+
+# ---- the error boundary ------------------------------------------------------------------
+
+
+async def test_a_phase_deadline_that_passes_is_a_peer_timeout_naming_the_phase(
+        autojump_clock: MockClock) -> None:
+    start = trio.current_time()
+    with pytest.raises(PeerTimeout, match="peer ab12cd34 timed out during offer") as caught:
+        with phase_deadline(5.0, "ab12cd34", "offer"):
+            await trio.sleep_forever()
+    assert (caught.value.peer, caught.value.phase) == ("ab12cd34", "offer")
+    assert caught.value.__suppress_context__  # no TooSlowError behind it in the log
+    assert trio.current_time() - start == pytest.approx(5.0)
+    with pytest.raises(PeerTimeout, match="during commit"):
+        with phase_deadline_at(start + 7.0, "ab12cd34", "commit"):
+            await trio.sleep_forever()
+    assert trio.current_time() == pytest.approx(start + 7.0)
+
+
+async def test_a_phase_deadline_lets_the_blocks_own_errors_through(
+        autojump_clock: MockClock) -> None:
+    with phase_deadline(5.0, "ab12cd34", "transfer") as scope:
+        await trio.sleep(1.0)
+    assert not scope.cancelled_caught
+    with pytest.raises(PeerTimeout, match="during record"):
+        with phase_deadline(5.0, "ab12cd34", "transfer"):
+            raise PeerTimeout("ab12cd34", "record")
+    with trio.move_on_after(1.0) as outer:  # an outer scope's cancel is not this phase's
+        with phase_deadline(5.0, "ab12cd34", "transfer"):
+            await trio.sleep_forever()
+    assert outer.cancelled_caught

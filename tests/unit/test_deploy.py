@@ -23,6 +23,7 @@ from daemon import config as config_module
 from daemon.cli import main
 from daemon.config import from_dict
 from daemon.keys import write_swarm_key
+from gossip.config import NodeConfig
 from gossip.errors import PeerGone
 from gossip.network import TcpNetwork
 from gossip.roster import open_roster
@@ -346,10 +347,12 @@ async def test_a_host_name_is_resolved_when_dialed() -> None:
 async def test_joining_through_a_host_name() -> None:
     trio.socket.set_custom_hostname_resolver(Resolver({"seed.gossipd": "127.0.0.1"}))
     swarm, network = gossip.Swarm.generate("dns"), TcpNetwork()
-    async with open_roster(network, gossip.Identity.generate(), swarm, "127.0.0.1:0") as seed:
+    async with open_roster(network, gossip.Identity.generate(), swarm,
+                           NodeConfig(listen="127.0.0.1:0")) as seed:
         port = seed.address.rsplit(":", 1)[1]
-        async with open_roster(network, gossip.Identity.generate(), swarm, "127.0.0.1:0",
-                               bootstrap=[f"seed.gossipd:{port}"]) as joiner:
+        async with open_roster(network, gossip.Identity.generate(), swarm,
+                               NodeConfig(listen="127.0.0.1:0",
+                                          bootstrap=[f"seed.gossipd:{port}"])) as joiner:
             with trio.fail_after(20):
                 await joiner.wait_joined()
             assert joiner.joined

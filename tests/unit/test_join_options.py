@@ -345,8 +345,8 @@ def test_nothing_machine_local_travels(tmp_path: Path, capsys: pytest.CaptureFix
     run(capsys, "init", "--join", text, "--dir", str(b), "--listen", "0.0.0.0:7171")
     joined = config_module.load(b / "gossipd.toml")
     defaults = config_module.Config(complete=False)
-    assert joined.node == config_module.NodeConfig(listen="0.0.0.0:7171",
-                                                   advertise="198.51.100.4:7171")
+    assert joined.node == config_module.NodeSection(listen="0.0.0.0:7171",
+                                                    advertise="198.51.100.4:7171")
     assert joined.swarm.bootstrap == ("192.0.2.7:7070",)
     for section in ("checkpoint", "metrics"):
         assert getattr(joined, section) == getattr(defaults, section)

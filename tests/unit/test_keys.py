@@ -209,9 +209,9 @@ def test_join_line_carries_each_swarm_setting_unless_the_default(name: str, valu
 
 
 def test_join_line_settings_by_config_key() -> None:
-    from daemon.config import AveragingSection, SwarmConfig
+    from daemon.config import AveragingSection, SwarmSection
     assert line().settings() == {
-        "swarm.cipher": SwarmConfig().cipher, "swarm.profile": SwarmConfig().profile,
+        "swarm.cipher": SwarmSection().cipher, "swarm.profile": SwarmSection().profile,
         "averaging.codec": AveragingSection().codec, "averaging.mixing": "fixed",
         "averaging.weight": 0.5, "averaging.correction": True}
     assert line().settings(changed=True) == {}

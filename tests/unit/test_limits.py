@@ -14,11 +14,12 @@ from trio.testing import MockClock
 
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
-from gossip.channel import FIRST_MESSAGE_TIMEOUT, Timeouts, connect, serve
+from gossip.channel import FIRST_MESSAGE_TIMEOUT, connect, serve
+from gossip.config import Limits, NodeConfig, Timeouts
 from gossip.errors import GossipError
 from gossip.handshake import NoiseHandshake
 from gossip.identity import Identity
-from gossip.limits import Admission, Limits, RateLimit
+from gossip.limits import Admission, RateLimit
 from gossip.messages import Close, StateRequest
 from gossip.roster import open_roster
 from gossip.simnet import SimNetwork
@@ -107,7 +108,7 @@ async def echoes(client, identity: Identity) -> bool:
 async def test_connections_over_the_limit_are_closed_unread(autojump_clock: MockClock) -> None:
     net = SimNetwork(seed=1, latency=0.0)  # a close reaches the server before anything else runs
     client, client_id = net.host("c"), Identity.generate()
-    async with echo_server(net, max_connections=2) as refused:
+    async with echo_server(net, limits=Limits(max_connections=2)) as refused:
         # Two half-open connections take both places: they never send a handshake byte.
         held = [await client.dial("s:7000") for _ in range(2)]
         extra = await client.dial("s:7000")
@@ -135,7 +136,8 @@ async def closed_after(stream: trio.abc.Stream) -> float:
 async def test_a_new_connection_evicts_the_oldest_unproven_one_of_its_host(
         autojump_clock: MockClock) -> None:
     net = SimNetwork(seed=3, latency=0.0)
-    async with echo_server(net, max_connections=100, max_handshakes_per_host=2) as refused:
+    async with echo_server(net, limits=Limits(max_connections=100,
+                                              max_handshakes_per_host=2)) as refused:
         flooder = net.host("x")
         held = [await flooder.dial("s:7000") for _ in range(2)]
         extra = await flooder.dial("s:7000")
@@ -166,7 +168,8 @@ async def test_a_silent_connection_is_closed_at_the_first_message_deadline(
 async def test_a_connection_that_proved_the_key_is_not_evicted(autojump_clock: MockClock) -> None:
     net = SimNetwork(seed=5, latency=0.0)
     timeouts = Timeouts(handshake=5.0)
-    async with echo_server(net, max_handshakes_per_host=1, timeouts=timeouts) as refused:
+    async with echo_server(net, limits=Limits(max_handshakes_per_host=1),
+                           timeouts=timeouts) as refused:
         x = net.host("x")
         # A valid message 1 and no more: the key is proved, the handshake never finishes.
         proved = await x.dial("s:7000")
@@ -184,8 +187,8 @@ async def test_a_peer_over_its_rate_gets_its_channels_closed(autojump_clock: Moc
     net = SimNetwork(seed=2)
     limits = Limits(peer_rate=1.0, peer_burst=2)
     client_id, other_id = Identity.generate(), Identity.generate()
-    async with open_roster(net.host("s"), Identity.generate(), SWARM, "s:7000",
-                           limits=limits) as roster:
+    async with open_roster(net.host("s"), Identity.generate(), SWARM,
+                           NodeConfig(listen="s:7000", limits=limits)) as roster:
 
         async def ask(identity: Identity) -> bool:
             """Whether the roster answered (it refuses averaging: it has no handler)."""
@@ -212,8 +215,8 @@ async def test_a_peer_over_its_rate_gets_its_channels_closed(autojump_clock: Moc
 async def test_the_roster_counts_refusals_and_evictions_by_limit(autojump_clock: MockClock) -> None:
     net = SimNetwork(seed=6, latency=0.0)
     limits = Limits(max_connections=2, max_handshakes_per_host=1)
-    async with open_roster(net.host("s"), Identity.generate(), SWARM, "s:7000",
-                           limits=limits) as roster:
+    async with open_roster(net.host("s"), Identity.generate(), SWARM,
+                           NodeConfig(listen="s:7000", limits=limits)) as roster:
         first = await net.host("x").dial("s:7000")
         await net.host("x").dial("s:7000")  # evicts first
         assert await closed_after(first) == 0.0

@@ -15,9 +15,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gossip.config import MembershipConfig
 from gossip.errors import WireError
 from gossip.identity import peer_id_from_public_key
-from gossip.member import MembershipConfig, State
+from gossip.member import State
 from gossip.membership import (
     MAX_PACKET,
     Changed,

@@ -4,6 +4,7 @@ network, the HTTP endpoint, and the JSON-lines log."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -22,6 +23,7 @@ from trio.testing import MockClock
 import gossip
 from daemon import metrics as metrics_module
 from daemon.metrics import RATE_WINDOW, Metrics, MetricsLog
+from gossip.config import NodeConfig
 from gossip.simnet import SimNetwork
 from tests.util import Signal
 
@@ -145,13 +147,16 @@ def test_samples_per_second_over_the_window(monkeypatch: pytest.MonkeyPatch) -> 
 # Rounds only when the test asks; members trusted at once, so that both sides of an exchange
 # apply it (the newcomer rule has tests of its own in test_averaging).
 CONFIG = gossip.AveragingConfig(every=None, interval=None, trust_after=0.0)
+# Node a starts the swarm on its host of the simulated network; node b joins it.
+A = NodeConfig(listen="a:7000", averaging=CONFIG)
+B = NodeConfig(listen="b:7000", bootstrap=("a:7000",), averaging=CONFIG)
 
 
 async def test_sample_of_a_lone_node(autojump_clock: MockClock) -> None:
     net = SimNetwork(seed=1)
     m = Metrics()
-    async with gossip.open_swarm(torch.nn.Linear(2, 2), gossip.Swarm.generate("t"),
-                                 network=net.host("a"), listen="a:7000", config=CONFIG) as node:
+    async with gossip.open_swarm(torch.nn.Linear(2, 2), gossip.Swarm.generate("t"), A,
+                                 network=net.host("a")) as node:
         await node.wait_ready()
         node.replica.advance(4, 32)
         m.trained(4, 32, 0.5)
@@ -175,8 +180,8 @@ async def test_sample_of_a_lone_node(autojump_clock: MockClock) -> None:
 async def test_totals_sum_up_the_run_for_the_stop_event(autojump_clock: MockClock) -> None:
     net = SimNetwork(seed=1)
     m = Metrics()
-    async with gossip.open_swarm(torch.nn.Linear(2, 2), gossip.Swarm.generate("t"),
-                                 network=net.host("a"), listen="a:7000", config=CONFIG,
+    async with gossip.open_swarm(torch.nn.Linear(2, 2), gossip.Swarm.generate("t"), A,
+                                 network=net.host("a"),
                                  counters=gossip.Counters(step=100, samples=800, weight=1.0)
                                  ) as node:
         await node.wait_ready()
@@ -204,8 +209,8 @@ async def test_sample_counts_inbound_refusals_by_limit(autojump_clock: MockClock
     m = Metrics()
     limits = gossip.Limits(max_connections=2, max_handshakes_per_host=1)
     async with gossip.open_swarm(torch.nn.Linear(2, 2), gossip.Swarm.generate("t"),
-                                 network=net.host("a"), listen="a:7000", config=CONFIG,
-                                 limits=limits) as node:
+                                 dataclasses.replace(A, limits=limits),
+                                 network=net.host("a")) as node:
         first = await net.host("x").dial("a:7000")
         await net.host("x").dial("a:7000")  # x's second silent connection evicts its first
         assert await first.receive_some(1) == b""
@@ -224,8 +229,8 @@ async def test_sample_counts_inbound_refusals_by_limit(autojump_clock: MockClock
 async def test_sample_loss_is_none_before_any_finite_loss(autojump_clock: MockClock) -> None:
     net = SimNetwork(seed=1)
     m = Metrics()
-    async with gossip.open_swarm(torch.nn.Linear(2, 2), gossip.Swarm.generate("t"),
-                                 network=net.host("a"), listen="a:7000", config=CONFIG) as node:
+    async with gossip.open_swarm(torch.nn.Linear(2, 2), gossip.Swarm.generate("t"), A,
+                                 network=net.host("a")) as node:
         m.trained(1, 1, math.nan)
         assert m.sample(node)["loss"] is None
 
@@ -241,10 +246,9 @@ async def test_sample_after_an_exchange(autojump_clock: MockClock) -> None:
         told.fire()
 
     torch.manual_seed(0)
-    async with gossip.open_swarm(torch.nn.Linear(2, 2), swarm, network=net.host("a"),
-                                 listen="a:7000", config=CONFIG, on_exchange=on_exchange_a) as a:
-        async with gossip.open_swarm(torch.nn.Linear(2, 2), swarm, network=net.host("b"),
-                                     listen="b:7000", bootstrap=["a:7000"], config=CONFIG,
+    async with gossip.open_swarm(torch.nn.Linear(2, 2), swarm, A, network=net.host("a"),
+                                 on_exchange=on_exchange_a) as a:
+        async with gossip.open_swarm(torch.nn.Linear(2, 2), swarm, B, network=net.host("b"),
                                      on_exchange=mb.exchange) as b:
             await b.wait_ready()
             assert await b.average_now() is gossip.Result.COMMITTED
@@ -401,10 +405,12 @@ async def test_sample_counts_newcomers_offers(autojump_clock: MockClock) -> None
     swarm = gossip.Swarm.generate("t")
     m, told = Metrics(), Signal()
     young = gossip.AveragingConfig(every=None, interval=None, trust_after=60.0)
-    async with gossip.open_swarm(torch.nn.Linear(2, 2), swarm, network=net.host("a"),
-                                 listen="a:7000", config=young, on_exchange=told.fire) as a:
-        async with gossip.open_swarm(torch.nn.Linear(2, 2), swarm, network=net.host("b"),
-                                     listen="b:7000", bootstrap=["a:7000"], config=young) as b:
+    async with gossip.open_swarm(torch.nn.Linear(2, 2), swarm,
+                                 dataclasses.replace(A, averaging=young),
+                                 network=net.host("a"), on_exchange=told.fire) as a:
+        async with gossip.open_swarm(torch.nn.Linear(2, 2), swarm,
+                                     dataclasses.replace(B, averaging=young),
+                                     network=net.host("b")) as b:
             await b.wait_ready()
             assert await b.average_now() is gossip.Result.COMMITTED
             await told.wait_until(lambda: a.statistics().committed == 1)

@@ -5,7 +5,8 @@ own pings. The test plays every other member, as tests/unit/test_membership.py d
 
 import random
 
-from gossip.member import MembershipConfig, State
+from gossip.config import MembershipConfig
+from gossip.member import State
 from gossip.membership import OVERDUE_HEARTBEATS, Membership, PushPullWith
 from gossip.messages import Ack, Alive, Dead, Ping, PingReq, Suspect
 from gossip.suspicion import suspicion_bounds

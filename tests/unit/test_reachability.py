@@ -6,7 +6,8 @@ import functools
 
 import trio
 
-from gossip.channel import Timeouts, connect, serve
+from gossip.channel import connect, serve
+from gossip.config import Timeouts
 from gossip.identity import Identity
 from gossip.messages import Close, DialBack
 from gossip.errors import GossipError

@@ -10,9 +10,10 @@ import trio
 from trio.testing import MockClock
 
 from gossip.channel import connect
+from gossip.config import MembershipConfig, NodeConfig
 from gossip.handshake import Swarm
 from gossip.identity import Identity
-from gossip.membership import CLASH_CLAIMS, MembershipConfig, State
+from gossip.membership import CLASH_CLAIMS, State
 from gossip.messages import Alive, Close, Ping, StateRequest
 from gossip.network import TcpNetwork
 from gossip.roster import open_roster
@@ -32,11 +33,14 @@ async def test_three_nodes_over_real_sockets_join_and_leave() -> None:
     ids = [Identity.generate() for _ in range(3)]
     config = MembershipConfig(leave_timeout=0.5)
     with trio.fail_after(20):
-        async with open_roster(net, ids[0], SWARM, "127.0.0.1:0", config=config) as a:
-            async with open_roster(net, ids[1], SWARM, "127.0.0.1:0", config=config,
-                                   bootstrap=[a.address]) as b:
-                async with open_roster(net, ids[2], SWARM, "127.0.0.1:0", config=config,
-                                       bootstrap=[b.address]) as c:
+        async with open_roster(net, ids[0], SWARM,
+                               NodeConfig(listen="127.0.0.1:0", membership=config)) as a:
+            async with open_roster(net, ids[1], SWARM,
+                                   NodeConfig(listen="127.0.0.1:0", membership=config,
+                                              bootstrap=[a.address])) as b:
+                async with open_roster(net, ids[2], SWARM,
+                                       NodeConfig(listen="127.0.0.1:0", membership=config,
+                                                  bootstrap=[b.address])) as c:
                     await c.wait_joined()
                     for r in (a, b, c):
                         await wait_for(r, lambda r=r: len(r.alive()) == 2)
@@ -51,8 +55,9 @@ async def test_three_nodes_over_real_sockets_join_and_leave() -> None:
 async def test_garbage_datagrams_are_counted_and_change_nothing(autojump_clock: MockClock) -> None:
     net = SimNetwork(seed=1)
     a_id, b_id = Identity.generate(), Identity.generate()
-    async with open_roster(net.host("a"), a_id, SWARM, "a:7000") as a:
-        async with open_roster(net.host("b"), b_id, SWARM, "b:7000", bootstrap=["a:7000"]) as b:
+    async with open_roster(net.host("a"), a_id, SWARM, NodeConfig(listen="a:7000")) as a:
+        async with open_roster(net.host("b"), b_id, SWARM,
+                               NodeConfig(listen="b:7000", bootstrap=["a:7000"])) as b:
             await wait_for(a, lambda: len(a.alive()) == 1)
             attacker = await net.host("x").open_datagram("x:1")
             outsider = Sealer(Swarm.generate(SWARM.name))  # right name, wrong key
@@ -82,8 +87,9 @@ async def test_channels_that_are_not_push_pulls_go_to_the_handler(autojump_clock
 
     a_id, b_id = Identity.generate(), Identity.generate()
     request = StateRequest(bytes(16), "fp32")
-    async with open_roster(net.host("a"), a_id, SWARM, "a:7000", handler=handler):
-        async with open_roster(net.host("b"), b_id, SWARM, "b:7000"):
+    async with open_roster(net.host("a"), a_id, SWARM, NodeConfig(listen="a:7000"),
+                           handler=handler):
+        async with open_roster(net.host("b"), b_id, SWARM, NodeConfig(listen="b:7000")):
             for address, expected in (("a:7000", "handled"), ("b:7000", "only does membership")):
                 channel = await connect(net.host("c"), address, identity=Identity.generate(),
                                         swarm=SWARM)
@@ -99,8 +105,9 @@ async def test_join_retries_with_backoff_until_a_bootstrap_answers(autojump_cloc
     config = MembershipConfig()
     a_id, b_id = Identity.generate(), Identity.generate()
     net.host("nobody"), net.host("a")  # hosts that exist, with nothing listening yet
-    async with open_roster(net.host("b"), b_id, SWARM, "b:7000", config=config,
-                           bootstrap=["nobody:7000", "a:7000"]) as b:
+    async with open_roster(net.host("b"), b_id, SWARM,
+                           NodeConfig(listen="b:7000", membership=config,
+                                      bootstrap=["nobody:7000", "a:7000"])) as b:
         start = trio.current_time()
         await trio.sleep(60)
         refused = net.statistics().connections_refused
@@ -108,7 +115,8 @@ async def test_join_retries_with_backoff_until_a_bootstrap_answers(autojump_cloc
         # rounds (two dials each), not one per second.
         assert 4 <= refused <= 2 * 8
         assert not b.joined
-        async with open_roster(net.host("a"), a_id, SWARM, "a:7000", config=config) as a:
+        async with open_roster(net.host("a"), a_id, SWARM,
+                               NodeConfig(listen="a:7000", membership=config)) as a:
             with trio.fail_after(config.join_retry_max * 1.5 + config.push_pull_timeout):
                 await b.wait_joined()
             await wait_for(a, lambda: len(a.alive()) == 1)
@@ -118,8 +126,9 @@ async def test_join_retries_with_backoff_until_a_bootstrap_answers(autojump_cloc
 async def test_a_bootstrap_list_naming_only_ourselves_starts_a_swarm(autojump_clock: MockClock) -> None:
     net = SimNetwork(seed=1)
     config = MembershipConfig()
-    async with open_roster(net.host("a"), Identity.generate(), SWARM, "a:7000", config=config,
-                           bootstrap=["a:7000"]) as a:
+    async with open_roster(net.host("a"), Identity.generate(), SWARM,
+                           NodeConfig(listen="a:7000", membership=config,
+                                      bootstrap=["a:7000"])) as a:
         with trio.fail_after(5):
             await a.wait_joined()
         assert a.alive() == []
@@ -131,13 +140,14 @@ async def test_a_bootstrap_list_naming_only_ourselves_starts_a_swarm(autojump_cl
 async def test_a_table_of_long_addresses_crosses_in_pages(autojump_clock: MockClock) -> None:
     net = SimNetwork(seed=1)
     a_id, b_id = Identity.generate(), Identity.generate()
-    async with open_roster(net.host("a"), a_id, SWARM, "a:7000") as a:
+    async with open_roster(net.host("a"), a_id, SWARM, NodeConfig(listen="a:7000")) as a:
         # 600 members with the longest addresses a message allows: ~300 kB of table.
         long_host = "h" * 250
         for i in range(600):
             peer = Identity.generate().peer_id
             a._m._on_alive(trio.current_time(), Alive(peer, 0, f"{long_host}:{1000 + i}", 1, 0, False))
-        async with open_roster(net.host("b"), b_id, SWARM, "b:7000", bootstrap=["a:7000"]) as b:
+        async with open_roster(net.host("b"), b_id, SWARM,
+                               NodeConfig(listen="b:7000", bootstrap=["a:7000"])) as b:
             with trio.fail_after(30):
                 await b.wait_joined()
             assert len(b.members()) == 601
@@ -146,9 +156,10 @@ async def test_a_table_of_long_addresses_crosses_in_pages(autojump_clock: MockCl
 async def test_a_node_without_the_swarm_key_cannot_join(autojump_clock: MockClock) -> None:
     net = SimNetwork(seed=1)
     stranger = Swarm(SWARM.name, bytes(32))
-    async with open_roster(net.host("a"), Identity.generate(), SWARM, "a:7000") as a:
-        async with open_roster(net.host("x"), Identity.generate(), stranger, "x:7000",
-                               bootstrap=["a:7000"]) as x:
+    async with open_roster(net.host("a"), Identity.generate(), SWARM,
+                           NodeConfig(listen="a:7000")) as a:
+        async with open_roster(net.host("x"), Identity.generate(), stranger,
+                               NodeConfig(listen="x:7000", bootstrap=["a:7000"])) as x:
             await trio.sleep(30)
             assert a.alive() == [] and x.alive() == []
             assert not x.joined
@@ -157,8 +168,9 @@ async def test_a_node_without_the_swarm_key_cannot_join(autojump_clock: MockCloc
 async def test_metadata_reaches_the_others(autojump_clock: MockClock) -> None:
     net = SimNetwork(seed=1)
     a_id, b_id = Identity.generate(), Identity.generate()
-    async with open_roster(net.host("a"), a_id, SWARM, "a:7000") as a:
-        async with open_roster(net.host("b"), b_id, SWARM, "b:7000", bootstrap=["a:7000"]) as b:
+    async with open_roster(net.host("a"), a_id, SWARM, NodeConfig(listen="a:7000")) as a:
+        async with open_roster(net.host("b"), b_id, SWARM,
+                               NodeConfig(listen="b:7000", bootstrap=["a:7000"])) as b:
             await wait_for(a, lambda: len(a.alive()) == 1)
             assert a.random_alive(ready=True) is None
             b.set_meta(step=42, ready=True)
@@ -192,12 +204,14 @@ async def test_port_0_takes_another_port_when_the_stream_port_is_taken() -> None
     net = PortTakenFirst(taken)
     try:
         with trio.fail_after(20):
-            async with open_roster(net, Identity.generate(), SWARM, "127.0.0.1:0") as a:
+            async with open_roster(net, Identity.generate(), SWARM,
+                                   NodeConfig(listen="127.0.0.1:0")) as a:
                 port = int(a.address.rsplit(":", 1)[1])
                 assert net.datagram_ports[0] == taken and port == net.datagram_ports[-1] != taken
                 # Both halves of the roster answer on the new port: a peer can join through it.
-                async with open_roster(TcpNetwork(), Identity.generate(), SWARM, "127.0.0.1:0",
-                                       bootstrap=[a.address]) as b:
+                async with open_roster(TcpNetwork(), Identity.generate(), SWARM,
+                                       NodeConfig(listen="127.0.0.1:0",
+                                                  bootstrap=[a.address])) as b:
                     await wait_for(b, lambda: len(b.alive()) == 1)
     finally:
         for listener in listeners:
@@ -209,7 +223,8 @@ async def test_a_fixed_port_that_is_taken_is_an_error() -> None:
     taken = listeners[0].socket.getsockname()[1]
     try:
         with pytest.raises(OSError) as info:
-            async with open_roster(TcpNetwork(), Identity.generate(), SWARM, f"127.0.0.1:{taken}"):
+            async with open_roster(TcpNetwork(), Identity.generate(), SWARM,
+                                   NodeConfig(listen=f"127.0.0.1:{taken}")):
                 pass  # pragma: no cover
         assert info.value.errno == errno.EADDRINUSE
     finally:
@@ -223,9 +238,10 @@ async def test_a_node_that_cannot_join_says_why_at_a_slowing_pace(
     stranger = Swarm(SWARM.name, bytes(32))  # the right name, another key
     net.host("nobody")  # a host with nothing listening
     caplog.set_level("INFO", logger="gossip.roster")
-    async with open_roster(net.host("a"), Identity.generate(), SWARM, "a:7000"):
-        async with open_roster(net.host("x"), Identity.generate(), stranger, "x:7000",
-                               bootstrap=["a:7000", "nobody:7000"]) as x:
+    async with open_roster(net.host("a"), Identity.generate(), SWARM, NodeConfig(listen="a:7000")):
+        async with open_roster(net.host("x"), Identity.generate(), stranger,
+                               NodeConfig(listen="x:7000",
+                                          bootstrap=["a:7000", "nobody:7000"])) as x:
             start = trio.current_time()
             await trio.sleep(3600)
             assert not x.joined
@@ -245,9 +261,9 @@ async def test_a_node_that_cannot_join_says_why_at_a_slowing_pace(
 
 async def test_a_swarm_name_mismatch_is_named(autojump_clock: MockClock) -> None:
     net = SimNetwork(seed=1)
-    async with open_roster(net.host("a"), Identity.generate(), SWARM, "a:7000"):
+    async with open_roster(net.host("a"), Identity.generate(), SWARM, NodeConfig(listen="a:7000")):
         async with open_roster(net.host("x"), Identity.generate(), Swarm("other", SWARM.key),
-                               "x:7000", bootstrap=["a:7000"]) as x:
+                               NodeConfig(listen="x:7000", bootstrap=["a:7000"])) as x:
             await trio.sleep(5)
             assert x.trouble is not None
             assert "check swarm.name" in x.trouble.reasons["a:7000"]
@@ -259,8 +275,9 @@ async def test_two_nodes_with_one_identity_both_report_the_clash(
     # A copied data directory: the same identity key at two addresses.
     net = SimNetwork(seed=1)
     twin = Identity.generate()
-    async with open_roster(net.host("a"), twin, SWARM, "a:7000") as a:
-        async with open_roster(net.host("b"), twin, SWARM, "b:7000", bootstrap=["a:7000"]) as b:
+    async with open_roster(net.host("a"), twin, SWARM, NodeConfig(listen="a:7000")) as a:
+        async with open_roster(net.host("b"), twin, SWARM,
+                               NodeConfig(listen="b:7000", bootstrap=["a:7000"])) as b:
             await trio.sleep(10)
             assert not b.joined  # the copy does not take itself for the first node
             assert b.clash == "a:7000" and a.clash == "b:7000"
@@ -275,11 +292,13 @@ async def test_a_clone_that_joins_through_a_third_node_is_found_by_both(
         autojump_clock: MockClock) -> None:
     net = SimNetwork(seed=1)
     twin = Identity.generate()
-    async with open_roster(net.host("c"), Identity.generate(), SWARM, "c:7000") as c:
-        async with open_roster(net.host("a"), twin, SWARM, "a:7000", bootstrap=["c:7000"]) as a:
+    async with open_roster(net.host("c"), Identity.generate(), SWARM,
+                           NodeConfig(listen="c:7000")) as c:
+        async with open_roster(net.host("a"), twin, SWARM,
+                               NodeConfig(listen="a:7000", bootstrap=["c:7000"])) as a:
             await a.wait_joined()
-            async with open_roster(net.host("b"), twin, SWARM, "b:7000",
-                                   bootstrap=["c:7000"]) as b:
+            async with open_roster(net.host("b"), twin, SWARM,
+                                   NodeConfig(listen="b:7000", bootstrap=["c:7000"])) as b:
                 # Each side refutes the other's claims, which travel through c: the first
                 # claims come at once, the third within a few push-pull intervals; then it
                 # dials the address as itself, which only the clone can answer.
@@ -298,9 +317,10 @@ async def test_claims_in_gossip_alone_prove_no_clash(autojump_clock: MockClock) 
     # where an honest node (another identity) answers, and nothing is flagged.
     net = SimNetwork(seed=1)
     victim = Identity.generate()
-    async with open_roster(net.host("x"), Identity.generate(), SWARM, "x:7000") as x:
-        async with open_roster(net.host("v"), victim, SWARM, "v:7000",
-                               bootstrap=["x:7000"]) as v:
+    async with open_roster(net.host("x"), Identity.generate(), SWARM,
+                           NodeConfig(listen="x:7000")) as x:
+        async with open_roster(net.host("v"), victim, SWARM,
+                               NodeConfig(listen="v:7000", bootstrap=["x:7000"])) as v:
             await v.wait_joined()
             for incarnation in range(100, 100 + 2 * CLASH_CLAIMS):
                 v._m._on_alive(trio.current_time(),

@@ -1,12 +1,11 @@
-"""daemon.service without a swarm: the training loop's progress line is paced by time on a mock
-clock, whatever the speed of the steps; ``prepare`` binds ``node.listen`` before it imports the
-task, and says what each slow phase of start-up is waiting for."""
+"""The daemon without a swarm: the training loop's (daemon.train.Training) progress line is paced
+by time on a mock clock, whatever the speed of the steps; ``prepare`` binds ``node.listen``
+before it imports the task, and says what each slow phase of start-up is waiting for."""
 
 from __future__ import annotations
 
 import logging
 import socket
-import threading
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -17,9 +16,11 @@ from trio.testing import MockClock, wait_all_tasks_blocked
 
 from daemon.config import Config, from_dict
 from daemon.keys import write_swarm_key
-from daemon.service import Prepared, StartupError, _first_shard, _Service, prepare
+from daemon.checkpoint import Checkpointer
+from daemon.processes import Speaker
+from daemon.service import Prepared, StartupError, _first_shard, prepare
 from daemon.task import Shard
-from daemon.train import Chunk
+from daemon.train import Chunk, Stop, Training
 
 CHUNK = 0.1  # s of the mock clock each fake chunk takes
 
@@ -28,7 +29,7 @@ class FakeTrainer:
     """What the loop uses of a Trainer: a chunk is one step, and instant."""
 
     def __init__(self) -> None:
-        self.stop = threading.Event()
+        self.shard = Shard()
         self.task = SimpleNamespace(evaluate=None)
 
     def chunk(self, seconds: float, limit: int) -> Chunk:
@@ -40,6 +41,7 @@ class FakeNode:
     (the line reads the node's statistics)."""
 
     downloaded = None
+    replica = None  # read only by a node of several processes
 
     def __init__(self) -> None:
         self.lines: list[float] = []
@@ -75,13 +77,24 @@ def loop_config(**task: Any) -> Config:
                       "task": {"entry": "m:f", **task}})
 
 
+def training(clock: MockClock, config: Config, node: FakeNode, trainer: FakeTrainer,
+             choose_shard: bool = False) -> Training:
+    """The loop over fakes; its checkpoints are never due (every 300 s by default)."""
+    stop, metrics = Stop(), FakeMetrics(clock)
+    checkpoints = Checkpointer(config.path(config.checkpoint.dir), 1, metrics, no_event)
+    return Training(config, node, trainer, stop, checkpoints,  # type: ignore[arg-type]
+                    Speaker(None, [], stop), metrics, no_event,  # type: ignore[arg-type]
+                    choose_shard=choose_shard)
+
+
+def no_event(name: str, **fields: Any) -> None:
+    """The metrics log's ``event``, with no log file (``metrics.log`` unset)."""
+
+
 async def run_loop(clock: MockClock, config: Config) -> FakeNode:
-    prepared = SimpleNamespace(config=config, metrics=FakeMetrics(clock), log_file=None,
-                               choose_shard=False, group=None)
-    service = _Service(prepared, trio.Event(), None)  # type: ignore[arg-type]
-    service.node, service.trainer = FakeNode(), FakeTrainer()  # type: ignore[assignment]
-    await service.train()
-    return service.node  # type: ignore[return-value]
+    node = FakeNode()
+    await training(clock, config, node, FakeTrainer()).run()
+    return node
 
 
 async def test_a_fast_loop_logs_at_most_one_progress_line_per_interval(
@@ -121,14 +134,11 @@ class ShardTrainer(FakeTrainer):
 
 
 def shard_service(clock: MockClock, tmp_path: Path, announced: list[tuple[int, int]],
-                  bootstrap: list[str]) -> tuple[_Service, FakeNode, ShardTrainer]:
+                  bootstrap: list[str]) -> tuple[Training, FakeNode, ShardTrainer]:
     config = from_dict({"node": {"listen": "127.0.0.1:0"},
                         "swarm": {"name": "s", "bootstrap": bootstrap},
                         "task": {"entry": "m:f", "shard": "auto", "shards": 4, "max_steps": 1}},
                        tmp_path)
-    prepared = SimpleNamespace(config=config, metrics=FakeMetrics(clock), log_file=None,
-                               choose_shard=True, group=None)
-    service = _Service(prepared, trio.Event(), None)  # type: ignore[arg-type]
     node, trainer = FakeNode(), ShardTrainer()
     members = [SimpleNamespace(shard=i, shards=n) for i, n in announced]
 
@@ -140,8 +150,7 @@ def shard_service(clock: MockClock, tmp_path: Path, announced: list[tuple[int, i
     node.roster = SimpleNamespace(statistics=lambda: SimpleNamespace(alive=len(members)),
                                   alive=lambda: members, wait_joined=joined,
                                   set_meta=lambda **meta: node.said.append(meta))  # type: ignore
-    service.node, service.trainer = node, trainer  # type: ignore[assignment]
-    return service, node, trainer
+    return training(clock, config, node, trainer, choose_shard=True), node, trainer
 
 
 async def test_auto_takes_the_least_covered_shard_keeps_it_and_announces_it(
@@ -151,7 +160,7 @@ async def test_auto_takes_the_least_covered_shard_keeps_it_and_announces_it(
     announced = [(0, 4), (1, 4), (2, 4), (0, 4), (1, 4), (1, 2), (0, 0)]
     service, node, trainer = shard_service(mock_clock, tmp_path, announced, ["10.0.0.1:7070"])
     with caplog.at_level(logging.INFO, logger="daemon.service"):
-        await service.train()
+        await service.run()
     assert trainer.shard == Shard(3, 4) and trainer.first == [3]
     assert node.said == [{"shard": 3, "shards": 4}]  # type: ignore[attr-defined]
     assert (tmp_path / "shard").read_text() == "3/4\n"
@@ -168,7 +177,7 @@ async def test_auto_chooses_once_joined_before_the_download_ends(
     downloaded = trio.Event()
     node.wait_ready = downloaded.wait  # type: ignore[method-assign]
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(service.train)
+        nursery.start_soon(service.run)
         # Chosen (the file and the batches come from threads) while the download still runs.
         while trainer.shard.index == 0:
             await wait_all_tasks_blocked()
@@ -179,7 +188,7 @@ async def test_auto_chooses_once_joined_before_the_download_ends(
 async def test_auto_on_the_first_node_of_a_swarm_takes_shard_0(
         mock_clock: MockClock, tmp_path: Path) -> None:
     service, node, trainer = shard_service(mock_clock, tmp_path, [], [])
-    await service.train()
+    await service.run()
     assert trainer.shard == Shard(0, 4) and trainer.first == []  # already drawing from it
     assert node.said == [{"shard": 0, "shards": 4}]  # type: ignore[attr-defined]
     assert (tmp_path / "shard").read_text() == "0/4\n"

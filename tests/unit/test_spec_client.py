@@ -27,7 +27,8 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from gossip import Identity, Swarm, TcpNetwork, send_state, serve, tensors
-from gossip.membership import MembershipConfig, State
+from gossip.config import MembershipConfig, NodeConfig
+from gossip.membership import State
 from gossip.roster import open_roster
 
 # --- section 1.1 constants ---------------------------------------------------------------
@@ -575,8 +576,8 @@ async def receive_packet(sock, key):
 async def test_ping_is_acked_only_for_its_own_peer_id():
     swarm_key = os.urandom(32)
     ident = Identity.generate()
-    async with open_roster(TcpNetwork(), ident, Swarm(SWARM_NAME, swarm_key), "127.0.0.1:0",
-                           config=FAST) as roster:
+    async with open_roster(TcpNetwork(), ident, Swarm(SWARM_NAME, swarm_key),
+                           NodeConfig(listen="127.0.0.1:0", membership=FAST)) as roster:
         key = membership_key(SWARM_NAME, swarm_key)
         me = peer_id(raw_pub(Ed25519PrivateKey.generate()))
         sock, _ = await udp_socket()
@@ -620,8 +621,8 @@ async def receive_table(client: Client) -> list[list]:
 async def test_join_by_push_pull_then_answer_probes():
     swarm_key = os.urandom(32)
     ident = Identity.generate()
-    async with open_roster(TcpNetwork(), ident, Swarm(SWARM_NAME, swarm_key), "127.0.0.1:0",
-                           config=FAST) as roster:
+    async with open_roster(TcpNetwork(), ident, Swarm(SWARM_NAME, swarm_key),
+                           NodeConfig(listen="127.0.0.1:0", membership=FAST)) as roster:
         key = membership_key(SWARM_NAME, swarm_key)
         identity = Ed25519PrivateKey.generate()
         me = peer_id(raw_pub(identity))

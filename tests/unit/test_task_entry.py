@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from daemon.cli import main
-from daemon.config import ConfigError, TaskConfig, from_dict, render
+from daemon.config import ConfigError, TaskSection, from_dict, render
 from daemon.keys import write_swarm_key
 from daemon.task import TaskError, entry_file, load_entry, parse_entry
 
@@ -98,7 +98,7 @@ def test_a_module_that_is_not_there_hints_at_the_file_form(layout: Path) -> None
 @pytest.mark.parametrize("entry", ["x.py:task", "./x.py:task", "../x.py:task", "sub/x.py:task",
                                    "/srv/x.py:task", "package.module:task", "module:task"])
 def test_every_form_is_a_valid_entry(entry: str) -> None:
-    assert TaskConfig(entry=entry).entry == entry
+    assert TaskSection(entry=entry).entry == entry
     assert parse_entry(entry)[1] == "task"
 
 
@@ -112,7 +112,7 @@ def test_every_form_is_a_valid_entry(entry: str) -> None:
 ])
 def test_malformed_entries_are_config_errors(entry: str, fragment: str) -> None:
     with pytest.raises(ConfigError, match=f"^task.entry: .*{fragment}"):
-        TaskConfig(entry=entry)
+        TaskSection(entry=entry)
     with pytest.raises(TaskError, match=fragment):
         load_entry(entry)
 
