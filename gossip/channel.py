@@ -21,11 +21,11 @@ few system calls and few AEAD invocations.
 Every read is bounded before allocation: a record header announcing more than
 ``MAX_RECORD + 16`` bytes is a protocol error, and the body is read into a buffer allocated
 once per channel. Every read is bounded in time too: the wait for the *next* record is the
-caller's phase deadline (``trio.fail_after`` around the call), and once a record has begun,
-the rest of it must arrive within ``Timeouts.record`` (the slowloris guard). While a payload
-streams (:meth:`SecureChannel.stall_guard`), a stall deadline moves with every byte received:
-``stall`` seconds without one, inside a record or between two, drop the peer however long
-the payload's own deadline is (:mod:`gossip.linkrate`).
+caller's phase deadline (:func:`~gossip.groups.phase_deadline` around the call), and once
+a record has begun, the rest of it must arrive within ``Timeouts.record`` (the slowloris
+guard). While a payload streams (:meth:`SecureChannel.stall_guard`), a stall deadline moves
+with every byte received: ``stall`` seconds without one, inside a record or between two,
+drop the peer however long the payload's own deadline is (:mod:`gossip.linkrate`).
 
 Any failure to receive (bad length, failed authentication, truncation, a reset) breaks the
 channel: the stream is closed, the error is raised, nothing from the bad record is delivered,
@@ -79,6 +79,7 @@ from .config import Limits, Timeouts
 from .identity import Identity, PeerId
 from .limits import Admission
 from .messages import Message
+from .groups import phase_deadline
 from .network import Network, peer_host
 from .wire import FRAME_HEADER, decode, encode, encode_frame, frame_length
 
@@ -87,8 +88,6 @@ __all__ = [
     "FIRST_MESSAGE_TIMEOUT",
     "Timeouts",
     "ChannelStatistics",
-    "phase_deadline",
-    "phase_deadline_at",
     "SecureChannel",
     "handshake",
     "connect",
@@ -134,33 +133,6 @@ class _Counts:
     records_received: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
-
-
-@contextmanager
-def phase_deadline_at(deadline: float, peer: object, phase: str) -> Iterator[trio.CancelScope]:
-    """``trio.fail_at(deadline)`` at the error boundary: a deadline that passes raises
-    :class:`~gossip.errors.PeerTimeout` ``(peer, phase)``, not ``trio.TooSlowError``, so the
-    caller's callers catch :class:`~gossip.errors.GossipError` alone.
-
-    Raises:
-        PeerTimeout: ``deadline`` (on trio's clock) passed inside the block.
-    """
-    try:
-        with trio.fail_at(deadline) as scope:
-            yield scope
-    except trio.TooSlowError:
-        raise PeerTimeout(peer, phase) from None
-
-
-@contextmanager
-def phase_deadline(seconds: float, peer: object, phase: str) -> Iterator[trio.CancelScope]:
-    """``trio.fail_after(seconds)`` at the error boundary: as :func:`phase_deadline_at`.
-
-    Raises:
-        PeerTimeout: ``seconds`` passed inside the block.
-    """
-    with phase_deadline_at(trio.current_time() + seconds, peer, phase) as scope:
-        yield scope
 
 
 class _Reader:
@@ -505,8 +477,8 @@ async def handshake(
     previous: bool = False,
 ) -> SecureChannel:
     """Run the secure handshake over ``stream`` and return the channel. Takes no deadline:
-    wrap it in ``trio.fail_after`` (``connect`` and ``serve`` do). On any failure the stream
-    is closed.
+    wrap it in :func:`~gossip.groups.phase_deadline` (``connect`` and ``serve`` do). On any
+    failure the stream is closed.
 
     Args:
         allow: peer ids accepted on the other side; None accepts any holder of the swarm

@@ -75,8 +75,9 @@ def setting(default: Any, doc: str, check: Check | None = None, *,
 _KINDS = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
 
 
-def problem(f: dataclasses.Field, value: Any) -> str | None:
-    """What is wrong with ``value`` for the setting ``f``, or None."""
+def problem(f: dataclasses.Field, value: Any, *, finite: bool = True) -> str | None:
+    """What is wrong with ``value`` for the setting ``f``, or None. ``finite``: an infinite
+    float is wrong too (NaN always is)."""
     if value is None and f.metadata["optional"]:
         return None
     kind = type(f.default)
@@ -86,21 +87,23 @@ def problem(f: dataclasses.Field, value: Any) -> str | None:
     if not ok:
         expected = _KINDS[kind] + (" or None" if f.metadata["optional"] else "")
         return f"expected {expected}, got {reprlib.repr(value)}"
-    if kind is float and not math.isfinite(value):
+    if kind is float and (math.isnan(value) or finite and math.isinf(value)):
         return f"expected a finite number, got {value!r}"
     check = f.metadata["check"]
     return check(value) if check is not None else None
 
 
 class _Settings:
-    """Validation shared by the settings classes. ``section`` names them in errors: a plain
-    class attribute (it has no annotation), not a field."""
+    """Validation shared by the settings classes. ``section`` names them in errors, and
+    ``finite`` says whether an infinite time is refused: plain class attributes (they have no
+    annotation), not fields."""
 
     section = ""
+    finite = True
 
     def __post_init__(self) -> None:
         for f in fields(self):  # type: ignore[arg-type]
-            wrong = problem(f, getattr(self, f.name))
+            wrong = problem(f, getattr(self, f.name), finite=self.finite)
             if wrong:
                 raise self.refuse(f.name, wrong)
 
@@ -189,6 +192,7 @@ class MembershipConfig(_Settings):
     profile. N below is the number of members believed alive, this node included."""
 
     section = "membership"
+    finite = False  # an infinite time means never (reap_after: never forget a member)
     probe_interval: float = setting(1.0, "s; one probe per period, times (local health score "
                                     "+ 1)", POSITIVE)
     probe_timeout: float = setting(0.5, "s; wait for a direct Ack before asking helpers; same "
@@ -253,8 +257,8 @@ class Timeouts(_Settings):
     """Deadlines, in seconds, one per phase of a channel (:mod:`gossip.channel`).
 
     These are the only timeouts the library takes as arguments (everywhere else the caller
-    wraps its awaits in ``trio.fail_after``): ``connect`` and ``serve`` compose two phases, and
-    the record deadline is a property of the connection that guards every read, whoever the
+    wraps its awaits in :func:`~gossip.groups.phase_deadline`): ``connect`` and ``serve``
+    compose two phases, and the record deadline is a property of the connection that guards every read, whoever the
     caller is. A 1 MiB record must cross the link within ``record`` seconds: the default
     gives it 35 kB/s, below the slowest link a transfer is given time for
     (:data:`gossip.linkrate.MIN_RATE`, 50 kB/s), so on a thin link a payload's own deadline,
@@ -264,6 +268,7 @@ class Timeouts(_Settings):
     """
 
     section = "timeouts"
+    finite = False  # an infinite deadline is no deadline
     connect: float = setting(5.0, "s to open a TCP connection (> 0)", POSITIVE)
     handshake: float = setting(5.0, "s for the whole handshake (> 0)", POSITIVE)
     record: float = setting(30.0, "s from a record's first byte to its last (> 0); 30 lets a "

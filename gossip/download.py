@@ -51,10 +51,11 @@ from typing import Any, Callable
 import cbor2
 import trio
 
-from .channel import SecureChannel, connect, phase_deadline
+from .channel import SecureChannel, connect
 from .config import Timeouts
 from .errors import (DownloadFailed, GossipError, PeerTimeout, RemoteProtocolError,
                      SchemaRefused, WireError)
+from .groups import phase_deadline
 from .handshake import Swarm
 from .identity import Identity, PeerId
 from .linkrate import STALL, LinkRates
@@ -201,7 +202,8 @@ async def serve_download(channel: SecureChannel, request: StateRequest, replica:
     elif not ready or serving[0] >= MAX_SERVING:
         refusal = Close(Close.BUSY, "not ready" if not ready else "serving other downloads")
     if refusal is not None:
-        await channel.send_closing(*before, refusal)
+        await channel.send_closing(*before)  # its own grace, as the refusal has
+        await channel.send_closing(refusal)
         return False
     try:
         meta = encode_meta(replica.int_buffers(), task())

@@ -49,9 +49,9 @@ from typing import Any, Awaitable, Callable, Protocol
 import torch
 import trio
 
-from .channel import SecureChannel, phase_deadline, phase_deadline_at
+from .channel import SecureChannel
 from .errors import GossipError, PeerTimeout, RemoteProtocolError, SchemaMismatch
-from .groups import first_error
+from .groups import first_error, phase_deadline, phase_deadline_at
 from .linkrate import STALL
 from .messages import Accept, Close, Commit, Offer, SchemaInfo
 from .mismatch import explain

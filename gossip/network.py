@@ -13,7 +13,7 @@ pass the same conformance suite (``tests/conformance.py``, run by
 Addresses are ``"host:port"`` strings (``"[::1]:7070"`` for IPv6). The network layer moves
 bytes and nothing else: authentication and framing live in :mod:`gossip.channel`. Neither
 :meth:`Network.dial` nor the stream reads take a timeout: callers wrap them in
-``trio.fail_after`` with the deadline of their phase.
+:func:`~gossip.groups.phase_deadline` with the deadline of their phase.
 
 Errors: a dial to an address with nobody listening, a reset connection, or a crashed host
 raise :class:`~gossip.errors.PeerGone`; stream reads return ``b""`` at a clean end of stream

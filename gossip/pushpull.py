@@ -19,7 +19,8 @@ message may be, so it travels as a sequence of :class:`~gossip.messages.PushPull
 
 Pages carry no sequence numbers: the channel delivers them in order, authenticated, so the
 only sequence to check is "pages, then a last one". Nothing here does I/O; the caller sends
-and receives the messages (the roster's thin loop: :func:`gossip.roster.open_roster`).
+and receives the messages (:mod:`gossip.tables`, the thin loop the roster and the clash watch
+use).
 """
 
 from __future__ import annotations

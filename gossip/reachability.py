@@ -41,31 +41,43 @@ their own check. Its answer says only that the dial failed,
 never how (refused, timed out, handshake failed), so a member is no port-scanning oracle. A
 request from a peer the member does not know yet is refused without dialing (``Close(BUSY)``:
 no verdict; the requester asks another member, or later).
+
+A roster runs both sides through one :class:`ReachabilityCheck`: its join loop calls
+:meth:`ReachabilityCheck.run` after joining and whenever :meth:`ReachabilityCheck.due`, and
+its channel server hands every channel that opens with a ``DialBack`` to
+:meth:`ReachabilityCheck.on_dial_back`.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import secrets
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Awaitable, Callable
 
 import trio
 
 from .address import parse_address
-from .channel import SecureChannel, connect, phase_deadline
-from .config import Timeouts
+from .channel import SecureChannel, connect
+from .config import NodeConfig, Timeouts
 from .errors import GossipError, PeerTimeout
-from .groups import one_error
+from .groups import one_error, phase_deadline
 from .handshake import Swarm
 from .identity import Identity, PeerId
 from .limits import RateLimit
-from .messages import Close, DialBack
+from .membership import Effect, Member, Membership
+from .messages import DIAL_BACK_NONCE, Close, DialBack
 from .network import Network
 
-__all__ = ["Reachability", "DialBacks", "ask", "answer", "GRACE", "RECHECK", "MAX_RUNNING",
-           "GAP"]
+__all__ = ["Reachability", "ReachabilityCheck", "DialBacks", "ask", "answer", "GRACE",
+           "RECHECK", "MAX_RUNNING", "GAP"]
 
 log = logging.getLogger(__name__)
+# The roster's log, for what ReachabilityCheck tells the operator: these lines were always
+# the roster's, and operators filter on its name (docs/OPERATIONS.md quotes one).
+roster_log = logging.getLogger("gossip.roster")
 
 GRACE = 2.0  # s we wait for the member's channel once it says it got through
 RECHECK = 600.0  # s between checks while we find ourselves unreachable
@@ -221,3 +233,145 @@ async def answer(channel: SecureChannel, request: DialBack, address: str, *,
         await channel.send_message(request if reached else Close(
             Close.REJECTED, f"no channel to {address} within {limit:g} s"[:200]))
     return reached
+
+
+class ReachabilityCheck:
+    """Both sides of the check, as a roster runs them: whether we are reachable (configured,
+    or what the last check found), the check of our own in flight and when to run it again,
+    and the admission of the dial-backs we run for others (:class:`DialBacks`).
+
+    Args:
+        config: the node's settings: ``reachable`` (None: find out), ``bootstrap`` (none:
+            the swarm's first node, taken to be reachable) and ``timeouts``.
+        alive: the roster's :meth:`~gossip.roster.Roster.alive`: whom to ask.
+        queue: carries out effects of the roster's machine (the announcement that we are
+            reachable).
+        push_pull: push-pulls with a member (address, peer id) once we are found reachable.
+        changed: tells the roster's waiters that :attr:`reachability` changed.
+    """
+
+    def __init__(self, network: Network, identity: Identity, swarm: Swarm, config: NodeConfig,
+                 *, alive: Callable[..., list[Member]], queue: Callable[[list[Effect]], None],
+                 push_pull: Callable[[str, PeerId], Awaitable[object]],
+                 changed: Callable[[], None]) -> None:
+        self._network = network
+        self._identity = identity
+        self._swarm = swarm
+        self._timeouts = config.timeouts
+        self._alive = alive
+        self._queue = queue
+        self._push_pull = push_pull
+        self._changed = changed
+        if config.reachable is not None:
+            self._reachability = Reachability(config.reachable, "set", False, "configured")
+        elif not config.bootstrap:
+            self._reachability = Reachability(True, "auto", False, "the swarm's first node (no "
+                                              "bootstrap address): taken to be reachable")
+        else:
+            self._reachability = Reachability(False, "auto", False, "not checked yet")
+        self._pending: tuple[bytes, trio.Event] | None = None  # our check in flight
+        self._dial_backs = DialBacks()  # the checks we run for others
+        self._next = math.inf  # when to check again (auto, while unreachable)
+
+    @property
+    def reachability(self) -> Reachability:
+        return self._reachability
+
+    def due(self, now: float) -> bool:
+        """Whether to check again now (a check without a verdict, or :data:`RECHECK` after
+        one that found us unreachable)."""
+        return now >= self._next
+
+    async def run(self, m: Membership, first: PeerId | None) -> None:
+        """In auto mode, until one check has found us reachable: ask up to three members, in
+        turn, to dial us back, until one gives a verdict; announce the outcome.
+
+        Args:
+            m: the roster's machine: its rng, and our own record.
+            first: the member we joined through, asked first.
+        """
+        if self._reachability.mode != "auto" or self._reachability.reachable:
+            return
+        # The member we joined through first: it surely knows us, and we could dial it. Then
+        # reachable members, then the others, which may only be unchecked yet (every node of
+        # a swarm started together with "auto" announces itself unreachable at first): a
+        # dial-back needs only that we can dial the member, and it us.
+        rng = m.rng
+        reachable, others = self._alive(reachable=True), self._alive(reachable=False)
+        head = [member for member in reachable + others if member.peer == first]
+        asked = head + [member for member in (rng.sample(reachable, len(reachable))
+                                              + rng.sample(others, len(others)))
+                        if member not in head]
+        asked = asked[:3]
+        detail, verdict = "no member to ask yet", False
+        for member in asked:
+            nonce = secrets.token_bytes(DIAL_BACK_NONCE)
+            reached = trio.Event()
+            self._pending = (nonce, reached)
+            tried = False
+            try:
+                tried, detail = await ask(
+                    self._network, member.peer, member.address, identity=self._identity,
+                    swarm=self._swarm, timeouts=self._timeouts, nonce=nonce, reached=reached)
+            except GossipError as exc:
+                detail = f"asking {member.peer.short} failed: {exc}"
+            finally:
+                self._pending = None
+            verdict = reached.is_set() or tried
+            if verdict:
+                break  # a request that failed, or was refused, is none: ask the next
+            roster_log.info("dial-back check got no verdict: %s", detail)
+        reachable = verdict and reached.is_set()
+        # No verdict (nobody to ask, or nobody tried): ask again at the join loop's next turn.
+        self._next = (math.inf if reachable else trio.current_time()
+                      + (RECHECK if verdict else 0.0))
+        self._verdict(m.myself().address, reachable, detail, checked=verdict)
+        if reachable:
+            self._queue(m.set_meta(trio.current_time(), reachable=True))
+            # Tell the member we asked at once, by push-pull: gossip goes to reachable members
+            # only, and in a swarm started together, with every node checking, it may hold
+            # no member reachable yet, nor anyone us.
+            try:
+                await self._push_pull(member.address, member.peer)
+            except GossipError as exc:
+                roster_log.debug("push-pull after the dial-back failed peer=%s: %s",
+                                 member.peer.short, exc)
+
+    def _verdict(self, address: str, reachable: bool, detail: str, *, checked: bool) -> None:
+        self._reachability = Reachability(reachable, "auto",
+                                          checked or self._reachability.checked, detail)
+        if reachable:
+            roster_log.info("reachable: other members can dial us at %s (%s)", address, detail)
+        elif checked:
+            roster_log.warning("not reachable at %s (%s): this node trains and averages "
+                               "outbound only, and nobody dials it; to be a full member, let "
+                               "TCP and UDP in to that address (forward the port) or set "
+                               "node.advertise; checking again in %.0f s", address, detail,
+                               RECHECK)
+        self._changed()
+
+    async def on_dial_back(self, channel: SecureChannel, first: DialBack,
+                           record: Member | None) -> None:
+        """A ``DialBack`` opening a channel: the answer to our own check (its nonce), or a
+        member's request that we dial it back (``record``: the requester's own member
+        record, None if it is not in our table).
+
+        Raises:
+            GossipError: the channel failed while we answered (see :func:`answer`).
+        """
+        pending = self._pending
+        if pending is not None and first.nonce == pending[0]:
+            pending[1].set()
+            return
+        refusal = ("you are not in my member table yet" if record is None
+                   else self._dial_backs.refusal(str(channel.peer), record.address,
+                                                 trio.current_time()))
+        if refusal is not None:  # Close(BUSY): no verdict, the requester asks elsewhere
+            await channel.send_closing(Close(Close.BUSY, refusal))
+            return
+        assert record is not None
+        try:
+            await answer(channel, first, record.address, network=self._network,
+                         identity=self._identity, swarm=self._swarm, timeouts=self._timeouts)
+        finally:
+            self._dial_backs.done()

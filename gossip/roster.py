@@ -12,7 +12,11 @@ them with three kinds of task, all in the roster's own nursery:
   or a call moved it earlier), ticks it, and carries out the effects;
 * *push-pulls* swap full member tables over a secure channel, one task each, at most
   :data:`MAX_PUSH_PULLS` at a time; joining is a push-pull with a bootstrap address, retried
-  with exponential backoff while none answers.
+  with exponential backoff while none answers (the join loop, :mod:`gossip.bootstrap`).
+
+Two checks run beside them, each its own module that the roster gives only what it needs:
+whether another process runs with our identity (:mod:`gossip.clash`), and whether others
+can dial us (the dial-back check, :mod:`gossip.reachability`).
 
 A push-pull is three steps: the initiator sends its table, the responder merges it and sends
 its own (so the table the initiator gets already carries any refutation the responder had to
@@ -20,7 +24,8 @@ make), and the initiator merges that and sends its own record once more (so a re
 its side reaches the responder too). Both ends then hold the other alive at a fresh
 incarnation even if each had declared the other dead, which is how the halves of a healed
 partition find their way back. Tables travel in pages; cutting and reassembling them, and
-refusing a table no honest sender sends, is pure protocol logic in :mod:`gossip.pushpull`.
+refusing a table no honest sender sends, is pure protocol logic in :mod:`gossip.pushpull`
+(sent and read by :mod:`gossip.tables`).
 
 Datagrams that fail to open or decode are dropped and counted; they never stop the roster.
 Every effect's network wait is under a deadline; a deadline missed is a
@@ -32,37 +37,29 @@ from __future__ import annotations
 
 import errno
 import logging
-import math
 import random
-import secrets
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from typing import AsyncIterator, Awaitable, Callable
 
 import trio
 
 from .address import parse_address
+from .bootstrap import Joiner, JoinTrouble
 from .channel import SecureChannel, connect, serve
+from .clash import ClashWatch
 from .config import NodeConfig
-from .errors import (
-    GossipError,
-    HandshakeClosed,
-    HandshakeError,
-    IdentityClash,
-    PeerGone,
-    PeerTimeout,
-)
-from .groups import one_error
+from .errors import GossipError
+from .groups import one_error, phase_deadline
 from .handshake import PROTOCOL_VERSION, Swarm
 from .identity import Identity, PeerId
 from .limits import RateLimit
 from .membership import Changed, Effect, Member, Membership, PushPullWith, Send, State
-from .messages import DIAL_BACK_NONCE, Close, DialBack, MemberState, Message, PushPull
+from .messages import Close, DialBack, Message, PushPull
 from .network import DatagramEndpoint, Network
-from . import pushpull, reachability
-from .pushpull import MAX_RECORD_BYTES as MAX_RECORD_BYTES  # its old home: test_wire imports it
-from .reachability import DialBacks, Reachability
+from .reachability import Reachability, ReachabilityCheck
 from .seal import Sealer
+from .tables import receive_table, send_table
 
 __all__ = ["JoinTrouble", "Roster", "RosterStatistics", "open_roster", "MAX_PUSH_PULLS"]
 
@@ -70,8 +67,6 @@ log = logging.getLogger(__name__)
 
 PORT_ATTEMPTS = 8  # ports tried for listen port 0 when the stream port is taken
 MAX_PUSH_PULLS = 2  # outgoing push-pulls in flight at once; more are skipped, not queued
-FIRST_WARNING_GAP = 30.0  # s from the first "cannot join" warning to the next
-MAX_WARNING_GAP = 600.0  # s: the warnings' gap doubles up to this
 SEND_TIMEOUT = 0.1  # s one datagram send may take (a host name's lookup included)
 
 # What a channel whose first message is not a PushPull is handed to (averaging, later).
@@ -135,7 +130,6 @@ class Roster:
         self._drained = trio.Event()  # set by the ticker whenever no update is left to gossip
         self._pending: list[Effect] = []  # effects of calls from other tasks, for the ticker
         self._changed = trio.Event()
-        self._joined = trio.Event()
         self._left = False
         self._dead = False
         self._push_pulls = 0
@@ -145,23 +139,18 @@ class Roster:
         self._rate = RateLimit(config.limits.peer_rate, config.limits.peer_burst)
         self._over_limit = {"max_connections": 0, "max_handshakes_per_host": 0}  # by serve
         self._channels_limited = 0
-        self._clash: str | None = None  # proven: a channel with our identity from there
-        self._watching_clash = False  # a task checks the clash now (_watch_clash)
-        self._trouble: JoinTrouble | None = None  # bootstrap attempts failing since
-        self._warned_at = -math.inf  # when the last join warning was logged
-        self._warning_gap = FIRST_WARNING_GAP  # until the next one; doubles each time
-        # Whether others can dial us: configured, or (None) found out by a dial-back check.
-        if config.reachable is not None:
-            self._reachability = Reachability(config.reachable, "set", False, "configured")
-        elif not config.bootstrap:
-            self._reachability = Reachability(True, "auto", False, "the swarm's first node (no "
-                                              "bootstrap address): taken to be reachable")
-        else:
-            self._reachability = Reachability(False, "auto", False, "not checked yet")
-        self._dial_back: tuple[bytes, trio.Event] | None = None  # our check in flight
-        self._dial_backs = DialBacks()  # the checks we run for others
-        self._next_reach_check = math.inf  # when to check again (auto, while unreachable)
-        self._joined_through: PeerId | None = None  # the member our last join went through
+        # The checks beside the machine, each given what it needs (the machine itself only
+        # exists once run() has bound the port: hence the lambdas).
+        self._clash = ClashWatch(network, identity, swarm, config,
+                                 own_state=lambda: self._m.own_state(),
+                                 start_soon=self._start_soon, changed=self._notify_changed)
+        self._reach = ReachabilityCheck(
+            network, identity, swarm, config, alive=self.alive, queue=self._queue,
+            push_pull=lambda address, peer: self._push_pull(address, peer, join=False),
+            changed=self._notify_changed)
+        self._joiner = Joiner(config.bootstrap, config.membership,
+                              push_pull=lambda address: self._push_pull(address, None, join=True),
+                              wake=self._wake_ticker, reach=self._reach)
 
     # ---- the averager's API -----------------------------------------------------------
 
@@ -204,29 +193,29 @@ class Roster:
         which the operator must resolve (:class:`IdentityClash`). Only ever set by a
         channel from that address authenticated with our own identity key, which no other
         key holder can forge: claims in gossip only make us dial the address to check (see
-        :meth:`_watch_clash`). Cleared once that address no longer proves our identity."""
-        return self._clash
+        :mod:`gossip.clash`). Cleared once that address no longer proves our identity."""
+        return self._clash.address
 
     @property
     def reachability(self) -> Reachability:
         """Whether others can dial us: configured, or what the last dial-back check found
         (:mod:`gossip.reachability`)."""
-        return self._reachability
+        return self._reach.reachability
 
     @property
     def trouble(self) -> JoinTrouble | None:
         """Why no bootstrap address has let us in, while that lasts: set after a round of
-        failed attempts, cleared when one answers."""
-        return self._trouble
+        failed attempts, cleared when one answers (:mod:`gossip.bootstrap`)."""
+        return self._joiner.trouble
 
     @property
     def joined(self) -> bool:
         """Whether a bootstrap address has answered (always, if there were none)."""
-        return self._joined.is_set()
+        return self._joiner.joined
 
     async def wait_joined(self) -> None:
         """Return once a bootstrap address answered (at once if there were none)."""
-        await self._joined.wait()
+        await self._joiner.wait_joined()
 
     def report_failure(self, peer: str) -> None:
         """Evidence that ``peer`` may be down (say, an exchange with it failed): probe it out
@@ -269,6 +258,7 @@ class Roster:
         if self._left:
             return
         self._left = True
+        self._joiner.stop()
         log.info("leaving swarm peer=%s", self._identity.peer_id.short)
         await self._execute(self._m.leave(trio.current_time()))
         self._drained = trio.Event()
@@ -307,9 +297,7 @@ class Roster:
             nursery.start_soon(self._receiver)
             nursery.start_soon(self._ticker)
             if settings.bootstrap:
-                nursery.start_soon(self._join, list(settings.bootstrap))
-            else:
-                self._joined.set()
+                nursery.start_soon(self._joiner.run, self._m)
             log.info("roster open peer=%s address=%s bootstrap=%d",
                      self._identity.peer_id.short, self.address, len(settings.bootstrap))
             task_status.started()
@@ -334,6 +322,20 @@ class Roster:
     def _queue(self, effects: list[Effect]) -> None:
         self._pending.extend(effects)
         self._wake.set()
+
+    def _wake_ticker(self) -> None:
+        """The machine's next deadline moved earlier: the ticker looks again."""
+        self._wake.set()
+
+    def _notify_changed(self) -> None:
+        """Wake every :meth:`wait_changed`."""
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def _start_soon(self, task: Callable[..., Awaitable[object]], *args: object) -> None:
+        """Start ``task`` in run()'s nursery (a clash watch); before run() there is none."""
+        if self._nursery is not None:
+            self._nursery.start_soon(task, *args)
 
     async def _receiver(self) -> None:
         m, endpoint, sealer = self._m, self._endpoint, self._sealer
@@ -369,7 +371,7 @@ class Roster:
     async def _execute(self, effects: list[Effect]) -> None:
         claimed = self._m.take_clash()
         if claimed is not None:
-            self._check_clash(claimed)
+            self._clash.check(claimed)
         # Changes first, before any await: effects from other tasks must not overtake them,
         # so on_change sees the changes in the order the machine made them.
         changes = [e.member for e in effects if isinstance(e, Changed)]
@@ -378,8 +380,7 @@ class Roster:
             if self._on_change is not None:
                 self._on_change(member)
         if changes:
-            self._changed.set()
-            self._changed = trio.Event()
+            self._notify_changed()
         for effect in effects:
             if isinstance(effect, Send):
                 # Bounded: a send may resolve a host name, and a slow resolver must not
@@ -415,37 +416,19 @@ class Roster:
                 a table that did not arrive whole.
         """
         allow = frozenset({peer}) if peer is not None else None
-        with _deadline(self._config.push_pull_timeout, address, "push-pull"):
+        with phase_deadline(self._config.push_pull_timeout, address, "push-pull"):
             channel = await connect(self._network, address, identity=self._identity,
                                     swarm=self._swarm, allow=allow, timeouts=self._timeouts)
             async with channel:
                 if channel.peer == self._identity.peer_id:
-                    await self._meet_myself(channel, address, join=join)
-                await _send_table(channel, self._m.full_state(), join=join)
+                    await self._clash.meet(channel, address, join=join)  # always raises
+                await send_table(channel, self._m.full_state(), join=join)
                 first = await channel.receive_message()
-                records = await _receive_table(channel, first)
+                records = await receive_table(channel, first)
                 await self._execute(self._m.merge(trio.current_time(), records, channel.peer))
-                await _send_table(channel, [self._m.full_state()[0]], join=False)
+                await send_table(channel, [self._m.full_state()[0]], join=False)
         self._push_pulls_done += 1
         return channel.peer
-
-    async def _meet_myself(self, channel: SecureChannel, address: str, *, join: bool) -> None:
-        """``address`` answered with our own identity: this very node (a bootstrap list
-        that names us), or another process with our identity key. Swap our own records to
-        tell which; always raises.
-
-        Raises:
-            _Myself: it is this node.
-            IdentityClash: another node runs with our identity (both sides log it).
-        """
-        mine = self._m.own_state()
-        await _send_table(channel, [mine], join=join)
-        records = await _receive_table(channel, await channel.receive_message())
-        other = _other_address(records, mine)
-        if other is None:
-            raise _Myself(f"{address} is this node itself")
-        self._found_clash(other)
-        raise IdentityClash(other)
 
     async def _on_channel(self, channel: SecureChannel) -> None:
         if not self._rate.allow(str(channel.peer), trio.current_time()):
@@ -453,10 +436,11 @@ class Roster:
             self._channels_limited += 1
             log.debug("channel over the peer's rate limit peer=%s", channel.peer.short)
             return
-        with _deadline(self._config.push_pull_timeout, channel.peer.short, "first message"):
+        with phase_deadline(self._config.push_pull_timeout, channel.peer.short,
+                            "first message"):
             first = await channel.receive_message()
         if isinstance(first, DialBack):
-            await self._on_dial_back(channel, first)
+            await self._reach.on_dial_back(channel, first, self._m.get(channel.peer))
             return
         if not isinstance(first, PushPull):
             if self._handler is not None:
@@ -464,270 +448,18 @@ class Roster:
             else:
                 await channel.send_message(Close(Close.REJECTED, "this node only does membership"))
             return
-        with _deadline(self._config.push_pull_timeout, channel.peer.short, "push-pull"):
-            records = await _receive_table(channel, first)
-            if channel.peer == self._identity.peer_id:  # see _meet_myself
-                mine = self._m.own_state()
-                await _send_table(channel, [mine], join=False)
-                other = _other_address(records, mine)
-                if other is not None:
-                    self._found_clash(other)
+        with phase_deadline(self._config.push_pull_timeout, channel.peer.short, "push-pull"):
+            records = await receive_table(channel, first)
+            if channel.peer == self._identity.peer_id:  # ourselves: see gossip.clash
+                await self._clash.answer(channel, records)
                 return
             if first.join:
                 log.info("join request peer=%s", channel.peer.short)
             await self._execute(self._m.merge(trio.current_time(), records, channel.peer))
-            await _send_table(channel, self._m.full_state(), join=False)
-            last = await _receive_table(channel, await channel.receive_message())
+            await send_table(channel, self._m.full_state(), join=False)
+            last = await receive_table(channel, await channel.receive_message())
             await self._execute(self._m.merge(trio.current_time(), last, channel.peer))
         self._push_pulls_done += 1
-
-    async def _join(self, bootstrap: Sequence[str]) -> None:
-        """Push-pull with a bootstrap address until one answers, backing off while none
-        does; afterwards join again whenever we find ourselves alone (every member gone or
-        cut off), checking every ``reconnect_interval``."""
-        config = self._config
-        delay = config.join_retry_min
-        while not self._left:
-            if self._joined.is_set() and self._m.alive_count() > 1:
-                delay = config.join_retry_min
-                self._trouble = None  # company came back, through others' push-pulls
-                self._warning_gap = FIRST_WARNING_GAP
-                if trio.current_time() >= self._next_reach_check:
-                    await self._check_reachable()
-                await trio.sleep(config.reconnect_interval)
-            elif await self._try_bootstrap(bootstrap):
-                self._joined.set()
-                self._trouble = None
-                self._warning_gap = FIRST_WARNING_GAP
-                await self._check_reachable()
-                # Alone even so (the bootstrap list named only us, or its members have
-                # nobody else): look again later, not in a loop.
-                await trio.sleep(config.reconnect_interval)
-            else:
-                self._warn_join(delay)
-                await trio.sleep(delay * (0.5 + self._m.rng.random()))
-                delay = min(delay * 2, config.join_retry_max)
-
-    async def _try_bootstrap(self, bootstrap: Sequence[str]) -> bool:
-        """Push-pull with the bootstrap addresses in random order until one answers. True
-        if one did, or if every one of them is this very node (we are the first). Each
-        failure's reason goes into :attr:`trouble`."""
-        myself = 0
-        reasons: dict[str, str] = {}
-        for address in self._m.rng.sample(list(bootstrap), len(bootstrap)):
-            try:
-                peer = await self._push_pull(address, None, join=True)
-            except _Myself:
-                myself += 1
-                continue
-            except GossipError as exc:
-                reasons[address] = _why_not(exc, self._config.push_pull_timeout)
-                log.info("bootstrap did not answer address=%s: %s", address, reasons[address])
-                continue
-            log.info("joined swarm via=%s peer=%s members=%d", address, peer.short,
-                     self._m.alive_count())
-            self._joined_through = peer
-            self._m.joined(trio.current_time())
-            self._wake.set()  # the next push-pull moved earlier
-            return True
-        if myself == len(bootstrap):
-            return True
-        now = trio.current_time()
-        since, attempts = (now, 0) if self._trouble is None else (self._trouble.since,
-                                                                 self._trouble.attempts)
-        self._trouble = JoinTrouble(since, attempts + 1, reasons)
-        return False
-
-    async def _check_reachable(self) -> None:
-        """In auto mode, until one check has found us reachable: ask up to three members, in
-        turn, to dial us back, until one gives a verdict; announce the outcome (see
-        :mod:`gossip.reachability`)."""
-        if self._reachability.mode != "auto" or self._reachability.reachable or self._left:
-            return
-        # The member we joined through first: it surely knows us, and we could dial it. Then
-        # reachable members, then the others, which may only be unchecked yet (every node of
-        # a swarm started together with "auto" announces itself unreachable at first): a
-        # dial-back needs only that we can dial the member, and it us.
-        rng = self._m.rng
-        reachable, others = self.alive(reachable=True), self.alive(reachable=False)
-        first = [m for m in reachable + others if m.peer == self._joined_through]
-        asked = first + [m for m in (rng.sample(reachable, len(reachable))
-                                     + rng.sample(others, len(others))) if m not in first]
-        asked = asked[:3]
-        detail, verdict = "no member to ask yet", False
-        for member in asked:
-            nonce = secrets.token_bytes(DIAL_BACK_NONCE)
-            reached = trio.Event()
-            self._dial_back = (nonce, reached)
-            tried = False
-            try:
-                tried, detail = await reachability.ask(
-                    self._network, member.peer, member.address, identity=self._identity,
-                    swarm=self._swarm, timeouts=self._timeouts, nonce=nonce, reached=reached)
-            except (GossipError, trio.TooSlowError) as exc:
-                detail = f"asking {member.peer.short} failed: {exc or 'no answer in time'}"
-            finally:
-                self._dial_back = None
-            verdict = reached.is_set() or tried
-            if verdict:
-                break  # a request that failed, or was refused, is none: ask the next
-            log.info("dial-back check got no verdict: %s", detail)
-        reachable = verdict and reached.is_set()
-        # No verdict (nobody to ask, or nobody tried): ask again at the join loop's next turn.
-        self._next_reach_check = (math.inf if reachable else trio.current_time()
-                                  + (reachability.RECHECK if verdict else 0.0))
-        self._dial_back_verdict(reachable, detail, checked=verdict)
-        if reachable:
-            self._queue(self._m.set_meta(trio.current_time(), reachable=True))
-            # Tell the member we asked at once, by push-pull: gossip goes to reachable members
-            # only, and in a swarm started together, with every node checking, it may hold
-            # no member reachable yet, nor anyone us.
-            try:
-                await self._push_pull(member.address, member.peer, join=False)
-            except GossipError as exc:
-                log.debug("push-pull after the dial-back failed peer=%s: %s", member.peer.short,
-                          exc)
-
-    def _dial_back_verdict(self, reachable: bool, detail: str, *, checked: bool) -> None:
-        self._reachability = Reachability(reachable, "auto",
-                                          checked or self._reachability.checked, detail)
-        address = self._m.myself().address
-        if reachable:
-            log.info("reachable: other members can dial us at %s (%s)", address, detail)
-        elif checked:
-            log.warning("not reachable at %s (%s): this node trains and averages outbound "
-                        "only, and nobody dials it; to be a full member, let TCP and UDP in "
-                        "to that address (forward the port) or set node.advertise; checking "
-                        "again in %.0f s", address, detail, reachability.RECHECK)
-        self._changed.set()
-        self._changed = trio.Event()
-
-    async def _on_dial_back(self, channel: SecureChannel, first: DialBack) -> None:
-        """A ``DialBack`` opening a channel: the answer to our own check (its nonce), or a
-        member's request that we dial it back."""
-        pending = self._dial_back
-        if pending is not None and first.nonce == pending[0]:
-            pending[1].set()
-            return
-        record = self._m.get(channel.peer)
-        refusal = ("you are not in my member table yet" if record is None
-                   else self._dial_backs.refusal(str(channel.peer), record.address,
-                                                 trio.current_time()))
-        if refusal is not None:  # Close(BUSY): no verdict, the requester asks elsewhere
-            await channel.send_closing(Close(Close.BUSY, refusal))
-            return
-        assert record is not None
-        try:
-            await reachability.answer(channel, first, record.address, network=self._network,
-                                      identity=self._identity, swarm=self._swarm,
-                                      timeouts=self._timeouts)
-        finally:
-            self._dial_backs.done()
-
-    def _warn_join(self, delay: float) -> None:
-        """Say why we cannot join, at WARNING: at once, then at a slowing pace (the gap
-        doubles from FIRST_WARNING_GAP up to MAX_WARNING_GAP); INFO in between."""
-        trouble, now = self._trouble, trio.current_time()
-        assert trouble is not None
-        where = "; ".join(f"{address}: {why}" for address, why in trouble.reasons.items())
-        if now - self._warned_at < self._warning_gap:
-            log.info("no bootstrap address answered; retrying in about %.1f s", delay)
-            return
-        self._warned_at = now
-        self._warning_gap = min(self._warning_gap * 2, MAX_WARNING_GAP)
-        state = ("cannot join the swarm" if not self._joined.is_set()
-                 else "alone: every member is gone, and no bootstrap address answers")
-        log.warning("%s: %d attempt(s) in %.0f s failed; %s; retrying in about %.0f s",
-                    state, trouble.attempts, now - trouble.since, where, delay)
-
-    def _found_clash(self, address: str) -> None:
-        """A channel from ``address`` proved our own identity: another process holds our
-        identity key. Say so once, and keep checking until it stops."""
-        if self._clash is None:
-            log.error("identity clash: the node at %s runs with this node's identity (peer "
-                      "%s); two processes started from one identity key, as a copied data "
-                      "directory has. Neither can average until one of them gets a new "
-                      "identity: stop it, delete its identity key and start it again",
-                      address, self._identity.peer_id.short)
-            self._changed.set()
-            self._changed = trio.Event()
-        self._clash = address
-        self._check_clash(address)
-
-    def _check_clash(self, address: str) -> None:
-        if not self._watching_clash and self._nursery is not None:
-            self._watching_clash = True
-            self._nursery.start_soon(self._watch_clash, address)
-
-    async def _watch_clash(self, address: str) -> None:
-        """Dial ``address`` as our own identity (only a holder of our key can answer so)
-        until it no longer proves it: at once for a claim heard in gossip, then every
-        push-pull interval while the clash stands."""
-        try:
-            while True:
-                try:
-                    with _deadline(self._config.push_pull_timeout, address, "push-pull"):
-                        channel = await connect(self._network, address,
-                                                identity=self._identity, swarm=self._swarm,
-                                                allow=frozenset({self._identity.peer_id}),
-                                                timeouts=self._timeouts)
-                        async with channel:
-                            await self._meet_myself(channel, address, join=False)
-                except IdentityClash:
-                    pass  # it stands; _meet_myself recorded it
-                except GossipError as exc:  # _Myself, gone, timed out, or renamed
-                    if self._clash == address:
-                        log.warning("identity clash over: %s no longer runs with this node's "
-                                    "identity (%s)", address, exc)
-                        self._clash = None
-                        self._changed.set()
-                        self._changed = trio.Event()
-                    else:
-                        log.info("a claim to be this node from %s did not hold: %s",
-                                 address, exc)
-                    return
-                await trio.sleep(self._config.push_pull_interval)
-        finally:
-            self._watching_clash = False
-
-
-class _Myself(PeerGone):
-    """A bootstrap address that leads back to this node."""
-
-
-@dataclass(frozen=True)
-class JoinTrouble:
-    """Bootstrap attempts that have failed since ``since`` (trio time), and why each
-    address failed the last time: what to tell the operator."""
-
-    since: float
-    attempts: int  # rounds over the bootstrap list
-    reasons: dict[str, str]  # address -> what went wrong, and what to check
-
-
-def _why_not(exc: GossipError, timeout: float) -> str:
-    """What a failed bootstrap attempt means, and what the operator should check."""
-    if isinstance(exc, IdentityClash):
-        return f"{exc} (a copied identity key?)"
-    if isinstance(exc, HandshakeClosed):
-        return (f"{exc}: check that our swarm key and swarm.cipher are this swarm's, and the "
-                "address")
-    if isinstance(exc, HandshakeError):
-        return f"{exc}: check swarm.name and the address"
-    if isinstance(exc, PeerTimeout):
-        return (f"no answer within {timeout:g} s: a firewall that drops packets, a wrong "
-                "address, or an overloaded node?")
-    if isinstance(exc, PeerGone):
-        return f"{exc}: is the node there running, the address and port right, the port open?"
-    return str(exc)
-
-
-def _other_address(records: list[MemberState], mine: MemberState) -> str | None:
-    """The address another process gives for our identity in ``records``, if any."""
-    for record in records:
-        if record.peer == mine.peer and record.address != mine.address:
-            return record.address
-    return None
 
 
 @asynccontextmanager
@@ -813,35 +545,6 @@ async def _bind(nursery: trio.Nursery, network: Network, address: str,
         with trio.CancelScope(shield=True):
             await endpoint.aclose()
         raise
-
-
-@contextmanager
-def _deadline(seconds: float, peer: object, phase: str) -> Iterator[None]:
-    """``trio.fail_after(seconds)``, a missed deadline raised as :class:`PeerTimeout`: the
-    conversion at the boundary, so that callers catch :class:`GossipError` alone."""
-    try:
-        with trio.fail_after(seconds):
-            yield
-    except trio.TooSlowError:
-        raise PeerTimeout(peer, phase) from None
-
-
-async def _send_table(channel: SecureChannel, records: list[MemberState], *, join: bool) -> None:
-    for page in pushpull.pages(records, join=join):
-        await channel.send_message(page)
-
-
-async def _receive_table(channel: SecureChannel, first: Message) -> list[MemberState]:
-    """The records of a table whose first page is ``first``, read to its last page.
-
-    Raises:
-        RemoteProtocolError, WireError: a table that :class:`gossip.pushpull.TableReader`
-            refuses.
-    """
-    reader, page = pushpull.TableReader(), first
-    while (records := reader.add(page)) is None:
-        page = await channel.receive_message()
-    return records
 
 
 def _log_change(member: Member) -> None:

@@ -10,7 +10,8 @@ receiver checks the header against the schema it already has before reading any 
 so the payload size is fixed locally, never by the peer; a peer that says ``Close`` instead is
 reported with its reason.
 
-Both functions take no deadline: wrap them in ``trio.fail_after`` with the phase's timeout.
+Both functions take no deadline: wrap them in :func:`~gossip.groups.phase_deadline` with the
+phase's timeout.
 Sending and receiving may run at the same time on one channel (full duplex).
 """
 

@@ -11,9 +11,10 @@ import trio
 from trio.testing import MockClock
 
 from gossip import exchange
-from gossip.channel import MAX_RECORD, phase_deadline, phase_deadline_at
+from gossip.channel import MAX_RECORD
 from gossip.config import AveragingConfig, Timeouts
 from gossip.errors import PeerGone, PeerTimeout
+from gossip.groups import phase_deadline, phase_deadline_at
 from gossip.exchange import Deadlines
 from gossip.linkrate import ALPHA, MIN_RATE, MIN_SAMPLE, SLACK, STALL, LinkRates
 from gossip.messages import Accept, Offer

@@ -36,10 +36,17 @@ def test_a_value_of_the_wrong_type_is_refused_naming_its_field(cls: type,
 
 @pytest.mark.parametrize("cls, f", [(c, f) for c, f in FIELDS if type(f.default) is float],
                          ids=[i for (c, f), i in zip(FIELDS, IDS) if type(f.default) is float])
-def test_a_float_setting_is_finite(cls: type, f: dataclasses.Field) -> None:
-    for value in (math.inf, math.nan):
+def test_a_float_setting_is_a_number_and_finite_where_its_class_says(
+        cls: type, f: dataclasses.Field) -> None:
+    for value in (math.nan, math.inf) if cls.finite else (math.nan,):
         with pytest.raises(ValueError, match=rf"^{cls.section}\.{f.name}: expected a finite"):
             cls(**{f.name: value})
+
+
+def test_an_infinite_time_means_never_where_it_can() -> None:
+    assert MembershipConfig(reap_after=math.inf).reap_after == math.inf  # never forget
+    assert Timeouts(record=math.inf).record == math.inf  # no deadline
+    assert AveragingConfig.finite and Limits.finite  # these have no "never" to mean
 
 
 @pytest.mark.parametrize("cls, name, value, message", [

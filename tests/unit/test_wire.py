@@ -165,7 +165,7 @@ def test_the_largest_member_records_fit_their_limits():
     # MAX_RECORD_BYTES.
     from gossip.broadcast import PART_OVERHEAD
     from gossip.membership import _PACKET_OVERHEAD, MAX_PACKET
-    from gossip.roster import MAX_RECORD_BYTES
+    from gossip.pushpull import MAX_RECORD_BYTES
     address, top = "h" * 250 + ":65535", 2**53 - 1
     alive = m.Alive(PEER, top, address, 2**16 - 1, top, True, m.MAX_SHARDS - 1, m.MAX_SHARDS)
     record = m.MemberState(PEER, top, m.MemberState.LEFT, address, 2**16 - 1, top, True,
