@@ -61,6 +61,8 @@ import trio
 
 from gossip import MAX_COUNT
 
+from .logs import RUN
+
 __all__ = [
     "CheckpointError", "Checkpointer", "FORMAT", "MAGIC", "VERSION", "END_MAGIC", "MAX_STEP",
     "save", "load", "load_latest", "checkpoints", "capture_rng", "restore_rng", "atomic_write",
@@ -68,9 +70,7 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-# The running daemon's checkpoint lines keep the logger name operators filter on and the docs
-# show (docs/DAEMON.md, docs/TASKS.md).
-run_log = logging.getLogger("daemon.service")
+run_log = logging.getLogger(RUN)
 
 MAGIC = b"GOSSIPCK"
 VERSION = 1

@@ -17,12 +17,11 @@ from typing import Any
 import gossip
 from gossip import NodeGroup, Replica
 
-from . import checkpoint
 from .config import Config
 from .processes import (COLLECTIVE_TIMEOUT, Placement, ProcessesError, agree_shard,
                         die_with_parent, init_group, leave_group, node_device, set_threads)
 from .task import Context, Shard, TaskError, load_entry, to_device
-from .train import Batches, Trainer
+from .train import Batches, resume
 
 __all__ = ["follow"]
 
@@ -85,17 +84,10 @@ def _prepare(config: Config, where: Placement) -> tuple[NodeGroup, Any, Batches,
                       lambda: step[0].global_step if step else 0, where.rank, where.size)
     task = build_task(config, fn, context)
     task.model.to(device)
-    resumed = None
-    found = checkpoint.load_latest(config.path(config.checkpoint.dir))
+    found = resume(task, config)  # TaskError: as the speaker's start-up says it
+    resumed = None if found is None else found.counters.step
     if found is not None:
-        path, state = found
-        try:
-            counters, _ = Trainer.restore(task, state)
-        except (KeyError, ValueError, RuntimeError, TypeError) as exc:
-            raise ProcessesError(f"checkpoint {path} does not fit task {config.task.entry}: "
-                                 f"{str(exc).splitlines()[0]}") from None
-        resumed = counters.step
-        log.info("process %d resuming checkpoint=%s step=%d", where.rank, path, resumed)
+        log.info("process %d resuming checkpoint=%s step=%d", where.rank, found.path, resumed)
     init_group(where, device)
     group = NodeGroup(task.model, task.optimizer, check_every=config.task.check_every,
                       timeout=COLLECTIVE_TIMEOUT)

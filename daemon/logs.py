@@ -5,6 +5,10 @@ Every module logs through ``logging.getLogger(__name__)`` with messages already 
 (``2026-11-23T10:00:00.123 INFO daemon.service event key=value``). When standard error is
 a terminal, :class:`LiveLine` keeps one status line at the bottom that log records scroll
 above; otherwise (a file, journald, a pipe) only whole lines are written.
+
+One exception to ``__name__``: the lines of a node's run (progress, checkpoint, evaluation,
+stopped) log as :data:`RUN`, whichever module writes them (train, checkpoint, processes), so
+that one name finds them all: the name operators filter on and the docs show.
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ import threading
 import time
 from typing import IO
 
-__all__ = ["setup", "LiveLine"]
+__all__ = ["setup", "LiveLine", "RUN"]
+
+RUN = "daemon.service"  # the logger of a node's run lines (see the module docstring)
 
 
 class _Formatter(logging.Formatter):

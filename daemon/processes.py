@@ -55,17 +55,17 @@ import trio
 import gossip
 from gossip import NodeGroup, Replica
 
+from .logs import RUN
+
 if TYPE_CHECKING:
-    from .train import Stop
+    from .cadence import Stop
 
 __all__ = ["Placement", "ProcessesError", "Speaker", "agree_shard", "describe_exit",
            "die_with_parent", "exit_now", "init_group", "leave_group", "node_device",
            "placement", "set_threads", "spawn_followers", "stop_followers"]
 
 log = logging.getLogger(__name__)
-# The speaker's lines keep the logger name operators filter on and the docs show
-# (docs/DAEMON.md).
-run_log = logging.getLogger("daemon.service")
+run_log = logging.getLogger(RUN)
 
 SPAWNED = "GOSSIPD_NODE_PROCESS"  # the followers gossipd run starts: its pid (not torchrun's)
 START_TIMEOUT = 600.0  # s for every process to reach the group at start-up (a big task's build)

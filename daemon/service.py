@@ -17,7 +17,7 @@ several processes is :class:`daemon.processes.Speaker`'s, the checkpoint writes
 :class:`daemon.checkpoint.Checkpointer`'s.
 
 Stopping (SIGTERM, SIGINT, ``task.max_steps``, or a lost process of the node) sets the one
-stop flag (:class:`daemon.train.Stop`): the current chunk ends after its step, the node
+stop flag (:class:`daemon.cadence.Stop`): the current chunk ends after its step, the node
 leaves (no new exchanges; one in flight is abandoned and applies nothing; the departure is
 gossiped), the deltas already committed are applied, a final checkpoint is written, and
 :func:`run` returns. A second signal ends the process at once (exit code 128 + signal).
@@ -51,7 +51,8 @@ from .metrics import Metrics, MetricsLog
 from .rotation import rotation_status
 from .status import PeerSteps
 from .task import Context, Shard, Task, TaskError, entry_file, load_entry, pick_device
-from .train import Stop, Trainer, Training, first_batches
+from .cadence import Stop
+from .train import Trainer, Training, first_batches, resume
 
 __all__ = ["StartupError", "Prepared", "prepare", "run"]
 
@@ -192,21 +193,13 @@ def _prepare(config: Config, control: socket.socket, where: processes.Placement)
     except TaskError as exc:
         raise StartupError(str(exc)) from None
     task.model.to(device)
-    counters, correction, resumed = None, None, None
-    own_steps: int | None = 0
     try:
-        found = checkpoint.load_latest(config.path(config.checkpoint.dir))
-    except OSError as exc:
-        raise StartupError(f"checkpoint.dir {config.path(config.checkpoint.dir)}: "
-                           f"{exc.strerror}") from None
-    if found is not None:
-        resumed, state = found
-        try:
-            counters, correction = Trainer.restore(task, state)
-            own_steps = Trainer.own_steps_in(state)
-        except (KeyError, ValueError, RuntimeError, TypeError) as exc:
-            raise StartupError(f"checkpoint {resumed} does not fit task {config.task.entry}: "
-                               f"{str(exc).splitlines()[0]}") from None
+        found = resume(task, config)
+    except TaskError as exc:
+        raise StartupError(str(exc)) from None
+    counters, correction, resumed, own_steps = ((found.counters, found.correction, found.path,
+                                                 found.own_steps) if found is not None
+                                                else (None, None, None, 0))
     metrics = Metrics()
     try:
         log_file = MetricsLog(config.path(config.metrics.log)) if config.metrics.log else None

@@ -5,16 +5,17 @@ Theory of operation
 :class:`Training.run` is the whole loop, top to bottom: wait until the node is ready (a
 joiner without a checkpoint downloads the swarm's state first; ``task.shard = "auto"``
 chooses its shard once joined), then alternate a chunk of steps in a worker thread with, on
-the trio side between chunks, whatever :class:`Cadence` says is due: the progress line (every
-``task.progress_interval`` seconds, however fast the steps), a checkpoint (state copied
-between chunks, written by :class:`daemon.checkpoint.Checkpointer` in a background thread),
-an evaluation, and the stop at ``task.max_steps``. :meth:`Training.finish` writes the final
-checkpoint once the node has left. "Is it due" is pure (:func:`due`, :class:`Cadence`) and
-tested without trio.
+the trio side between chunks, whatever :class:`~daemon.cadence.Cadence` says is due: the
+progress line (every ``task.progress_interval`` seconds, however fast the steps), a
+checkpoint (state copied between chunks, written by :class:`daemon.checkpoint.Checkpointer`
+in a background thread), an evaluation, and the stop at ``task.max_steps``.
+:meth:`Training.finish` writes the final checkpoint once the node has left. "Is it due" is
+pure (:mod:`daemon.cadence`) and tested without trio.
 
-One flag stops everything (:class:`Stop`): a signal, ``task.max_steps`` and a lost process of
-the node set it on trio's side; the trainer's thread reads it after every step, so the chunk
-in flight ends after its step; the loop and the waits for the node wake on it.
+One flag stops everything (:class:`~daemon.cadence.Stop`): a signal, ``task.max_steps`` and a
+lost process of the node set it on trio's side; the trainer's thread reads it after every
+step, so the chunk in flight ends after its step; the loop and the waits for the node wake
+on it.
 
 :meth:`Trainer.chunk` is a run of optimizer steps that ends after ``seconds`` of wall time, at
 the step limit, or as soon as the stop flag is set. After each step, still in the worker
@@ -44,8 +45,8 @@ import itertools
 import logging
 import math
 import random
-import threading
 import time
+from pathlib import Path
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
@@ -56,88 +57,20 @@ import gossip
 from gossip import Counters, NodeGroup, check_correction
 
 from . import checkpoint, sharding
+from .cadence import Cadence, Stop, due
+from .logs import RUN, LiveLine
 from .task import Shard, Task, TaskError, to_device
 
 if TYPE_CHECKING:
     from .config import Config
-    from .logs import LiveLine
     from .metrics import Metrics
     from .processes import Speaker
     from .status import PeerSteps
 
-__all__ = ["Batches", "Cadence", "Chunk", "Stop", "Trainer", "Training", "due", "first_batches"]
+__all__ = ["Batches", "Chunk", "Resumed", "Trainer", "Training", "first_batches", "resume"]
 
 log = logging.getLogger(__name__)
-# The loop's own lines (progress, evaluation, stopped, ...) keep the logger name they have
-# always had, which operators filter on and the docs show (docs/DAEMON.md, docs/TASKS.md).
-run_log = logging.getLogger("daemon.service")
-
-
-class Stop:
-    """The daemon's one stop flag: a signal, ``task.max_steps`` and a lost process of the node
-    set it; the trainer's thread reads it after every step (the chunk in flight ends after its
-    step); trio tasks wait on it. Hooks given to :meth:`on_set` run once, when it is set.
-
-    :meth:`set` is called on trio's thread (or where no trio task waits, as in a test);
-    :meth:`is_set` from any thread.
-    """
-
-    def __init__(self) -> None:
-        self._flag = threading.Event()  # what the trainer's thread reads
-        self._woken = trio.Event()  # the same fact, for trio tasks in wait()
-        self._hooks: list[Callable[[], None]] = []
-
-    def set(self) -> None:
-        self._flag.set()
-        self._woken.set()
-        hooks, self._hooks = self._hooks, []
-        for hook in hooks:
-            hook()
-
-    def is_set(self) -> bool:
-        return self._flag.is_set()
-
-    async def wait(self) -> None:
-        await self._woken.wait()
-
-    def on_set(self, hook: Callable[[], None]) -> None:
-        """Call ``hook`` when the flag is set: now, if it already is."""
-        if self.is_set():
-            hook()
-        else:
-            self._hooks.append(hook)
-
-
-def due(now: float, last: float, interval: float) -> bool:
-    """Whether a thing done every ``interval`` seconds, last at ``last``, is due at ``now``
-    (0: every time it is asked; ``math.inf``: never)."""
-    return now >= last + interval
-
-
-@dataclass(frozen=True)
-class Cadence:
-    """How often the loop does what it does between chunks (all from the config)."""
-
-    chunk: float  # s of steps in one chunk, between two looks at the clock: task.chunk
-    progress: float  # s between progress lines: task.progress_interval (0: every chunk)
-    checkpoint: float  # s between periodic checkpoints: checkpoint.interval
-    evaluate: float  # s between evaluations: task.eval_every (inf: never)
-    max_steps: int  # steps this run takes, then stops: task.max_steps (0: no limit)
-
-    @classmethod
-    def of(cls, config: Config, can_evaluate: bool) -> Cadence:
-        """The config's cadence; no evaluation when the task has no ``evaluate()``."""
-        t = config.task
-        every = t.eval_every if t.eval_every and can_evaluate else math.inf
-        return cls(t.chunk, t.progress_interval, config.checkpoint.interval, every, t.max_steps)
-
-    def steps_left(self, done: int) -> int:
-        """The most steps the next chunk may take, ``done`` taken so far."""
-        return self.max_steps - done if self.max_steps else 1 << 62
-
-    def finished(self, done: int) -> bool:
-        """Whether ``done`` steps reach ``task.max_steps``."""
-        return bool(self.max_steps) and done >= self.max_steps
+run_log = logging.getLogger(RUN)
 
 
 @dataclass(frozen=True)
@@ -356,6 +289,40 @@ class Trainer:
         if correction is not None:
             check_correction(task.model, correction)
         return Counters(int(c["step"]), int(c["samples"]), float(c["weight"])), correction
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """The checkpoint a run resumed (:func:`resume`)."""
+
+    path: Path
+    counters: Counters
+    correction: Any  # its drift correction, for gossip.open_swarm (None: it has none)
+    own_steps: int | None  # the steps its node took itself (:meth:`Trainer.own_steps_in`)
+
+
+def resume(task: Task, config: Config) -> Resumed | None:
+    """Load the newest checkpoint of ``checkpoint.dir`` into ``task`` (model, optimizer, RNG
+    states), before the node opens: every process of a node resumes the same file. None when
+    there is none.
+
+    Raises:
+        TaskError: the directory cannot be read, or its checkpoint does not fit the task.
+    """
+    directory = config.path(config.checkpoint.dir)
+    try:
+        found = checkpoint.load_latest(directory)
+    except OSError as exc:
+        raise TaskError(f"checkpoint.dir {directory}: {exc.strerror}") from None
+    if found is None:
+        return None
+    path, state = found
+    try:
+        counters, correction = Trainer.restore(task, state)
+        return Resumed(path, counters, correction, Trainer.own_steps_in(state))
+    except (KeyError, ValueError, RuntimeError, TypeError) as exc:
+        raise TaskError(f"checkpoint {path} does not fit task {config.task.entry}: "
+                        f"{str(exc).splitlines()[0]}") from None
 
 
 class Training:

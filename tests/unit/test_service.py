@@ -20,7 +20,8 @@ from daemon.checkpoint import Checkpointer
 from daemon.processes import Speaker
 from daemon.service import Prepared, StartupError, _first_shard, prepare
 from daemon.task import Shard
-from daemon.train import Chunk, Stop, Training
+from daemon.cadence import Stop
+from daemon.train import Chunk, Training
 
 CHUNK = 0.1  # s of the mock clock each fake chunk takes
 

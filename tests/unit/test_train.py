@@ -149,7 +149,7 @@ def test_chunk_stops_after_the_step_during_which_stop_is_set() -> None:
     def step(batch: Any) -> Any:
         calls.append(1)
         if len(calls) == 3:
-            trainer.stop.set()  # as a signal handler would, from another thread
+            trainer.stop.set()  # as a signal would, seen by the trainer's thread after this step
         return inner(batch)
 
     task.step = step

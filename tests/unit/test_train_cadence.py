@@ -19,7 +19,7 @@ from trio.testing import wait_all_tasks_blocked
 from daemon import checkpoint
 from daemon.checkpoint import Checkpointer
 from daemon.config import from_dict
-from daemon.train import Cadence, Stop, due
+from daemon.cadence import Cadence, Stop, due
 
 
 @pytest.mark.parametrize("now, last, interval, expected", [
@@ -94,6 +94,16 @@ async def test_stop_wakes_trio_waiters() -> None:
         await wait_all_tasks_blocked()
         stop.set()
     assert stop.is_set()
+
+
+async def test_stop_set_from_a_worker_thread_wakes_trio_and_runs_hooks_on_trio() -> None:
+    stop, hooked_on = Stop(), []
+    stop.on_set(lambda: hooked_on.append(threading.current_thread()))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(stop.wait)
+        await wait_all_tasks_blocked()
+        await trio.to_thread.run_sync(stop.set)  # as a task's own code might, mid-step
+    assert stop.is_set() and hooked_on == [threading.current_thread()]
 
 
 # ---- the Checkpointer ------------------------------------------------------------------------
