@@ -342,17 +342,25 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     config = _load(args)
     from .config import render
     from .keys import KeyFileError, load_swarm
-    from .task import TaskError, load_entry, pick_device
+    from gossip.devices import DeviceError, resolve
+    
+    from .task import TaskError, load_entry
     try:
         previous = config.swarm.previous_key_file
         load_swarm(config.swarm.name, config.path(config.swarm.key_file),
                    config.path(previous) if previous else None, config.swarm.cipher)
-        pick_device(config.task.device)
+        # Rank 0's device, with every process's GPU counted: what `run` resolves.
+        device = resolve(config.task.device, local_rank=0, processes=config.task.processes,
+                         what="task.device")
         load_entry(config.task.entry, config.data_dir())
-    except (KeyFileError, TaskError) as exc:
+    except (KeyFileError, TaskError, DeviceError) as exc:
         raise UsageError(str(exc)) from None
     print(render(config), end="")
-    print(f"# ok: {args.config or 'the config'} is valid; keys and task load", file=sys.stderr)
+    n = config.task.processes
+    where = (f"cuda:0 to cuda:{n - 1}, one per process" if device.type == "cuda" and n > 1
+             else str(device))
+    print(f"# ok: {args.config or 'the config'} is valid; keys and task load; task.device "
+          f"{config.task.device} is {where} here", file=sys.stderr)
     return EXIT_OK
 
 

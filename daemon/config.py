@@ -55,6 +55,7 @@ else:  # pragma: no cover - exercised on 3.10 only
 import gossip
 from gossip import MAX_SHARDS, parse_address
 from gossip.config import AT_LEAST_1, COUNT, NON_NEGATIVE, POSITIVE, Check, one_of, want
+from gossip.devices import NAMES, valid_name
 
 from .entry import parse_entry
 
@@ -69,7 +70,6 @@ DEFAULT_PATH = "gossipd.toml"  # in the current directory, when neither a path n
 
 WILDCARDS = ("0.0.0.0", "::")  # listen hosts that peers cannot dial
 _PEER_ID = re.compile(r"[a-z2-7]{26}")
-_DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 
 
@@ -317,8 +317,9 @@ class TaskSection(_Section):
     entry: str = _field("", "what to train: \"package.module:function\" or "
                         "\"path/to/file.py:function\", a relative path from data_dir (required)",
                         _entry)
-    device: str = _field("auto", "auto, cpu, cuda or cuda:N; auto picks cuda when available",
-                         want(_DEVICE.fullmatch, "auto, cpu, cuda or cuda:N"))
+    device: str = _field("auto", "auto, cpu, cuda or cuda:N; auto and cuda take GPU 0 (GPU r "
+                         "for process r of a node of several), auto the CPU when there is no "
+                         "GPU", want(valid_name, NAMES))
     seed: int = _field(0, "seeds the model's initialization: the same on every node (>= 0)",
                        COUNT)
     shard: int | str = _field(0, "this node's shard of the data, in [0, shards), or \"auto\": "

@@ -54,6 +54,7 @@ import trio
 
 import gossip
 from gossip import NodeGroup, Replica
+from gossip.devices import resolve
 
 from .logs import RUN
 
@@ -132,28 +133,14 @@ def placement(processes: int, env: Any = None) -> Placement:
 
 
 def node_device(name: str, where: Placement) -> torch.device:
-    """The device of this process: ``auto``/``cuda`` take local GPU ``local_rank`` on a node
-    of several processes (CUDA present), the CPU otherwise; the caller checks ``name`` itself
-    for a node of one process (:func:`daemon.task.pick_device`).
+    """The device of this process, by the one resolver (:func:`gossip.devices.resolve`):
+    ``auto``/``cuda`` take local GPU ``local_rank``, ``cuda:N`` only a node of one process.
 
     Raises:
-        ProcessesError: ``cuda:N`` (one GPU) on a node of several processes, or fewer GPUs
-            than processes.
+        DeviceError: the name does not fit this machine or the node's processes.
     """
-    if name == "cpu" or name == "auto" and not torch.cuda.is_available():
-        return torch.device("cpu")
-    if name not in ("auto", "cuda"):
-        raise ProcessesError(f"task.device {name!r} names one GPU, but this node has "
-                             f"{where.size} processes, one GPU each: set task.device to auto "
-                             f"or cuda (process r takes cuda:r), or cpu")
-    if not torch.cuda.is_available():
-        raise ProcessesError(f"task.device is {name!r} but CUDA is not available here")
-    count = torch.cuda.device_count()
-    if where.local_rank >= count:
-        raise ProcessesError(f"this node has {where.size} processes, one GPU each, but this "
-                             f"machine has {count} CUDA device(s): set task.processes to at "
-                             f"most {count}")
-    return torch.device("cuda", where.local_rank)
+    return resolve(name, local_rank=where.local_rank, processes=where.size,
+                           what="task.device")
 
 
 def free_port() -> int:

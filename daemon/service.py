@@ -41,6 +41,7 @@ import trio
 
 import gossip
 from gossip import format_address, one_error
+from gossip.devices import DeviceError
 
 from . import checkpoint, processes, sharding
 from .config import Config
@@ -50,7 +51,7 @@ from .logs import LiveLine
 from .metrics import Metrics, MetricsLog
 from .rotation import rotation_status
 from .status import PeerSteps
-from .task import Context, Shard, Task, TaskError, entry_file, load_entry, pick_device
+from .task import Context, Shard, Task, TaskError, entry_file, load_entry
 from .cadence import Stop
 from .train import Trainer, Training, first_batches, resume
 
@@ -134,12 +135,14 @@ def prepare(config: Config, argv: tuple[str, ...] | None = None) -> Prepared:
         try:
             network.reserve(config.node.listen)
             where = processes.placement(config.task.processes)
+            # Before any follower starts: a device this machine lacks fails here, at once.
+            device = processes.node_device(config.task.device, where)
         except OSError as exc:
             raise _listen_error(config.node.listen, exc) from None
-        except processes.ProcessesError as exc:
+        except (processes.ProcessesError, DeviceError) as exc:
             raise StartupError(str(exc)) from None
         port = _start_followers(where, argv, followers)
-        prepared = _prepare(config, control, where)
+        prepared = _prepare(config, control, where, device)
         prepared.followers = followers
         if where.several:
             _form_group(prepared, port)
@@ -162,7 +165,8 @@ def _listen_error(listen: str, exc: OSError) -> StartupError:
     return StartupError(f"node.listen {listen}: {exc.strerror or exc}")
 
 
-def _prepare(config: Config, control: socket.socket, where: processes.Placement) -> Prepared:
+def _prepare(config: Config, control: socket.socket, where: processes.Placement,
+             device: torch.device) -> Prepared:
     data_dir = config.data_dir()
     try:
         identity = gossip.Identity.load_or_generate(config.path(config.node.identity))
@@ -172,8 +176,6 @@ def _prepare(config: Config, control: socket.socket, where: processes.Placement)
         if previous:
             log.info("rotating the swarm key: accepting the previous key too previous_key_file=%s",
                      config.path(previous))
-        device = (processes.node_device(config.task.device, where) if where.several
-                  else pick_device(config.task.device))
         file = entry_file(config.task.entry, data_dir)
         log.info("importing task entry=%s%s", config.task.entry, f" file={file}" if file else "")
         fn = load_entry(config.task.entry, data_dir)

@@ -51,7 +51,7 @@ from .entry import is_file_entry as is_file_entry
 from .entry import parse_entry as parse_entry
 
 __all__ = ["Context", "Shard", "Task", "TaskError", "classifier_step", "entry_file",
-           "evaluating", "is_file_entry", "load_entry", "parse_entry", "pick_device",
+           "evaluating", "is_file_entry", "load_entry", "parse_entry",
            "read_options", "to_device"]
 
 
@@ -211,29 +211,6 @@ def load_entry(entry: str, base: str | os.PathLike[str] = ".") -> Callable[[Cont
     if not callable(fn):
         raise TaskError(f"{source} has no function {attr!r}")
     return fn
-
-
-def pick_device(name: str) -> torch.device:
-    """``auto`` (CUDA when present, else CPU), ``cpu``, ``cuda`` or ``cuda:N``.
-
-    Raises:
-        TaskError: CUDA was asked for and is not available, or no such device.
-    """
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError as exc:
-        raise TaskError(f"task.device {name!r} is not auto, cpu, cuda or cuda:N") from exc
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise TaskError(f"task.device is {name!r} but CUDA is not available here")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise TaskError(f"task.device {name!r}: this machine has "
-                            f"{torch.cuda.device_count()} CUDA device(s)")
-    elif device.type != "cpu":
-        raise TaskError(f"task.device {name!r} is not auto, cpu, cuda or cuda:N")
-    return device
 
 
 def to_device(batch: Any, device: torch.device) -> Any:

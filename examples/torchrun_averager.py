@@ -21,7 +21,6 @@ with gloo, or on the GPUs with NCCL when there are enough of them.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 
@@ -31,23 +30,26 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import gossip
+from gossip.devices import resolve
 from own_script import accuracy, arguments, load_digits  # this file's neighbour
 
 
 def main() -> None:
     parser = arguments(__doc__.splitlines()[0])
+    parser.add_argument("--device", default="auto",
+                        help="auto, cpu or cuda: each process takes GPU LOCAL_RANK (default auto)")
     parser.add_argument("--log-every", type=int, default=100, metavar="STEPS",
                         help="steps between progress lines (default 100)")
     args = parser.parse_args()
     index, count = map(int, args.shard.split("/"))
 
-    # torchrun sets RANK, WORLD_SIZE, LOCAL_RANK and the rendezvous address.
-    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= int(
-        os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    # torchrun sets RANK, WORLD_SIZE, LOCAL_RANK and the rendezvous address. "auto": GPU
+    # LOCAL_RANK when there is CUDA (an error if there are fewer GPUs than processes), else
+    # the CPU; "cpu" or --device would pick otherwise.
+    device = resolve(args.device)
+    cuda = device.type == "cuda"
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else \
-        torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     # Every process needs the same key: rank 0 makes one for a new swarm and sends it.

@@ -23,6 +23,9 @@ __all__ = [
     "SchemaMismatch",
     "DownloadFailed",
     "SchemaRefused",
+    "ProcessLost",
+    "ReplicasDiverged",
+    "DeviceError",
 ]
 
 
@@ -169,3 +172,9 @@ class ProcessLost(GossipError):
 class ReplicasDiverged(GossipError):
     """The processes of one node hold different parameters: a bug, or training code that
     does something different in one process (a step one process takes alone)."""
+
+
+class DeviceError(GossipError, ValueError):
+    """A device name that is malformed or names hardware this machine lacks (CUDA where
+    there is none, a GPU index past the last, fewer GPUs than a node's processes): the
+    caller's configuration is at fault (:mod:`gossip.devices`)."""

@@ -184,7 +184,11 @@ def _quantize_blocks(x: torch.Tensor, scales: torch.Tensor, q: torch.Tensor,
     ``q`` (bytes, shaped as ``x``), using ``work`` (float32, shaped as ``x``); rounding to
     nearest, or up with probability the fraction (``u``, shaped as ``x``)."""
     torch.abs(x, out=work)
-    scale = torch.amax(work, dim=1).div_(LEVELS)  # NaN if the block has one; inf if ±inf
+    # NaN if the block has one; inf if ±inf. The divisor is a tensor on the values' device:
+    # a Python number would let CUDA multiply by a rounded 1/127 instead of dividing, one
+    # bit off for some blocks, and the bytes on the wire would depend on the device.
+    levels = torch.full((1,), LEVELS, dtype=torch.float32, device=work.device)
+    scale = torch.amax(work, dim=1).div_(levels)
     finite = None
     if not float(scale.max()) <= MAX_SCALE:  # one test for all the rare cases
         finite = torch.isfinite(scale)

@@ -16,9 +16,14 @@ from gossip.config import NodeConfig
 from gossip.replica import Replica
 from tests.util import SWARM
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+# The midpoint test also runs with both models on the CPU, so that a CPU machine checks what
+# it asserts of the exchange itself.
+DEVICES = ["cpu", *(f"cuda:{i}" for i in range(torch.cuda.device_count()))]
 
-CONFIG = gossip.AveragingConfig(every=None, interval=None, download_wait=0.0)
+# trust_after 0: each node takes the other's state from the first exchange (by default a
+# peer alive for less than 10 s is a newcomer whose state moves us by nothing).
+CONFIG = gossip.AveragingConfig(every=None, interval=None, download_wait=0.0, trust_after=0.0)
 
 
 def mlp(seed: int) -> torch.nn.Module:
@@ -27,6 +32,7 @@ def mlp(seed: int) -> torch.nn.Module:
                                torch.nn.ReLU(), torch.nn.Linear(32, 4))
 
 
+@cuda
 def test_replica_of_a_cuda_model_uses_pinned_buffers() -> None:
     replica = Replica(mlp(0).cuda())
     flat = replica.buffer()
@@ -39,13 +45,14 @@ def test_replica_of_a_cuda_model_uses_pinned_buffers() -> None:
     torch.testing.assert_close(after, flat + 1)
 
 
-async def test_cuda_and_cpu_nodes_average_to_the_midpoint() -> None:
-    gpu, cpu = mlp(1).cuda(), mlp(2)
+@pytest.mark.parametrize("device", DEVICES)
+async def test_cuda_and_cpu_nodes_average_to_the_midpoint(device: str) -> None:
+    gpu, cpu = mlp(1).to(device), mlp(2)
     expected = [(a.detach().cpu() + b.detach()) / 2
                 for a, b in zip(gpu.state_dict().values(), cpu.state_dict().values())
                 if a.is_floating_point()]
     async with gossip.open_swarm(gpu, SWARM, NodeConfig(averaging=CONFIG)) as a:
-        own = gossip.AveragingConfig(every=None, interval=None, start="own")
+        own = gossip.AveragingConfig(every=None, interval=None, start="own", trust_after=0.0)
         async with gossip.open_swarm(cpu, SWARM, NodeConfig(bootstrap=(a.address,),
                                                             averaging=own)) as b:
             while not b.roster.alive(ready=True):
@@ -60,6 +67,7 @@ async def test_cuda_and_cpu_nodes_average_to_the_midpoint() -> None:
         torch.testing.assert_close(c, e)
 
 
+@cuda
 def test_averager_trains_a_cuda_model() -> None:
     model = mlp(3).cuda()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

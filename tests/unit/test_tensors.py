@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from gossip import tensors
 from gossip.errors import SchemaMismatch
 from gossip.tensors import CODECS, StateDecoder, StateSchema, TensorSpec
+from tests.unit.test_int8 import reference as int8_reference
 
 HALF_TOL = {"bf16": 2.0**-8, "fp16": 2.0**-11}  # relative rounding error bound
 ELEMENTWISE = ("fp32", "bf16", "fp16")  # codecs with a fixed size per element (int8: test_int8)
@@ -433,8 +434,52 @@ def test_cuda_model_pinned_flat_round_trip() -> None:
         dec = StateDecoder(schema, codec, out=torch.zeros(schema.numel, device="cuda"))
         dec.feed(payload)
         assert torch.equal(dec.result().cpu(), got)
+    # A delta is added in each tensor's own dtype (w16 rounds in bfloat16): the same sums on
+    # the GPU as on the CPU.
+    on_cpu = Mixed()
     tensors.add_(model, schema, torch.ones(schema.numel))
-    assert torch.equal(tensors.snapshot(model, schema), tensors.snapshot(Mixed(), schema) + 1)
+    tensors.add_(on_cpu, schema, torch.ones(schema.numel))
+    assert torch.equal(tensors.snapshot(model, schema), tensors.snapshot(on_cpu, schema))
+    assert not torch.equal(tensors.snapshot(on_cpu, schema), flat + 1)  # bf16 rounding shows
+
+
+DEVICES = ["cpu", *(f"cuda:{i}" for i in range(torch.cuda.device_count()))]
+# SHA-256 of each codec's payload of golden(), as the CPU encodes it (int8: rounding to
+# nearest; test_int8 checks that encoder against an independent one).
+GOLDEN = {
+    "fp32": "984f35b1be3990d2058697481165ec48c6f2f69a3e496af8840fbd32d306d336",
+    "bf16": "bef0e29f6e596d436f81e2821e2678ed18f9e9f67684a2a835c01385b0f4f6cf",
+    "fp16": "553f3cc8744b24ccf22d6ab005f0a86c01411fd86a376241adb8763ce62888b0",
+    "int8": "c77ccc16d93e4162e2e6e0e0e0833f393ce6452a2048906d93936357471680b1",
+}
+
+
+def golden() -> torch.Tensor:
+    """1,000 finite values whose magnitude changes every 64 (1e-6 to 1e4), with exact
+    zeros, ties for rounding and values past fp16's range among them."""
+    gen = torch.Generator().manual_seed(31)
+    x = torch.randn(1000, generator=gen)
+    x *= torch.pow(10.0, torch.randint(-6, 5, (16,), generator=gen)).repeat_interleave(64)[:1000]
+    x[:64] = 0.0
+    x[64:72] = torch.tensor([1.0, -2.0, 0.5, 3.14159, 100000.0, -1e-8, 70000.0, 1 + 2**-8])
+    return x
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("codec", CODECS)
+def test_golden_bytes_on_every_device(device: str, codec: str) -> None:
+    """The bytes on the wire, and what they decode to, are the same on every device the
+    machine has: docs/PROTOCOL.md defines them, not the hardware."""
+    x = golden()
+    payload = encode(x.to(device), codec, max_record=68 * 4)
+    assert hashlib.sha256(payload).hexdigest() == GOLDEN[codec]
+    if codec == "int8":
+        assert payload == int8_reference(x.tolist())  # an encoder written from the spec
+    schema = schema_of(("x", (1000,), "float32"))
+    dec = StateDecoder(schema, codec, out=torch.zeros(1000, device=device))
+    for at in range(0, len(payload), 68 * 4):
+        dec.feed(payload[at : at + 68 * 4])
+    assert torch.equal(dec.result().cpu(), decode(schema, codec, payload, 68 * 4))
 
 
 def test_decoder_window_takes_records_in_place() -> None:
