@@ -221,8 +221,10 @@ class Trainer:
                 self.node.replica.advance(1, samples)
             if time.monotonic() >= deadline:
                 break
-        if group is None:  # a chunk of no steps still takes them; a group applies them at its
-            applied += self.node.apply_pending()  # boundaries, which space its broadcasts
+        # A chunk of no steps (a node at task.max_steps) still takes what exchanges bring, at
+        # once; a group applies at its boundaries, which space its broadcasts.
+        if group is None and not steps:
+            applied += self.node.apply_pending()
         mean = float(total) / steps if steps else math.nan
         if steps and not math.isfinite(mean) and not self._warned_nan:
             self._warned_nan = True

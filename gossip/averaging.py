@@ -18,8 +18,9 @@ ready and not quarantined (a host uniformly, then one of its members:
 (:mod:`gossip.exchange`: offer, both payloads at once, the checks, the commit). Nothing is
 applied unless both sides hold and accept both payloads. "Apply" means queueing
 ``delta = c·(s_peer − s)`` (and ``c·(z_peer − z)`` for the correction) on the
-:class:`~gossip.replica.Replica`: the trainer adds it at its next step boundary, so local
-steps taken during the exchange are kept (see :mod:`gossip.mixing` for ``c`` and the checks).
+:class:`~gossip.replica.Replica`: the trainer adds it over its next steps, so local steps
+taken during the exchange are kept (see :mod:`gossip.mixing` for ``c`` and the checks, and
+:func:`gossip.standing.seniority` for the share a peer younger than us gets).
 
 One exchange at a time: a node that is in one answers any offer ``Close(BUSY)`` at once,
 never waiting, so two nodes that offer to each other, or a whole swarm offering at the same
@@ -86,8 +87,8 @@ from .mixing import (DeltaHistory, Difference, Quarantine, Verdict, coefficient,
 from .network import Network
 from .replica import OFFLOAD_NUMEL, Counters, Replica, offload
 from .roster import Roster
-from .standing import (NewcomerBudget, Records, Standing, PeerSteps, pick, standing,
-                       step_ceiling, step_move)
+from .standing import (NewcomerBudget, PeerSteps, Records, Standing, pick, seniority,
+                       standing, step_ceiling, step_move)
 
 __all__ = ["AveragingConfig", "AveragingStatistics", "Averaging", "Exchange", "Result"]
 
@@ -212,6 +213,7 @@ class Averaging:
         self._rates = LinkRates(config.min_rate)  # per peer host: what its link carried
         self._serving = [0]  # downloads being served
         self._said = Said()  # download failures logged so far: each once out loud
+        self._started = trio.current_time()  # for the peers' seniority: younger than us?
 
     # ---- public -----------------------------------------------------------------------
 
@@ -367,7 +369,8 @@ class Averaging:
                 async with trio.open_nursery() as copying:  # holds `own` until it is whole
                     mine, ready = await self._snapshot(copying, own, 1 + corrected)
                     accept = Accept(mine.step, mine.samples, self._my_weight(mine), corrected)
-                    check, difference = self._checker(own, theirs, mine, rank, ready)
+                    check, difference = self._checker(own, theirs, mine, rank, ready,
+                                                      self._seniority(peer))
                     outcome = await exchange.respond(channel, offer, accept, own, theirs,
                                                      self.replica.schema, check,
                                                      self._link_deadlines(channel), ready,
@@ -460,7 +463,7 @@ class Averaging:
                         offer = Offer(self.replica.schema.fingerprint, self.config.codec,
                                       mine.step, mine.samples, self._my_weight(mine), corrected)
                         check, difference = self._checker(own, theirs, mine, Standing.CHOSEN,
-                                                          ready)
+                                                          ready, self._seniority(peer))
                         outcome = await exchange.initiate(
                             channel, offer, own, theirs, self.replica.schema, check,
                             self._link_deadlines(channel), ready, difference.advance)
@@ -509,16 +512,19 @@ class Averaging:
         return counters[0], ready
 
     def _checker(self, own: torch.Tensor, theirs: torch.Tensor, mine: Counters,
-                 rank: Standing, ready: trio.Event | None) -> tuple[exchange.Check, Difference]:
+                 rank: Standing, ready: trio.Event | None,
+                 senior: float) -> tuple[exchange.Check, Difference]:
         """The checks of a received payload (:func:`gossip.mixing.judge`), for the exchange,
         and the pass over the state that they start while the payload arrives (fed by the
-        exchange's ``on_decoded``; it waits for our snapshot to be whole)."""
+        exchange's ``on_decoded``; it waits for our snapshot to be whole). ``senior``: the
+        fraction of the mixing weight the peer's state gets (:func:`seniority`)."""
         config = self.config
         difference = Difference(theirs, own, self.replica.schema.numel,
                                 (lambda: True) if ready is None else ready.is_set)
 
         async def check(theirs: torch.Tensor, parts: int, peer: Offer | Accept) -> Verdict:
-            c = coefficient(config.weight, config.by_samples, self._my_weight(mine), peer.weight)
+            c = senior * coefficient(config.weight, config.by_samples, self._my_weight(mine),
+                                     peer.weight)
             if parts == 2:
                 n = self.replica.schema.numel
                 self.replica.clear_uncovered(theirs[n:])
@@ -600,6 +606,17 @@ class Averaging:
         since = member.since if member is not None and member.state is State.ALIVE else None
         return standing(False, since, trio.current_time(), self.config.trust_after,
                         chosen_before=peer in self._records)
+
+    def _seniority(self, peer: str) -> float:
+        """The fraction of the mixing weight ``peer``'s state gets (:func:`seniority`); in
+        push-sum mode always 1, since the weights there already give a joiner its share."""
+        if self.config.by_samples:
+            return 1.0
+        member = self._roster.get(peer)
+        now = trio.current_time()
+        alive_for = (now - member.since if member is not None and member.state is State.ALIVE
+                     else None)
+        return seniority(alive_for, now - self._started, self.config.trust_after)
 
     def _my_weight(self, counters: Counters) -> float:
         return counters.weight if self.config.by_samples else 0.0

@@ -90,7 +90,7 @@ over the parameters.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -252,6 +252,18 @@ class Correction:
             self._scaled = 0
             for (_, where), c in zip(self._slots, self._c):
                 out[where].copy_(c.view(-1)).mul_(decay)
+
+    def estimates(self, decay: float, pending: torch.Tensor | None,
+                  scale: float) -> Iterator[tuple[torch.Tensor, slice]]:
+        """``z = ĝ + decay·c`` (plus ``scale`` x a pending correction part, a flat vector on
+        the parameters' device, when given) for each corrected parameter, on its device and
+        flattened, with where it lies in a flat vector: :meth:`estimate_into`'s arithmetic,
+        for a snapshot made on the device. Does not check finiteness (the caller does)."""
+        for (_, where), c, average in zip(self._slots, self._c, self._average):
+            z = torch.add(average.view(-1), c.view(-1), alpha=decay)
+            if pending is not None:
+                z.add_(pending[where], alpha=scale)
+            yield z, where
 
     def clear_uncovered(self, estimate: torch.Tensor) -> None:
         """Zero what a flat estimate holds outside the corrected parameters (a peer's

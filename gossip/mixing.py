@@ -7,8 +7,8 @@ other by a fraction of the difference::
 
     delta_A = c_A · (s_B − s_A)        delta_B = c_B · (s_A − s_B)
 
-and adds its delta to its *live* parameters at the trainer's next step boundary, so local steps
-taken meanwhile are kept. Why this is sound: with plain SGD, averaging two states that each took
+and adds its delta to its *live* parameters over the trainer's next steps
+(:mod:`gossip.replica`), so local steps taken meanwhile are kept. Why this is sound: with plain SGD, averaging two states that each took
 local steps from a common start ``x`` equals applying the average of the two deltas to ``x``
 (``(x − Δ_A + x − Δ_B) / 2 = x − (Δ_A + Δ_B) / 2``).
 

@@ -95,17 +95,21 @@ class SwarmNode:
         return self.replica.counters().step
 
     def step(self, samples: int = 0) -> int:
-        """Count one optimizer step over ``samples`` samples and add the queued deltas to the
-        model. Call it between steps; it takes a lock for a copy at most, never the network.
+        """Count one optimizer step over ``samples`` samples and add the next part of the
+        deltas queued by exchanges to the model (each is spread over about as many steps as
+        come between two exchanges: :mod:`gossip.replica`). Call it between steps; it takes a
+        lock for a copy at most, never the network.
 
         Returns:
-            The number of exchanges whose deltas were just applied.
+            The number of exchanges whose deltas began to apply.
         """
         self.replica.advance(1, samples)
-        return self.replica.apply_pending()
+        return self.replica.apply_step()
 
     def apply_pending(self) -> int:
-        """Add the queued deltas without counting a step; returns how many there were."""
+        """Add all that the exchanges queued, at once, without counting a step (before a
+        checkpoint, or when the trainer stops); returns how many exchanges' deltas began to
+        apply."""
         return self.replica.apply_pending()
 
     def stop_averaging(self) -> None:

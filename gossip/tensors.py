@@ -59,7 +59,8 @@ from .errors import SchemaMismatch
 
 __all__ = [
     "CODECS", "DTYPES", "TensorSpec", "StateSchema", "StateDecoder", "itemsize",
-    "encoded_nbytes", "new_flat", "snapshot", "unflatten", "add_", "load_", "encode_chunks",
+    "encoded_nbytes", "new_flat", "snapshot", "unflatten", "add_", "load_", "live", "views",
+    "encode_chunks",
     "all_finite", "norm", "sum_of_squares", "REDUCE_CHUNK",
 ]
 
@@ -255,7 +256,8 @@ def _float_items(state_dict: Mapping[str, object]) -> list[tuple[str, torch.Tens
     return items
 
 
-def _tensors(target: Target, schema: StateSchema, flat: torch.Tensor) -> list[torch.Tensor]:
+def _tensors(target: Target, schema: StateSchema,
+             flat: torch.Tensor | None) -> list[torch.Tensor]:
     """The live tensors of ``target`` in schema order, after checking them and ``flat``."""
     if isinstance(target, torch.nn.Module):
         target = target.state_dict()
@@ -268,7 +270,8 @@ def _tensors(target: Target, schema: StateSchema, flat: torch.Tensor) -> list[to
     for (name, t), spec in zip(items, schema.entries):
         if _spec(name, t) != spec:
             raise SchemaMismatch(f"model tensor {_spec(name, t)} does not match schema {spec}")
-    _check_flat(flat, schema)
+    if flat is not None:
+        _check_flat(flat, schema)
     return [t for _, t in items]
 
 
@@ -338,6 +341,21 @@ def unflatten(flat: torch.Tensor, schema: StateSchema) -> dict[str, torch.Tensor
 def _views(flat: torch.Tensor, schema: StateSchema) -> Iterator[torch.Tensor]:
     for spec, offset in zip(schema.entries, schema._offsets):
         yield flat[offset : offset + spec.numel].view(spec.shape)
+
+
+def live(target: Target, schema: StateSchema) -> list[torch.Tensor]:
+    """The model's live float tensors, in schema order (the tensors :func:`snapshot` reads).
+
+    Raises:
+        SchemaMismatch: the model does not match ``schema``.
+    """
+    return _tensors(target, schema, None)
+
+
+def views(flat: torch.Tensor, schema: StateSchema) -> list[torch.Tensor]:
+    """The schema's entries as views of a flat buffer, shaped as the live tensors."""
+    _check_flat(flat, schema)
+    return list(_views(flat, schema))
 
 
 def add_(target: Target, schema: StateSchema, delta: torch.Tensor, alpha: float = 1.0) -> None:

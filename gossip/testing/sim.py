@@ -26,6 +26,10 @@ and checkpoints too. ``pause`` freezes the host: its links carry nothing
 pause outlives a crash and composes with partitions. ``nat`` puts the host behind a NAT
 (:meth:`SimNetwork.nat`): it dials out, nobody dials in. Everything else is the network's.
 
+Joiners: the nodes named in ``late`` are not started with the others; ``join`` starts one
+later, through the running nodes, and it downloads their state before it trains, as a
+volunteer joining a swarm that has trained for a while does.
+
 Waiting: every membership change any node sees, every exchange that ends anywhere, every
 training step and every start or end of a node wakes :meth:`SimSwarm.wait_until`, which
 re-checks its condition then; nothing polls on a timer. Bound waits with ``trio.fail_after``.
@@ -235,6 +239,26 @@ class SimSwarm:
             self._config, averaging=dataclasses.replace(self._config.averaging, start="own"))
         await self._start(node, [n.address for n in self.running()], config, checkpoint.counters,
                           checkpoint.correction)
+
+    async def join(self, node: NodeLike) -> None:
+        """Start a node held back at the start (``open_sim_swarm``'s ``late``), a newcomer
+        to the running nodes: it joins through them and, unless the swarm's config says
+        otherwise (``averaging.start = "own"``), downloads the state of one of them before it
+        trains. Returns once it runs; :meth:`wait_ready` waits until it is ready.
+
+        Raises:
+            ValueError: the node is not one held back, or has already joined.
+        """
+        node = self._node(node)
+        if node._down != "late":
+            raise ValueError(f"cannot join {node.name}: it is {node._down or 'running'} "
+                             f"(only a node of late= joins)")
+        config = self._config
+        if config.averaging.start == "own":
+            config = dataclasses.replace(
+                config, averaging=dataclasses.replace(config.averaging, start="auto"))
+        node._down = "starting"
+        await self._start(node, [n.address for n in self.running()], config, None)
 
     async def stop(self, node: NodeLike) -> None:
         """Stop the node gracefully (it announces that it leaves); returns once it has.
@@ -482,6 +506,7 @@ async def open_sim_swarm(
     bandwidth: float | None = None,
     loss: float = 0.0,
     nat: Collection[int] = (),
+    late: Collection[int] = (),
 ) -> AsyncIterator[SimSwarm]:
     """Run ``n`` nodes on a fresh simulated network; returns once every node runs (not yet
     ready: see :meth:`SimSwarm.wait_ready`). On exit every running node leaves.
@@ -511,6 +536,9 @@ async def open_sim_swarm(
         nat: the indices of the nodes whose hosts are behind a NAT from the start
             (:meth:`SimSwarm.nat`), outbound-only volunteers. Node 0, which the others join
             through, cannot be one of them.
+        late: the indices of the nodes that do not start with the others: each starts when
+            the test calls :meth:`SimSwarm.join`, and downloads the swarm's state then
+            (``averaging.start = "auto"`` for it, whatever ``config`` says). Not node 0.
 
     Raises:
         ValueError: a bad argument (the message says which).
@@ -524,6 +552,10 @@ async def open_sim_swarm(
     nat = sorted(set(nat))
     if any(type(i) is not int or not 0 < i < n for i in nat):
         raise ValueError(f"nat must name nodes 1..{n - 1} (node 0 is the bootstrap), not {nat!r}")
+    late = sorted(set(late))
+    if any(type(i) is not int or not 0 < i < n for i in late):
+        raise ValueError(f"late must name nodes 1..{n - 1} (node 0 starts the swarm), not "
+                         f"{late!r}")
     if train is not None and not callable(train):
         raise ValueError(f"train must be a function of a SimNode, not {train!r}")
     make = functools.partial(_default_model, seed) if model is None else model
@@ -546,6 +578,9 @@ async def open_sim_swarm(
             for i in nat:
                 net.nat(sim.nodes[i].name)
             for node in sim.nodes:
+                if node.index in late:
+                    node._down = "late"
+                    continue
                 await sim._start(node, [] if node is first else [first.address], config, None)
             try:
                 yield sim

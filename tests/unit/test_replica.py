@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from gossip import tensors
-from gossip.replica import OFFLOAD_NUMEL, Counters, Replica, offload
+from gossip.replica import MAX_SPREAD, OFFLOAD_NUMEL, Counters, Replica, offload
 
 
 def linear(dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.nn.Module:
@@ -389,3 +389,119 @@ async def test_offload_uses_a_thread_for_a_large_model() -> None:
     replica = Replica(torch.nn.Linear(OFFLOAD_NUMEL, 1, bias=False))
     assert replica.schema.numel >= OFFLOAD_NUMEL
     assert await offload(replica, threading.get_ident) != threading.get_ident()
+
+
+# --- a delta spread over the steps between exchanges ------------------------------------
+
+
+def stepped(replica: Replica, steps: int) -> None:
+    """``steps`` optimizer steps that change nothing: only the counters move."""
+    for _ in range(steps):
+        replica.advance()
+
+
+def spaced(replica: Replica, every: int, count: int = 6) -> None:
+    """Queue (and apply) ``count`` zero deltas ``every`` steps apart, then take ``every``
+    steps: the replica has learnt the spacing of its exchanges, and the next is due."""
+    for _ in range(count):
+        queue(replica, filled(replica, torch.zeros(replica.parts * replica.schema.numel)))
+        replica.apply_pending()
+        stepped(replica, every)
+
+
+@pytest.mark.parametrize("every", [1, 4, 9])
+def test_a_delta_is_spread_evenly_over_the_steps_between_exchanges(every: int) -> None:
+    replica = Replica(linear())
+    spaced(replica, every)
+    start = tensors.snapshot(replica.model, replica.schema)
+    delta = random_flat(replica, seed=every)
+    queue(replica, filled(replica, delta), scale=0.5)
+    began = []
+    for k in range(1, every + 1):
+        # Whenever an exchange looks, it sees the whole delta (the state the node heads to).
+        seen = replica.buffer()
+        replica.snapshot(seen)
+        torch.testing.assert_close(seen, start + 0.5 * delta)
+        began.append(replica.apply_step())
+        torch.testing.assert_close(tensors.snapshot(replica.model, replica.schema),
+                                   start + 0.5 * delta * k / every)
+    assert began == [1] + [0] * (every - 1)  # an exchange counts once, when it begins
+    assert replica.apply_step() == 0 and replica.pending == 0 and not replica.spreading
+    torch.testing.assert_close(tensors.snapshot(replica.model, replica.schema),
+                               start + 0.5 * delta)
+
+
+def test_a_delta_that_arrives_mid_spread_takes_the_rest_along() -> None:
+    replica = Replica(linear())
+    spaced(replica, 8)
+    start = tensors.snapshot(replica.model, replica.schema)
+    first, second = random_flat(replica, 1), random_flat(replica, 2)
+    queue(replica, filled(replica, first), scale=0.5)
+    for _ in range(3):
+        replica.apply_step()
+    stepped(replica, 8)
+    queue(replica, filled(replica, second), scale=0.25)
+    for _ in range(8):
+        replica.apply_step()
+    torch.testing.assert_close(tensors.snapshot(replica.model, replica.schema),
+                               start + 0.5 * first + 0.25 * second)
+
+
+def test_apply_pending_adds_the_rest_at_once() -> None:
+    replica = Replica(linear())
+    spaced(replica, 10)
+    start = tensors.snapshot(replica.model, replica.schema)
+    delta = random_flat(replica, 3)
+    queue(replica, filled(replica, delta))
+    assert replica.apply_step() == 1
+    assert replica.apply_pending() == 0  # the exchange was counted when it began
+    torch.testing.assert_close(tensors.snapshot(replica.model, replica.schema), start + delta)
+    assert replica.apply_step() == 0
+
+
+def test_the_spread_is_bounded_and_at_least_one_step() -> None:
+    replica = Replica(linear())
+    spaced(replica, 1000, count=20)
+    queue(replica, filled(replica, random_flat(replica, 4)))
+    steps = 0
+    while replica.pending or steps == 0 or replica.spreading:
+        replica.apply_step()
+        steps += 1
+    assert steps == MAX_SPREAD
+    fresh = Replica(linear())  # never exchanged: a delta applies at the next step
+    queue(fresh, filled(fresh, random_flat(fresh, 5)))
+    assert fresh.apply_step() == 1 and not fresh.spreading
+
+
+def test_the_correction_takes_its_part_at_once_while_the_state_is_spread() -> None:
+    model = linear()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    replica = Replica(model, optimizer=opt)
+    assert replica.correction is not None
+    spaced(replica, 4)
+    n = replica.schema.numel
+    delta = torch.cat([random_flat(replica, 6), torch.ones(n)])
+    flat = replica.buffer()
+    flat.copy_(delta)
+    before = {k: v.clone() for k, v in replica.correction.state_dict().items()}
+    replica.queue(flat, scale=0.5, correction=0.25, weight=None, sent_weight=0.0)
+    replica.apply_step()
+    after = replica.correction.state_dict()
+    decay = 1.0 - replica.leak
+    for name in after:
+        torch.testing.assert_close(after[name], before[name] * decay + 0.25)
+    replica.apply_pending()
+    assert replica.correction.state_dict().keys() == after.keys()
+    for name, value in replica.correction.state_dict().items():
+        torch.testing.assert_close(value, after[name])  # once, not again with the state
+
+
+def test_a_download_mid_spread_drops_the_rest() -> None:
+    replica = Replica(linear())
+    spaced(replica, 6)
+    queue(replica, filled(replica, random_flat(replica, 7)))
+    replica.apply_step()
+    source = tensors.snapshot(linear(seed=9), replica.schema)
+    replica.load(source, step=0, buffers={})
+    replica.apply_step()
+    torch.testing.assert_close(tensors.snapshot(replica.model, replica.schema), source)

@@ -14,8 +14,8 @@ from gossip.identity import PeerId
 from gossip.member import Member, State
 from gossip.messages import MAX_COUNT
 from gossip.standing import (
-    NEWCOMER_BURST, NewcomerBudget, PeerSteps, Records, Standing, pick, standing, step_ceiling,
-    step_move,
+    NEWCOMER_BURST, NewcomerBudget, PeerSteps, Records, Standing, pick, seniority, standing,
+    step_ceiling, step_move,
 )
 
 def member(i: int, host: str, step: int = 0) -> Member:
@@ -150,3 +150,25 @@ def test_the_swarms_step_ages_by_our_own_training_not_by_our_step() -> None:
     assert seen.swarm(20) == 120
     assert seen.swarm(20) == seen.swarm(20)  # asking moves nothing: only training ages it
     assert PeerSteps(least=4).swarm(0) is None  # too few rounds: the caller falls back
+
+
+# --- seniority: how much of the mixing weight a peer's state gets -----------------------
+
+
+@pytest.mark.parametrize("alive_for,own_age,trust_after,expected", [
+    (0.0, 100.0, 10.0, 0.0),  # joined just now: its state moves us by nothing yet
+    (1.0, 100.0, 10.0, 0.1),  # a second in: a tenth of the usual step
+    (5.0, 100.0, 10.0, 0.5),
+    (10.0, 100.0, 10.0, 1.0),  # trust_after in: all of it
+    (50.0, 100.0, 10.0, 1.0),
+    (1.5, 8.0, 10.0, 0.1875),  # we are younger than trust_after: over our own age
+    (2.0, 6.5, 10.0, 1.0),  # seen 4.5 s after our start: it started with us
+    (99.5, 100.0, 10.0, 1.0),
+    (0.0, 0.0, 10.0, 1.0),  # both started at once
+    (0.0, 100.0, 0.0, 1.0),  # trust_after 0: no ramp
+    (None, 100.0, 10.0, 1.0),  # not alive in our table: its standing decided alone
+])
+def test_seniority_ramps_up_a_peer_that_joined_after_us(alive_for: float | None,
+                                                       own_age: float, trust_after: float,
+                                                       expected: float) -> None:
+    assert seniority(alive_for, own_age, trust_after) == pytest.approx(expected)
