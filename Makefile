@@ -13,7 +13,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench install clean
+.PHONY: demo test bench install clean gpu-check gpu-wheels
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,27 @@ bench: $(STAMP)
 	$(PY) bench/efficiency.py --quick
 	$(PY) bench/processes.py --quick
 	$(PY) bench/straggler.py
+
+# The checks that need a GPU (bench/gpu_check.py: the CUDA tests, the demo twice, the overhead
+# and exchange benchmarks on the GPU; about 6 minutes on one H100), with the machine's own
+# python3 and its CUDA build of torch, no venv and no network. WHEELS: a folder of wheels for
+# the rest (make gpu-wheels makes one); without a GPU it says so and exits 0.
+#   make gpu-check WHEELS=/path/to/wheels
+gpu-check:
+	$(PYTHON) bench/gpu_check.py $(if $(WHEELS),--wheels $(WHEELS)) $(GPU_CHECK)
+
+# On a machine with network access: download into WHEELS what gpu-check installs on a GPU
+# machine (Linux x86-64) of Python PYVER, torch and its CUDA libraries excepted.
+#   make gpu-wheels WHEELS=wheels PYVER=3.12
+PYVER ?= 3.12
+GPU_WHEELS := trio outcome sniffio sortedcontainers attrs idna cbor2 cryptography cffi \
+	pycparser prometheus_client pytest pluggy iniconfig packaging pytest-trio pytest-timeout \
+	hypothesis PyYAML numpy scipy scikit-learn joblib threadpoolctl
+gpu-wheels:
+	@test -n "$(WHEELS)" || { echo "make gpu-wheels WHEELS=dir [PYVER=3.12]"; exit 2; }
+	$(PYTHON) -m pip download --no-deps --only-binary=:all: --python-version $(PYVER) \
+		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 --platform any -d $(WHEELS) $(GPU_WHEELS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -447,14 +447,15 @@ def prepare(role: str) -> None:
     torch.manual_seed(1 if role == "a" else 2)
 
 
-def build_model(numel: int):
-    """A module of ``numel`` float32 parameters in :data:`PARTS` equal tensors, random."""
+def build_model(numel: int, device: str = "cpu"):
+    """A module of ``numel`` float32 parameters in :data:`PARTS` equal tensors, random, on
+    ``device``."""
     import torch
 
     model = torch.nn.Module()
     for i in range(PARTS):
         model.register_parameter(f"w{i}", torch.nn.Parameter(torch.randn(numel // PARTS)))
-    return model
+    return model.to(device)
 
 
 def _cpu() -> float:
@@ -492,7 +493,9 @@ class Bench:
         self.model = model
         self.key = key
         self.model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        self.payload = [memoryview(p.detach().numpy()).cast("B") for p in model.parameters()]
+        # Plain TCP sends the parameters' bytes from host memory (a copy, for a GPU model).
+        self.payload = [memoryview(p.detach().cpu().numpy()).cast("B")
+                        for p in model.parameters()]
         self.nodes: dict = {}  # by exchange method
         self.warm: dict = {}  # statistics() after each exchange method's warm-up
         self.optimizer = None  # what the nodes keeping a drift correction hook into

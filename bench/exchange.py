@@ -48,7 +48,13 @@ bench asserts on time): the fp32 exchange within 2x of the plain full-duplex TCP
 memory beyond the model at most 3x the model. The table's last lines hold every size against
 them, for context.
 
+GPU: ``--device cuda`` builds each worker's model on the GPU (both on one GPU, on a machine
+with one), so that an exchange also copies the state to the host and the delta back; the
+plain TCP methods still send from host memory. ``--codecs`` picks the codecs timed (any of
+fp32, bf16, int8; default fp32,bf16).
+
 Usage: python bench/exchange.py [--quick] [--trials 11] [--sizes 1,3,10,30,100]
+       [--device cpu|cuda] [--codecs fp32,bf16,int8]
 Writes bench/results/exchange.json (every figure, per size and codec, with the trials) and
 bench/results/exchange.png (time and peak memory vs parameters, log-log). Progress goes to
 stderr; the last line printed is one JSON object with the headline figures (time ratios are
@@ -66,11 +72,12 @@ import statistics
 import time
 
 import averaging
-from averaging import CODECS, TARGET_EXTRA_RSS, TARGET_VS_TCP, Bench, Link
+from averaging import CODECS as DEFAULT_CODECS
+from averaging import TARGET_EXTRA_RSS, TARGET_VS_TCP, Bench, Link
 from common import progress, pyplot, save_figure, save_json, table
 
 SIZES = (1, 3, 10, 30, 100)  # millions of float32 parameters
-METHODS = tuple(CODECS) + tuple(f"tcp {codec}" for codec in CODECS)
+CODECS = list(DEFAULT_CODECS)  # the codecs timed: --codecs, in the parent and the workers
 
 
 def label(numel: int) -> str:
@@ -90,22 +97,32 @@ def main() -> None:
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)),
                         help="model sizes in millions of parameters, comma-separated "
                              "(default %(default)s)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="where each worker's model lives (default cpu)")
+    parser.add_argument("--codecs", default=",".join(DEFAULT_CODECS),
+                        help="codecs to time, comma-separated (default %(default)s)")
     parser.add_argument("--worker", choices=["a", "b"], help=argparse.SUPPRESS)
     parser.add_argument("--key", help=argparse.SUPPRESS)
     args = parser.parse_args()
     trials = args.trials or (5 if args.quick else 11)
     sizes = [round(float(s) * 1e6) for s in args.sizes.split(",")]
+    CODECS[:] = args.codecs.split(",")
+    known = averaging.CODECS + averaging.NEW_CODECS
+    if not CODECS or any(c not in known for c in CODECS):
+        parser.error(f"--codecs: each of {', '.join(known)}")
     if args.worker:
-        worker(args.worker, bytes.fromhex(args.key), trials, sizes)
+        worker(args.worker, bytes.fromhex(args.key), trials, sizes, args.device)
         return
 
     started, load_before = time.perf_counter(), os.getloadavg()[0]
-    results = averaging.run_workers(__file__, "--trials", str(trials), "--sizes", args.sizes)
+    results = averaging.run_workers(__file__, "--trials", str(trials), "--sizes", args.sizes,
+                                    "--device", args.device, "--codecs", args.codecs)
     elapsed, load_after = time.perf_counter() - started, os.getloadavg()[0]
     rows = [figures(a, b, codec) for a, b in zip(results["a"], results["b"]) for codec in CODECS]
 
     print(f"\nOne averaging exchange between two processes on 127.0.0.1 vs plain TCP of the same "
-          f"bytes; median of {trials} after a warm-up, methods interleaved")
+          f"bytes; median of {trials} after a warm-up, methods interleaved; models on "
+          f"{args.device}")
     print(table(
         ["params", "codec", "payload MB", "wire MB out/in", "overhead", "exchange s", "min s",
          "TCP s", "vs TCP", "CPU s", "peak extra MB", "x model"],
@@ -143,7 +160,8 @@ def main() -> None:
                            "loadavg": [round(load_before, 2), round(load_after, 2)],
                            "rows": rows, "headline": headline})
     plot(rows)
-    print(json.dumps({**headline, "trials": trials, "loadavg": round(load_before, 2)}))
+    print(json.dumps({**headline, "trials": trials, "device": args.device,
+                      "loadavg": round(load_before, 2)}))
 
 
 def figures(a: dict, b: dict, codec: str) -> dict:
@@ -199,7 +217,7 @@ def plot(rows: list[dict]) -> None:
     plt = pyplot()
     figure, (times, memory) = plt.subplots(1, 2, figsize=(12, 4.6))
     numel = sorted({r["numel"] for r in rows})
-    for codec, colour in zip(CODECS, ("C0", "C1")):
+    for codec, colour in zip(CODECS, ("C0", "C1", "C2", "C3")):
         mine = sorted((r for r in rows if r["codec"] == codec), key=lambda r: r["numel"])
         times.loglog(numel, [r["exchange_s"] for r in mine], "o-", color=colour,
                      label=f"exchange {codec} (encrypted)")
@@ -228,12 +246,11 @@ class SizeBench(Bench):
     """``averaging.Bench`` with the two exchanges and, instead of gloo and the whole model's
     TCP transfers, a full-duplex TCP transfer of each codec's payload bytes."""
 
-    methods = METHODS
-
     def __init__(self, link: Link, model, key: bytes) -> None:
         from gossip import StateSchema
 
-        super().__init__(link, model, key)
+        super().__init__(link, model, key,
+                         tuple(CODECS) + tuple(f"tcp {codec}" for codec in CODECS))
         schema = StateSchema.from_module(model)
         self.numel = schema.numel
         self.payload_bytes = {codec: schema.encoded_size(codec) for codec in CODECS}
@@ -246,10 +263,13 @@ class SizeBench(Bench):
         super().report(role, numel=self.numel, payload=self.payload_bytes, **fields)
 
 
-def worker(role: str, key: bytes, trials: int, sizes: list[int]) -> None:
+def worker(role: str, key: bytes, trials: int, sizes: list[int], device: str) -> None:
     averaging.prepare(role)
+    if device == "cuda":
+        from gossip.devices import resolve
+        device = str(resolve("cuda"))
     for numel in sizes:
-        SizeBench(Link(), averaging.build_model(numel), key).run(role, trials)
+        SizeBench(Link(), averaging.build_model(numel, device), key).run(role, trials)
         release()
         if role == "a":
             progress(f"a {label(numel)}: done")

@@ -46,7 +46,11 @@ from launch to the first exchange, imports excluded (hivemind, measured on this 
 machine elsewhere, not in this run: about 10 s to its first averaging, with silent 30 s
 stalls in 2 of 9 runs).
 
+On a GPU (``make gpu-check`` runs this): ``--device cuda --width 4096 --depth 6 --batch 256``,
+a 100.7M-parameter model (403 MB) on the GPU in both daemons; the 42 MB above become 403.
+
 Usage: python bench/overhead.py [--quick] [--rounds 5] [--seconds 30] [--keep]
+       [--device cpu|auto|cuda|cuda:N] [--width 1024] [--depth 10] [--batch 64]
 The last line printed is one JSON object with the figures.
 """
 
@@ -72,8 +76,18 @@ from daemon.keys import write_swarm_key
 from daemon.metrics import MetricsLogReader
 
 ENTRY = f"{Path(__file__).resolve().with_name('tasks.py')}:mlp10m"
-WIDTH, DEPTH, BATCH = 1024, 10, 64  # the model: DEPTH width x width layers, a 10-way head
-PARAMS = DEPTH * (WIDTH * WIDTH + WIDTH) + WIDTH * 10 + 10
+# The model: DEPTH width x width layers and a 10-way head, BATCH samples a step, on DEVICE
+# (--width, --depth, --batch, --device set them; the defaults are the 2-core CPU bench's).
+WIDTH, DEPTH, BATCH, DEVICE = 1024, 10, 64, "cpu"
+
+
+def set_model(width: int, depth: int, batch: int, device: str) -> None:
+    global WIDTH, DEPTH, BATCH, DEVICE
+    WIDTH, DEPTH, BATCH, DEVICE = width, depth, batch, device
+
+
+def params() -> int:
+    return DEPTH * (WIDTH * WIDTH + WIDTH) + WIDTH * 10 + 10
 INTERVAL = 5.0  # s, averaging.interval on both daemons
 TARGET_RATIO = 0.90  # steps/s with averaging >= this x without
 TARGET_FIRST_S = 3.0  # launch to first exchange, imports excluded, at most this
@@ -97,7 +111,7 @@ class Daemon:
         data = {
             "node": {"listen": "127.0.0.1:0"},
             "swarm": {"name": name, "bootstrap": bootstrap},
-            "task": {"entry": ENTRY, "device": "cpu", "threads": 1, "progress_interval": 0,
+            "task": {"entry": ENTRY, "device": DEVICE, "threads": 1, "progress_interval": 0,
                      "options": {"width": WIDTH, "depth": DEPTH, "batch_size": BATCH,
                                  "idle": idle}},
             "averaging": {"every": 0, "interval": INTERVAL},
@@ -255,7 +269,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, help="A/B rounds and joiners (default 5; 2 quick)")
     parser.add_argument("--seconds", type=float, help="s per phase (default 30; 10 quick)")
     parser.add_argument("--keep", action="store_true", help="keep the daemons' directories")
+    parser.add_argument("--device", default=DEVICE,
+                        help="task.device of both daemons: cpu (default), auto, cuda or cuda:N")
+    parser.add_argument("--width", type=int, default=WIDTH, help=f"default {WIDTH}")
+    parser.add_argument("--depth", type=int, default=DEPTH, help=f"default {DEPTH}")
+    parser.add_argument("--batch", type=int, default=BATCH, help=f"default {BATCH}")
     args = parser.parse_args()
+    set_model(args.width, args.depth, args.batch, args.device)
     rounds = args.rounds or (2 if args.quick else 5)
     seconds = args.seconds or (10.0 if args.quick else 30.0)
     root = Path(tempfile.mkdtemp(prefix="gossipd-overhead-"))
@@ -308,8 +328,8 @@ def report(run: dict[str, Any], rounds: int, seconds: float, elapsed: float,
     first_s, first_max = statistics.median(net), max(net)
     verdict = {True: "met", False: "MISSED"}
 
-    print(f"\nbench/tasks.py:mlp10m, {PARAMS:,} float32 parameters ({PARAMS * 4 / 1e6:.0f} MB), "
-          f"batch {BATCH}, "
+    print(f"\nbench/tasks.py:mlp10m, {params():,} float32 parameters "
+          f"({params() * 4 / 1e6:.0f} MB), batch {BATCH}, on {DEVICE}, "
           f"one torch thread; averaging.interval {INTERVAL:g} s on both daemons; "
           f"{rounds} rounds of {seconds:g} s alone, then {seconds:g} s with an idle peer; "
           f"{seconds:g} s alone to end")
@@ -325,7 +345,7 @@ def report(run: dict[str, Any], rounds: int, seconds: float, elapsed: float,
           f"({60 * len(committed) / paired_s:.1f}/min), "
           + ", ".join(f"{n} {r}" for r, n in others.items())
           + (f"; duration median {statistics.median(durations):.3f} s, max "
-             f"{max(durations):.3f} s, {PARAMS * 4 / 1e6:.0f} MB each way (fp32)"
+             f"{max(durations):.3f} s, {params() * 4 / 1e6:.0f} MB each way (fp32)"
              if durations else ""))
     if during and outside:
         print(f"trainer chunks overlapping an exchange: {statistics.median(during):.2f} "
@@ -366,7 +386,8 @@ def report(run: dict[str, Any], rounds: int, seconds: float, elapsed: float,
         "exchanges_per_min": round(60 * len(committed) / paired_s, 2),
         "exchanges_not_committed": sum(others.values()),
         "lost_per_exchange_s": round(lost, 4),
-        "params": PARAMS,
+        "params": params(),
+        "device": DEVICE,
         "rounds": rounds,
         "seconds": seconds,
         "loadavg": round(load_before, 2),
