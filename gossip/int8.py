@@ -38,12 +38,13 @@ error bound is then a whole ``scale`` instead of half of one. The decoder takes 
 the choice is the encoder's alone (:func:`encode`'s ``generator``).
 
 Non-finite values stay visible to the receiver's checks: a block holding a NaN has a NaN
-scale, and one holding ±inf (and no NaN) an infinite scale; such a block's q are all 0, so
-it decodes to NaN values throughout (``0 * inf`` is NaN). The decoder takes any bytes: a
-hostile NaN, infinite or huge scale gives non-finite or huge values, which the float32
-checks above this layer (finiteness, norm bounds, clipping) then see. The byte -128 is not
-produced but is accepted, and decodes to ``-128 * scale``: refusing it would protect
-nothing, since the scale alone can make a value anything.
+scale (always the quiet NaN ``7fc00000``, whatever bits the device's kernel made), and one
+holding ±inf (and no NaN) an infinite scale; such a block's q are all 0, so it decodes to NaN
+values throughout (``0 * inf`` is NaN). The decoder takes any bytes: a hostile NaN, infinite
+or huge scale gives non-finite or huge values, which the float32 checks above this layer
+(finiteness, norm bounds, clipping) then see. The byte -128 is not produced but is accepted,
+and decodes to ``-128 * scale``: refusing it would protect nothing, since the scale alone can
+make a value anything.
 
 Why one cell per block rather than all scales first: records (channel frames) then hold
 whole cells, and the payload is the same bytes however it is cut into records, so nothing
@@ -71,6 +72,7 @@ BLOCK = 64  # values per block; the last block of a vector may be shorter
 SCALE_BYTES = 4  # a float32 scale leads every cell
 CELL = SCALE_BYTES + BLOCK  # bytes of a whole block's cell: 68
 LEVELS = 127  # |q| <= LEVELS; scale = absmax / LEVELS
+CANONICAL_NAN = 0x7FC00000  # a NaN block's scale: the quiet NaN, bytes 00 00 c0 7f
 # The largest float32 s with 127 * s finite (bytes 03 02 01 7c); absmax / 127 of a block
 # holding float32's largest value rounds one step above it, and would decode to infinity.
 MAX_SCALE = 2.6793883890187504e36
@@ -204,6 +206,10 @@ def _quantize_blocks(x: torch.Tensor, scales: torch.Tensor, q: torch.Tensor,
     if finite is not None and not bool(finite.all()):
         work[~finite] = 0.0  # the scale carries the NaN or inf; the values must be defined
     scales.copy_(scale)
+    if finite is not None and bool(scale.isnan().any()):
+        # A NaN's bits are whatever the kernel made (7fc00000 on a CPU, ffffffff on CUDA):
+        # the one quiet NaN of the protocol keeps the bytes the same on every device.
+        scales.view(torch.int32)[scale.isnan()] = CANONICAL_NAN
     q.view(torch.int8).copy_(work)
 
 
