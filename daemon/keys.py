@@ -412,9 +412,12 @@ def decode_options(text: str) -> dict[str, Any]:
         raise KeyFileError("bad join line: options= is not the base64url of at most "
                            f"{MAX_OPTIONS} bytes")
     try:
-        data = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
-        options = json.loads(data.decode("utf-8"), object_pairs_hook=_unique,
-                             parse_constant=_no_constant)
+        data = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)).decode("utf-8")
+        # Bounded before parsing: how deep a parser may recurse depends on the Python build.
+        if _json_depth(data) > MAX_OPTIONS_DEPTH:
+            raise KeyFileError(f"bad join line: options= is nested more than "
+                               f"{MAX_OPTIONS_DEPTH} deep")
+        options = json.loads(data, object_pairs_hook=_unique, parse_constant=_no_constant)
     except (binascii.Error, ValueError, RecursionError) as exc:
         raise KeyFileError(f"bad join line: options= does not decode: {exc}") from None
     if type(options) is not dict:
@@ -423,6 +426,29 @@ def decode_options(text: str) -> dict[str, Any]:
     if problem:
         raise KeyFileError(f"bad join line: {problem}")
     return options
+
+
+def _json_depth(text: str) -> int:
+    """How deep the arrays and objects of the JSON ``text`` nest (brackets inside strings do
+    not count); any text gives a number, the parser judges the rest."""
+    depth = deepest = 0
+    quoted = escaped = False
+    for char in text:
+        if quoted:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                quoted = False
+        elif char == '"':
+            quoted = True
+        elif char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "]}":
+            depth -= 1
+    return deepest
 
 
 def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

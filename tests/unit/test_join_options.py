@@ -52,6 +52,9 @@ def test_options_round_trip_and_are_left_out_when_empty() -> None:
 def test_options_are_canonical_json_in_base64url() -> None:
     assert encode_options({"b": 1, "a": [1.5, "x"]}) == b64(b'{"a":[1.5,"x"],"b":1}')
     assert decode_options(b64(b'{"b": 1, "a": [1.5, "x"]}')) == {"a": [1.5, "x"], "b": 1}
+    # Brackets inside text are not nesting, an escaped quote does not end the text.
+    text = '[[[[[[[[[["{{{{{{{{{{\\'
+    assert decode_options(encode_options({"a": text})) == {"a": text}
 
 
 _values = st.recursive(
@@ -98,8 +101,10 @@ def test_options_a_line_cannot_carry_are_refused_with_the_option_named(
     (b64(b'{"a":1e999}'), "not a finite number"),
     (b64(b'{"a":null}'), "is a null"),
     (b64(b'{"a":99999999999999999999}'), "64-bit"),
-    (b64(b"[" * 2000 + b"]" * 2000), "does not decode"),  # a RecursionError, caught
-    (b64(b'{"a":' + b"[" * 2000 + b"]" * 2000 + b"}"), "does not decode|nested"),
+    # Refused before parsing: how deep a parser recurses depends on the Python build.
+    (b64(b"[" * 2000 + b"]" * 2000), "nested more than 8"),
+    (b64(b'{"a":' + b"[" * 2000 + b"]" * 2000 + b"}"), "nested more than 8"),
+    (b64(b"[" * 2000), "nested more than 8"),
     (b64(b'{"a":' + b"[" * 8 + b"]" * 8 + b"}"), "nested more than 8"),
 ])
 def test_a_line_with_malformed_options_is_refused(field: str, match: str) -> None:
