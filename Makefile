@@ -48,7 +48,7 @@ bench: $(STAMP)
 	$(PY) bench/straggler.py
 
 # The checks that need a GPU (bench/gpu_check.py: the CUDA tests, the demo twice, the overhead
-# and exchange benchmarks on the GPU; about 6 minutes on one H100), with the machine's own
+# and exchange benchmarks on the GPU; 5 minutes on one H200), with the machine's own
 # python3 and its CUDA build of torch, no venv and no network. WHEELS: a folder of wheels for
 # the rest (make gpu-wheels makes one); without a GPU it says so and exits 0.
 #   make gpu-check WHEELS=/path/to/wheels

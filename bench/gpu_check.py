@@ -6,8 +6,8 @@ runs, each with its own time limit and log:
 
 1. every test in the test files that touch CUDA (the CUDA tests themselves, and the CPU tests
    beside them, which must still pass with a GPU present: the device resolver picks it up);
-2. ``gossipd demo`` twice with the default config (``task.device = "auto"``: the GPU), three
-   daemons for ``--demo-seconds`` each, scored against the central baseline;
+2. ``gossipd demo`` twice at once with the default config (``task.device = "auto"``: the
+   GPU), three daemons for ``--demo-seconds`` each, scored against the central baseline;
 3. ``bench/overhead.py`` with both daemons on the GPU and a 100.7M-parameter model (403 MB);
 4. ``bench/exchange.py`` with each worker's 100M-parameter model on the GPU, fp32, bf16 and
    int8.
@@ -55,7 +55,7 @@ NEEDED = [
 ]
 SKIPPED_WHEELS = re.compile(r"^(torch|torchvision|torchaudio|triton|nvidia[-_].*)$", re.I)
 # Seconds each step may take: the whole check is meant to end within 6 minutes on one H100.
-LIMITS = {"tests": 180, "demo": 130, "overhead": 170, "exchange": 110}
+LIMITS = {"tests": 180, "demo": 150, "overhead": 170, "exchange": 110}
 OVERHEAD = ["--quick", "--device", "cuda", "--width", "4096", "--depth", "6", "--batch", "256"]
 EXCHANGE = ["--sizes", "100", "--trials", "3", "--device", "cuda", "--codecs", "fp32,bf16,int8"]
 
@@ -219,19 +219,29 @@ def check_imports(env: dict[str, str]) -> list[str]:
 def run(command: list[str], env: dict[str, str], log: Path, limit: float) -> tuple[int, str]:
     """Run ``command`` in the repository, its output into ``log``; (exit code, output). A
     command past ``limit`` seconds is stopped (code 124)."""
+    return finish(start(command, env, log), log, limit)
+
+
+def start(command: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    """Start ``command`` in the repository, in a session of its own, its output into ``log``."""
     with open(log, "w") as f:
-        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=f,
-                                   stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(command, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+def finish(process: subprocess.Popen, log: Path, deadline: float) -> tuple[int, str]:
+    """Wait for ``process`` until ``deadline`` seconds from now, then stop it (code 124);
+    (exit code, its log)."""
+    try:
+        code = process.wait(deadline)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, 15)
         try:
-            code = process.wait(limit)
+            process.wait(20)
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, 15)
-            try:
-                process.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, 9)
-                process.wait()
-            code = 124
+            os.killpg(process.pid, 9)
+            process.wait()
+        code = 124
     return code, log.read_text(errors="replace")
 
 
@@ -254,29 +264,42 @@ def cuda_test_files() -> list[str]:
 
 
 def step_tests(env: dict[str, str], out: Path, args: argparse.Namespace) -> dict[str, Any]:
-    junit = out / "tests.xml"
     files = cuda_test_files()
     # The project's pytest plugin (fixtures some tests use) comes by its entry point once the
     # project is installed; from the checkout alone, it is named here.
     installed = any(e.name == "gossipd"
                     for e in importlib.metadata.entry_points(group="pytest11"))
     plugin = [] if installed else ["-p", "daemon.pytest_plugin"]
-    code, text = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *plugin,
-                      f"--junitxml={junit}", *files], env, out / "tests.log", LIMITS["tests"])
+    # Two pytest processes at once: the end-to-end files (daemons in subprocesses, most of
+    # the time) beside the unit files.
+    groups = {"tests": [f for f in files if "/e2e/" not in f],
+              "tests-e2e": [f for f in files if "/e2e/" in f]}
+    started = {name: start([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                            *plugin, f"--junitxml={out / name}.xml", *group], env,
+                           out / f"{name}.log")
+               for name, group in groups.items() if group}
+    until = time.monotonic() + LIMITS["tests"]
+    codes, cuda = [], 0
     counts = {"passed": 0, "failed": 0, "skipped": 0}
     failures = []
-    if junit.exists():
+    for name, process in started.items():
+        code, text = finish(process, out / f"{name}.log", max(1.0, until - time.monotonic()))
+        codes.append(code)
+        cuda += sum(1 for line in text.splitlines() if "needs CUDA" in line)
+        junit = out / f"{name}.xml"
+        if not junit.exists():
+            continue
         import xml.etree.ElementTree as ElementTree
         for case in ElementTree.parse(junit).iter("testcase"):
             kinds = {child.tag for child in case}
             if kinds & {"failure", "error"}:
                 counts["failed"] += 1
-                failures.append(f"{case.get('classname')}::{case.get('name')}")
+                failures.append(f"{case.get('classname')}::{case.get('name')}"[:160])
             elif "skipped" in kinds:
                 counts["skipped"] += 1
             else:
                 counts["passed"] += 1
-    cuda = sum(1 for line in text.splitlines() if "needs CUDA" in line)
+    code = next((c for c in codes if c != 0), 0)
     return {"ok": code == 0 and counts["failed"] == 0 and counts["passed"] > 0, "exit": code,
             "files": len(files), **counts, "skipped_for_no_cuda": cuda,
             "failures": failures[:20]}
@@ -289,13 +312,17 @@ DEMO_CENTRAL = re.compile(r"^central baseline\s+accuracy\s+([0-9.]+)")
 
 
 def step_demo(env: dict[str, str], out: Path, args: argparse.Namespace) -> dict[str, Any]:
+    # Both runs at once: six daemons of a small model are far from filling a GPU or sixteen
+    # cores, and the check stays within its minutes.
+    dry = ["--set", "task.device=cpu"] if args.cpu else []
+    started = {i: start([sys.executable, "-m", "daemon", "demo", "--nodes", "3", "--seconds",
+                         f"{args.demo_seconds:g}", "--dir", str(out / f"demo{i}"), *dry], env,
+                        out / f"demo{i}.log") for i in (1, 2)}
+    until = time.monotonic() + LIMITS["demo"]
     runs = []
-    for i in (1, 2):
+    for i, process in started.items():
         directory = out / f"demo{i}"
-        dry = ["--set", "task.device=cpu"] if args.cpu else []
-        code, text = run([sys.executable, "-m", "daemon", "demo", "--nodes", "3", "--seconds",
-                          f"{args.demo_seconds:g}", "--dir", str(directory), *dry], env,
-                         out / f"demo{i}.log", LIMITS["demo"])
+        code, text = finish(process, out / f"demo{i}.log", max(1.0, until - time.monotonic()))
         nodes = {m.group(1): float(m.group(3)) for line in text.splitlines()
                  if (m := DEMO_NODE.match(line))}
         worst = DEMO_WORST.search(text)

@@ -241,7 +241,7 @@ def _score(swarm: list[_Node], overrides: Sequence[str]) -> _Scores | None:
         print("no scores: the task has no evaluate()" if task.evaluate is None else
               "no scores: no node left a checkpoint")
         return None
-    task.model.load_state_dict(average(states))
+    task.model.load_state_dict(states[0] if len(states) == 1 else average(states))
     averaged = dict(task.evaluate())
     central = build()  # the same initial weights, optimizer and options
     steps = samples // central.batch_size
