@@ -96,9 +96,9 @@ class SwarmNode:
 
     def step(self, samples: int = 0) -> int:
         """Count one optimizer step over ``samples`` samples and add the next part of the
-        deltas queued by exchanges to the model (each is spread over about as many steps as
-        come between two exchanges: :mod:`gossip.replica`). Call it between steps; it takes a
-        lock for a copy at most, never the network.
+        deltas queued by exchanges to the model (each is spread over half the steps that
+        come between two exchanges, at most 16: :mod:`gossip.replica`). Call it between
+        steps; it takes a lock for a copy at most, never the network.
 
         Returns:
             The number of exchanges whose deltas began to apply.
