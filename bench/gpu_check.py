@@ -54,7 +54,8 @@ NEEDED = [
     ("scikit-learn", "sklearn", "1.3"), ("PyYAML", "yaml", None),
 ]
 SKIPPED_WHEELS = re.compile(r"^(torch|torchvision|torchaudio|triton|nvidia[-_].*)$", re.I)
-# Seconds each step may take: the whole check is meant to end within 6 minutes on one H100.
+# Seconds each step may take; the whole check is meant to end within 6 minutes on one H100
+# (it took 5 on one H200).
 LIMITS = {"tests": 180, "demo": 150, "overhead": 170, "exchange": 110}
 OVERHEAD = ["--quick", "--device", "cuda", "--width", "4096", "--depth", "6", "--batch", "256"]
 EXCHANGE = ["--sizes", "100", "--trials", "3", "--device", "cuda", "--codecs", "fp32,bf16,int8"]

@@ -226,11 +226,11 @@ def test_non_finite_values_turn_their_whole_block_into_nans() -> None:
     assert not tensors.all_finite(got)
 
 
-
 @pytest.mark.parametrize("bits", [0x7FC00000, 0xFFFFFFFF, 0x7F800001, 0xFFC01234])
 def test_a_nan_block_s_scale_is_always_the_quiet_nan(bits: int) -> None:
-    # CUDA's kernels make 0xffffffff where a CPU makes 0x7fc00000: the bytes on the wire
-    # must not depend on the device, nor on the NaN the model happened to hold.
+    # The bytes on the wire must not depend on the device, nor on the NaN the model held.
+    # A CPU makes 7fc00000 from any of these by itself; CUDA's kernels made ffffffff, which
+    # test_cuda_flat_encodes_and_decodes_the_same_bytes catches on a machine with a GPU.
     x = torch.randn(64 * 2 + 7)
     raw = x.view(torch.int32)
     for i in (5, 64 + 9, 64 * 2 + 3):  # a whole block, another, the short last one
@@ -238,6 +238,7 @@ def test_a_nan_block_s_scale_is_always_the_quiet_nan(bits: int) -> None:
     payload = encode(x)
     for start in (0, CELL, 2 * CELL):
         assert payload[start : start + 4] == bytes.fromhex("0000c07f")
+
 
 def test_zero_huge_and_tiny_blocks() -> None:
     big = torch.finfo(torch.float32).max

@@ -448,7 +448,6 @@ def test_a_delta_that_arrives_mid_spread_takes_the_rest_along() -> None:
                                start + 0.5 * first + 0.25 * second)
 
 
-
 def test_apply_pending_adds_the_rest_at_once() -> None:
     replica = Replica(linear())
     spaced(replica, 10)

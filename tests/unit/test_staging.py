@@ -78,7 +78,7 @@ def test_staged_snapshots_are_the_host_snapshots_bit_for_bit() -> None:
     got = replica.buffer()
     replica.snapshot(got)
     assert torch.equal(got, host_snapshot(replica))
-    for k in range(4):  # exchanges 3 steps apart: each delta spreads over 3 steps
+    for k in range(4):  # exchanges 3 steps apart: each delta spreads over 2 of them
         replica.queue(flat(replica, 10 + k), scale=0.5, correction=0.25, weight=None,
                       sent_weight=0.0)
         for _ in range(3):
