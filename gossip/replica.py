@@ -46,9 +46,10 @@ lets the correction leak.
 
 Memory: the flat buffers (``parts`` float32 copies of the model each) are the snapshot being
 sent, the state being received, and the pending delta (held while it is spread). The
-received buffer *becomes* the pending delta when nothing is pending, and applied deltas go back to a spare slot for the next
-exchange, so a node holds at most three buffers however many exchanges it makes. On a CUDA
-model the buffers are page-locked, so device copies are fast.
+received buffer *becomes* the pending delta when nothing is pending, and applied deltas go
+back to a spare slot for the next exchange, so a node holds at most three buffers however
+many exchanges it makes. On a CUDA model the buffers are page-locked, so device copies are
+fast.
 
 Counters: ``step`` is the step the swarm schedules by (see :mod:`gossip.standing`): this
 node's optimizer steps, moved on each exchange towards the swarm's by a signed ``step_move``.
