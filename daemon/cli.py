@@ -289,7 +289,8 @@ def format_status(s: dict[str, Any]) -> str:
         lines.append(f"eval      {_evaluation(s['evaluation'], s.get('eval_every', 0))}")
     lines += [
         f"averaging {ex['committed']} committed, {ex['busy']} busy, {ex['failed']} failed, "
-        f"{ex['invalid']} invalid, {ex['rejected']} rejected; {s['pending']} pending",
+        f"{ex['invalid']} invalid, {ex['rejected']} rejected; {s['pending']} pending"
+        + _spacing(s),
         f"traffic   {s['bytes']['sent'] / 1e6:.1f} MB out, {s['bytes']['received'] / 1e6:.1f} MB in",
         "checkpoint " + (f"step {ckpt['step']} {ckpt['path']}" if ckpt else "none yet"),
         f"peers     {len(s['members'])}",
@@ -300,6 +301,17 @@ def format_status(s: dict[str, Any]) -> str:
                      + age + ("" if m["ready"] else "  not ready")
                      + ("  outbound only" if m.get("reachable") is False else ""))
     return "\n".join(lines)
+
+
+def _spacing(s: dict[str, Any]) -> str:
+    """How many local steps apart this node starts its rounds (a daemon of an older version
+    does not say: nothing then)."""
+    if "spacing" not in s:
+        return ""
+    if s["spacing"] is None:
+        return "; no rounds by steps (averaging.every = 0)"
+    how = " (auto)" if s.get("every") == "auto" else ""
+    return f"; a round every {s['spacing']} steps{how}"
 
 
 def _processes(p: dict[str, Any]) -> str:

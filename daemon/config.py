@@ -360,16 +360,22 @@ class AveragingSection(_Section):
 
     section = "averaging"
     # every and interval: 0 here is the library's None.
-    every: int = _field(gossip.AveragingConfig.every or 0, "local steps between the rounds we "
-                        "start (x U(0.75, 1.25)); a round on a slow link is followed at once by "
-                        "the next; 0: by interval only (see docs/DAEMON.md, Choosing "
-                        "averaging.every)", COUNT)
+    every: int | str = _field(gossip.AveragingConfig.every or 0, "local steps between the "
+                              "rounds we start (x U(0.75, 1.25)); a round on a slow link is "
+                              "followed at once by the next; \"auto\": ceil(2 x exchange time / "
+                              "step time), measured, 1 until it is; 0: by interval only (see "
+                              "docs/DAEMON.md, Choosing averaging.every)",
+                              want(lambda v: v >= 0, 'an integer >= 0 or "auto"'),
+                              words=("auto",))
     interval: float = _field(gossip.AveragingConfig.interval or 0.0, "s after our last round "
                              "ends before we start another anyway, for a node that steps slower "
                              "than every (or not at all); 0: by steps only (every and interval "
                              "both 0: never start one; still answers peers)", NON_NEGATIVE)
     correction: bool = _from(gossip.AveragingConfig, "correction")
     leak: float = _from(gossip.AveragingConfig, "leak")
+    outer: bool = _from(gossip.AveragingConfig, "outer")
+    outer_lr: float = _from(gossip.AveragingConfig, "outer_lr")
+    outer_momentum: float = _from(gossip.AveragingConfig, "outer_momentum")
     mixing: str = _field("samples" if gossip.AveragingConfig.by_samples else "fixed",
                          "fixed: own += weight * (peer - own); samples: weigh both sides by "
                          "samples trained (push-sum)", one_of("fixed", "samples"))
@@ -394,7 +400,8 @@ class AveragingSection(_Section):
 
     def to_averaging(self) -> gossip.AveragingConfig:
         """The library's averaging settings: the fields declared from them, plus every and
-        interval 0 as None (not by steps; not by time) and mixing as ``by_samples``."""
+        interval 0 as None (not by steps; not by time; every "auto" stays "auto") and mixing
+        as ``by_samples``."""
         return gossip.AveragingConfig(**_settings(gossip.AveragingConfig, self),
                                       every=self.every or None, interval=self.interval or None,
                                       by_samples=self.mixing == "samples")

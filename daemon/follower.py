@@ -94,7 +94,8 @@ def _prepare(config: Config, where: Placement) -> tuple[NodeGroup, Any, Batches,
     step.append(group)
     averaging = config.averaging.to_averaging()
     replica = Replica(task.model, by_samples=averaging.by_samples, leak=averaging.leak,
-                      optimizer=task.optimizer if averaging.correction else None)
+                      optimizer=task.optimizer if averaging.correction else None,
+                      outer=averaging.outer_setting)
     group.start(replica, resumed)
     if group.stopped:  # the speaker stopped before it was ready
         return group, task, Batches(task, Shard()), device

@@ -208,6 +208,7 @@ class Metrics:
                           "newcomers_limited": stats.newcomers_limited},
             "bytes": {"sent": stats.bytes_sent, "received": stats.bytes_received},
             "mean_exchange_s": round(stats.mean_duration, 4),
+            "spacing": stats.spacing,  # local steps between our rounds; None: by time only
             "last_distance": stats.last_distance,
             "pending": stats.pending,
             "quarantined": stats.quarantined,

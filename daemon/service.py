@@ -87,6 +87,7 @@ class Prepared:
     network: gossip.TcpNetwork | None = None  # node.listen already bound (reserved) on it
     own_steps: int | None = 0  # our own steps the checkpoint resumed counts (None: unknown)
     shard: Shard = Shard()  # the shard ``batches`` draws from
+    outer: Any = None  # the outer step's state saved with the checkpoint (None: none)
     choose_shard: bool = False  # task.shard "auto", no earlier choice holds: choose once joined
     placement: processes.Placement = processes.Placement()  # this process in its node
     group: gossip.NodeGroup | None = None  # a node of several processes: its group
@@ -211,6 +212,7 @@ def _prepare(config: Config, control: socket.socket, where: processes.Placement,
                         resumed, control, metrics, log_file, step)
     step.start = counters.step if counters is not None else 0
     prepared.own_steps = own_steps
+    prepared.outer = found.outer if found is not None else None
     prepared.shard, prepared.choose_shard = shard, choose
     prepared.placement = where
     if config.metrics.prometheus:  # last: it starts a thread
@@ -384,7 +386,7 @@ class _Service:
             async with gossip.open_swarm(
                 p.task.model, p.swarm, c.node_config(start=start), identity=p.identity,
                 task=task_meta, counters=p.counters, optimizer=p.task.optimizer,
-                correction=p.correction, on_exchange=self.on_exchange,
+                correction=p.correction, outer=p.outer, on_exchange=self.on_exchange,
                 network=p.network or gossip.TcpNetwork(c.node.dial_from or None),
             ) as node:
                 self.node = p.step.node = node
@@ -502,6 +504,7 @@ class _Service:
             "uptime_s": round(time.monotonic() - self.started, 1),
             "data_dir": str(c.data_dir()),
             **self.metrics.sample(node),
+            "every": c.averaging.every,  # as configured: "auto" means spacing is measured
             "own_steps": own,
             "own_steps_total": None if before is None else before + own,
             "evaluation": evaluation,

@@ -54,7 +54,7 @@ import torch
 import trio
 
 import gossip
-from gossip import Counters, NodeGroup, check_correction
+from gossip import Counters, NodeGroup, check_correction, check_outer
 
 from . import checkpoint, sharding
 from .cadence import Cadence, Stop, due
@@ -258,6 +258,9 @@ class Trainer:
         correction = self.node.replica.correction_state()
         if correction is not None:
             state["correction"] = correction
+        outer = self.node.replica.outer_state()
+        if outer:
+            state["outer"] = outer
         return state
 
     @property
@@ -275,10 +278,10 @@ class Trainer:
         return None if own is None else int(own)
 
     @staticmethod
-    def restore(task: Task, state: Mapping[str, Any]) -> tuple[Counters, Any]:
+    def restore(task: Task, state: Mapping[str, Any]) -> tuple[Counters, Any, Any]:
         """Load a checkpoint's model, optimizer and RNG state into ``task`` (before the node
-        opens); returns its counters and drift correction (None if it has none) for
-        :func:`gossip.open_swarm`.
+        opens); returns its counters, drift correction and outer step's state (each None if
+        it has none) for :func:`gossip.open_swarm`.
 
         Raises:
             KeyError, ValueError, RuntimeError: the checkpoint is not of this task's model.
@@ -290,7 +293,11 @@ class Trainer:
         correction = state.get("correction")
         if correction is not None:
             check_correction(task.model, correction)
-        return Counters(int(c["step"]), int(c["samples"]), float(c["weight"])), correction
+        outer = state.get("outer")
+        if outer is not None:
+            check_outer(task.model, outer)
+        counters = Counters(int(c["step"]), int(c["samples"]), float(c["weight"]))
+        return counters, correction, outer
 
 
 @dataclass(frozen=True)
@@ -301,6 +308,7 @@ class Resumed:
     counters: Counters
     correction: Any  # its drift correction, for gossip.open_swarm (None: it has none)
     own_steps: int | None  # the steps its node took itself (:meth:`Trainer.own_steps_in`)
+    outer: Any = None  # its outer step's state, for gossip.open_swarm (None: it has none)
 
 
 def resume(task: Task, config: Config) -> Resumed | None:
@@ -320,8 +328,8 @@ def resume(task: Task, config: Config) -> Resumed | None:
         return None
     path, state = found
     try:
-        counters, correction = Trainer.restore(task, state)
-        return Resumed(path, counters, correction, Trainer.own_steps_in(state))
+        counters, correction, outer = Trainer.restore(task, state)
+        return Resumed(path, counters, correction, Trainer.own_steps_in(state), outer)
     except (KeyError, ValueError, RuntimeError, TypeError) as exc:
         raise TaskError(f"checkpoint {path} does not fit task {config.task.entry}: "
                         f"{str(exc).splitlines()[0]}") from None

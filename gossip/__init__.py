@@ -36,6 +36,7 @@ _API: dict[str, tuple[str, ...]] = {
     "messages": ("MAX_COUNT", "MAX_SHARDS"),
     "network": ("Network", "TcpNetwork"),
     "node": ("SwarmNode", "open_swarm"),
+    "outer": ("check_outer",),
     "nodegroup": ("NodeGroup", "NodeGroupStatistics"),
     "replica": ("Counters", "Replica"),
     "roster": ("Roster", "RosterStatistics", "open_roster"),
@@ -80,6 +81,7 @@ if TYPE_CHECKING:
     from .messages import MAX_COUNT, MAX_SHARDS
     from .network import Network, TcpNetwork
     from .node import SwarmNode, open_swarm
+    from .outer import check_outer
     from .nodegroup import NodeGroup, NodeGroupStatistics
     from .replica import Counters, Replica
     from .roster import Roster, RosterStatistics, open_roster

@@ -9,7 +9,11 @@ period is counted in steps, because a second is thousands of steps of a small mo
 fraction of one of a large model, and the time bound keeps an idle node mixing. A round that
 takes longer than ``every`` steps (a slow link) is followed at once by the next; training never
 waits for the network. The node is also picked by its peers about as often as it picks, so it
-takes part in about two exchanges every ``every`` steps.
+takes part in about two exchanges every ``every`` steps. With ``every = "auto"`` the node
+measures its step time and its committed exchanges' durations and starts a round every
+``ceil(2 x exchange / step)`` steps (:mod:`gossip.spacing`; 1 until both are measured): its
+exchanges come as often as its link carries them, and its own rounds do not queue behind
+them. :attr:`AveragingStatistics.spacing` says the figure in use.
 
 A round takes a snapshot of the node's state (and of its drift correction's estimate, if it
 keeps one: :mod:`gossip.correction`), picks a peer at random among the members that are alive,
@@ -70,7 +74,6 @@ import trio
 from . import exchange
 from .channel import SecureChannel, connect
 from .config import AveragingConfig, Timeouts
-from .correction import CORRECTION_RATE
 from .download import CODEC as DOWNLOAD_CODEC
 from .download import Download, Said, download, serve_download
 from .errors import GossipError, PeerGone, PeerTimeout
@@ -87,6 +90,7 @@ from .mixing import (DeltaHistory, Difference, Quarantine, Verdict, coefficient,
 from .network import Network
 from .replica import OFFLOAD_NUMEL, Counters, Replica, offload
 from .roster import Roster
+from .spacing import Spacing
 from .standing import (NewcomerBudget, PeerSteps, Records, Standing, pick, seniority,
                        standing, step_ceiling, step_move)
 
@@ -160,6 +164,9 @@ class AveragingStatistics:
     downloads_served: int
     ready: bool  # whether this node averages (it has its initial state)
     corrected: int  # committed exchanges that swapped drift-correction estimates too
+    # Local steps between the rounds this node starts, before the jitter: ``every``, or with
+    # every = "auto" what the node measures now (gossip.spacing); None: by interval only.
+    spacing: int | None
 
 
 @dataclass
@@ -214,6 +221,18 @@ class Averaging:
         self._serving = [0]  # downloads being served
         self._said = Said()  # download failures logged so far: each once out loud
         self._started = trio.current_time()  # for the peers' seniority: younger than us?
+        # every = "auto": the spacing learns each committed exchange's duration, from our
+        # offers and our answers alike, from the report _ended makes for on_exchange.
+        spacing = self._spacing = Spacing() if config.every == "auto" else None
+        self._every = None if isinstance(config.every, str) else config.every  # when fixed
+        if spacing is not None:
+            def timed(ended: Exchange) -> None:
+                if ended.result is Result.COMMITTED:
+                    spacing.exchanged(ended.duration)
+                if on_exchange is not None:
+                    on_exchange(ended)
+
+            self._on_exchange = timed
 
     # ---- public -----------------------------------------------------------------------
 
@@ -244,6 +263,7 @@ class Averaging:
             downloads_served=t.downloads_served,
             ready=self.ready.is_set(),
             corrected=t.corrected,
+            spacing=self._every if self._spacing is None else self._spacing.steps(),
         )
 
     async def run(self) -> None:
@@ -253,23 +273,34 @@ class Averaging:
 
         The first round's time bound is a quarter interval, so that a node that just joined
         (or a misconfigured one) learns at once whether it can exchange.
+
+        With ``every = "auto"`` the steps are the spacing measured when the round starts
+        (:mod:`gossip.spacing`, fed the step counter at each round's start), and the time
+        bound is at least the median exchange: an idle node, too, then leaves its link free
+        half the time for its peers' offers, where a short ``interval`` would queue its own
+        rounds behind a slow link.
         """
-        every, interval = self.config.every, self.config.interval
-        if every is None and interval is None:
+        every, interval = self._every, self.config.interval
+        if every is None and self._spacing is None and interval is None:
             await trio.sleep_forever()
         await self.ready.wait()
-        first = True
-        since = self.replica.local_steps  # at the last round's start
+        first, pause = True, interval
+        since, began = self.replica.local_steps, trio.current_time()  # the last round's start
         while True:
+            if self._spacing is not None:
+                self._spacing.stepped(since, began)
+                every = self._spacing.steps()
+                if interval is not None:
+                    pause = max(interval, self._spacing.exchange or 0.0)
             steps = None if every is None else max(1, round(every * self._rng.uniform(0.75, 1.25)))
             spread = (0.0, 0.25) if first else (0.75, 1.25)
-            seconds = math.inf if interval is None else interval * self._rng.uniform(*spread)
+            seconds = math.inf if pause is None else pause * self._rng.uniform(*spread)
             with trio.move_on_after(seconds):  # an idle node pauses between its rounds
                 if steps is None:
                     await trio.sleep_forever()
                 await self._local_steps(since + steps)
             first = False
-            since = self.replica.local_steps
+            since, began = self.replica.local_steps, trio.current_time()
             await self.round()
 
     async def _local_steps(self, target: int) -> None:
@@ -375,7 +406,8 @@ class Averaging:
                                                      self.replica.schema, check,
                                                      self._link_deadlines(channel), ready,
                                                      difference.advance)
-            result = self._settle(peer, outcome, mine, rank, theirs, started, initiated=False)
+            result = await self._settle(peer, outcome, mine, rank, own, theirs, started,
+                                        initiated=False)
             theirs = None  # handed over
         except GossipError as exc:
             failure = exc
@@ -468,8 +500,8 @@ class Averaging:
                             channel, offer, own, theirs, self.replica.schema, check,
                             self._link_deadlines(channel), ready, difference.advance)
             told = None if outcome.peer is None else outcome.peer.step
-            result = self._settle(peer, outcome, mine, Standing.CHOSEN, theirs, started,
-                                  initiated=True)
+            result = await self._settle(peer, outcome, mine, Standing.CHOSEN, own, theirs,
+                                        started, initiated=True)
             theirs = None  # handed over
         except GossipError as exc:
             failure = exc
@@ -530,16 +562,19 @@ class Averaging:
                 self.replica.clear_uncovered(theirs[n:])
             return await offload(self.replica, judge, theirs, own, parts, c, self._histories,
                                  clip=config.clip, max_norm_ratio=config.max_norm_ratio,
-                                 standing=rank, correction=CORRECTION_RATE * config.weight,
+                                 standing=rank,
+                                 correction=self.replica.correction_rate() * config.weight,
                                  gradient_scale=self.replica.gradient_scale,
                                  difference=difference)
 
         return check, difference
 
-    def _settle(self, peer: PeerId, outcome: Outcome, mine: Counters, rank: Standing,
-                theirs: torch.Tensor, started: float, *, initiated: bool) -> Result:
+    async def _settle(self, peer: PeerId, outcome: Outcome, mine: Counters, rank: Standing,
+                      own: torch.Tensor, theirs: torch.Tensor, started: float, *,
+                      initiated: bool) -> Result:
         """Tally an exchange that ended without failing and, if it committed, queue what
-        it brought. ``theirs`` is handed over: queued, or given back."""
+        it brought (through the outer step, if the replica keeps one). ``own`` is the
+        snapshot we sent; ``theirs`` is handed over: queued, or given back."""
         if outcome.ending is not Ending.COMMITTED:
             self.replica.release(theirs)
             if outcome.ending is Ending.INVALID:
@@ -561,7 +596,14 @@ class Averaging:
                 members = self._roster.alive(ready=True)
                 swarm = step_ceiling(members) if members else None
             move = step_move(mine.heading, bid.step, swarm)
-            self.replica.queue(theirs, scale=verdict.state.scale,
+            scale, outer = verdict.state.scale, self.replica.outer
+            if outer is not None:
+                # Committed: the outer state and the queue must both take it, or neither.
+                n = self.replica.schema.numel
+                with trio.CancelScope(shield=True):
+                    await offload(self.replica, outer.step, own[:n], theirs[:n], scale)
+                scale = 1.0
+            self.replica.queue(theirs, scale=scale,
                                correction=verdict.correction.scale if verdict.correction else 0.0,
                                step_move=move, weight=weight,
                                sent_weight=self._my_weight(mine))

@@ -12,9 +12,10 @@ Each field of :class:`AveragingConfig`, :class:`MembershipConfig`, :class:`Timeo
 :class:`Limits` is declared once, with ``setting(default, doc, check)``. That declaration is
 the field's documentation (``doc``, with its unit), its type (the type of the default: an int
 is accepted where a float is expected; a bool never where a number is; a float must be
-finite) and its range (``check``, which returns the problem as text, or None). Validation
-runs in ``__post_init__``, so a bad value is a :class:`ValueError` however the object is
-built, and the message names the field: ``averaging.every: expected an integer >= 1, got 0``.
+finite; ``optional`` adds None and ``words`` strings such as ``"auto"``) and its range
+(``check``, which returns the problem as text, or None). Validation runs in
+``__post_init__``, so a bad value is a :class:`ValueError` however the object is built, and
+the message names the field: ``averaging.every: expected an integer >= 1 or "auto", got 0``.
 Relations between fields (``clip_min_history <= clip_window``) are checked after that, in the
 class itself.
 
@@ -66,10 +67,12 @@ AT_LEAST_1 = want(lambda v: v >= 1, "an integer >= 1")
 
 
 def setting(default: Any, doc: str, check: Check | None = None, *,
-            optional: bool = False) -> Any:
+            optional: bool = False, words: tuple[str, ...] = ()) -> Any:
     """A settings field: ``doc`` (with its unit) is the only description the field has.
-    ``optional`` accepts None besides values of the default's type (and skips ``check``)."""
-    return field(default=default, metadata={"doc": doc, "check": check, "optional": optional})
+    ``optional`` accepts None besides values of the default's type, and ``words`` strings
+    such as ``"auto"`` (neither goes through ``check``)."""
+    return field(default=default, metadata={"doc": doc, "check": check, "optional": optional,
+                                            "words": words})
 
 
 _KINDS = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
@@ -78,14 +81,17 @@ _KINDS = {bool: "a boolean", int: "an integer", float: "a number", str: "a strin
 def problem(f: dataclasses.Field, value: Any, *, finite: bool = True) -> str | None:
     """What is wrong with ``value`` for the setting ``f``, or None. ``finite``: an infinite
     float is wrong too (NaN always is)."""
-    if value is None and f.metadata["optional"]:
+    optional, words = f.metadata["optional"], f.metadata["words"]
+    if value is None and optional or isinstance(value, str) and value in words:
         return None
     kind = type(f.default)
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
     ok = {bool: isinstance(value, bool), int: number and isinstance(value, int),
           float: number}.get(kind, isinstance(value, kind))
     if not ok:
-        expected = _KINDS[kind] + (" or None" if f.metadata["optional"] else "")
+        *others, last = [_KINDS[kind], *(f'"{word}"' for word in words),
+                         *(["None"] if optional else [])]
+        expected = f"{', '.join(others)} or {last}" if others else last
         return f"expected {expected}, got {reprlib.repr(value)}"
     if kind is float and (math.isnan(value) or finite and math.isinf(value)):
         return f"expected a finite number, got {value!r}"
@@ -116,9 +122,12 @@ class AveragingConfig(_Settings):
     """How a node averages (:mod:`gossip.averaging`)."""
 
     section = "averaging"
-    every: int | None = setting(1, "local steps between the rounds we start (x U(0.75, 1.25)); "
-                                "a round on a slow link is followed at once by the next; None: "
-                                "by interval only", AT_LEAST_1, optional=True)
+    every: int | str | None = setting(1, "local steps between the rounds we start (x U(0.75, "
+                                      "1.25)); a round on a slow link is followed at once by the "
+                                      "next; \"auto\": ceil(2 x exchange time / step time), "
+                                      "measured, 1 until it is; None: by interval only",
+                                      want(lambda v: v >= 1, 'an integer >= 1 or "auto"'),
+                                      optional=True, words=("auto",))
     interval: float | None = setting(10.0, "s after our last round ends (x U(0.75, 1.25)) before "
                                      "we start another anyway, for a node that steps slower "
                                      "than every or not at all; None: by steps only (both None: "
@@ -138,6 +147,16 @@ class AveragingConfig(_Settings):
     leak: float = setting(DEFAULT_LEAK, "fraction of the drift correction that fades at each "
                           "exchange, so that departures leave no lasting bias; in [0, 1)",
                           want(lambda v: 0 <= v < 1, "a number in [0, 1)"))
+    outer: bool = setting(True, "apply each committed exchange through an outer optimizer "
+                          "with Nesterov momentum (the progress since the last exchange and the "
+                          "move towards the peer are one pseudo-gradient, as in DiLoCo and "
+                          "NoLoCo) and measure the drift correction per exchange; False: plain "
+                          "averaging, own += weight * (peer - own). Costs two model-sized "
+                          "buffers on the host")
+    outer_lr: float = setting(0.7, "the outer step's learning rate, in (0, 2]; 1 with momentum "
+                              "0 is plain averaging", want(lambda v: 0 < v <= 2, "a number in (0, 2]"))
+    outer_momentum: float = setting(0.5, "the outer step's Nesterov momentum, in [0, 1)",
+                                    want(lambda v: 0 <= v < 1, "a number in [0, 1)"))
     attempts: int = setting(3, "peers tried per round when they are busy or fail (>= 1)",
                             AT_LEAST_1)
     backoff: float = setting(0.2, "s; mean pause before trying the next peer (x U(0.5, 1.5)) "
@@ -180,6 +199,11 @@ class AveragingConfig(_Settings):
         if self.clip_min_history > self.clip_window:
             raise self.refuse("clip_min_history", f"expected at most averaging.clip_window "
                               f"({self.clip_window}), got {self.clip_min_history}")
+
+    @property
+    def outer_setting(self) -> tuple[float, float] | None:
+        """The outer step's (lr, momentum) for :class:`~gossip.replica.Replica`; None: off."""
+        return (self.outer_lr, self.outer_momentum) if self.outer else None
 
     def transfer_deadline(self, nbytes: int) -> float:
         """The deadline for both payloads of ``nbytes`` each over a link never measured (at

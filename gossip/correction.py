@@ -74,6 +74,23 @@ updates (:meth:`Correction.strength`): a node whose link cannot keep up with its
 mostly on its own gradient, as plain averaging does, and stays stable; with frequent
 exchanges, the case the correction is for, nothing changes.
 
+Per exchange (with the outer step, :mod:`gossip.outer`, the default): over real links hundreds
+of local steps pass between exchanges, and at ``FULL_SPACING / k`` the correction is all but
+off. There the correction is measured per exchange instead, as SCAFFOLD's option II measures
+it from the progress of the local steps: ``ĝ`` averages the gradients of about the steps
+between two exchanges (its weight per step is one over the spacing, when that is longer than
+``1/β``), so the estimate is the mean gradient along the path the node took, not the last few
+steps of it; every step adds all of ``c``; and an exchange moves ``c`` by ``κ`` from ½ at
+:data:`FULL_SPACING` steps between updates up to 1 from :data:`WIDE_SPACING` on, since an
+estimate averaged over that many steps has little noise left to halve. Measured on the
+daemon's digits task, eight nodes on label-sorted shards, 100 steps between exchanges, 3,000
+steps each: 88.7% mean and 83.0% worst node held-out accuracy, against 41.1% and 29.3% with
+the per-step measure and plain averaging, and 98.1% for all-reduce every step (the walk-off
+that set ``FULL_SPACING / k`` did not return: weight norms stayed at 15, against 12 without
+a correction). ``κ`` depends on each node's own spacing, so two nodes whose spacings differ
+(between 4 and 16 steps) move their corrections by slightly different fractions, and their
+sum by a little; the leak takes that out as it takes out a half-applied exchange.
+
 Checks: an estimate is checked like a state (:func:`gossip.mixing.judge`), but its norm
 check cannot be against our own estimate alone. A node that has learned its own data has a
 gradient near zero, while the swarm's, which its correction has to take on, is large: the
@@ -98,12 +115,13 @@ from .config import DEFAULT_LEAK  # λ, declared with the averaging.leak setting
 from .tensors import StateSchema, all_finite
 
 __all__ = ["Correction", "CORRECTION_RATE", "DEFAULT_LEAK", "FULL_SPACING", "GRADIENT_AVERAGE",
-           "check_state", "corrected", "check_correction"]
+           "WIDE_SPACING", "check_state", "corrected", "check_correction"]
 
 GRADIENT_AVERAGE = 0.2  # β: the weight of each new gradient in the recent average ĝ
 CORRECTION_RATE = 0.5  # κ: the correction moves by κ x the state's fraction of the difference
 SCALE_STEPS = 16  # steps whose gradient norms give the scale an estimate's check starts from
 FULL_SPACING = 4  # local steps between updates of c up to which every step adds all of it
+WIDE_SPACING = 16  # per exchange: from this spacing on, the correction takes the whole difference
 
 
 def corrected(model: torch.nn.Module) -> dict[str, torch.Size]:
@@ -154,9 +172,14 @@ class Correction:
     Args:
         model: the live module; its parameters that require gradients are corrected.
         schema: the module's state schema (where each parameter lies in the flat vector).
+        per_exchange: measure per exchange (with the outer step; see "Per exchange" above):
+            ``ĝ`` averages the steps between updates, every step adds all of ``c``, and
+            :meth:`rate` grows with the spacing. False: as without an outer step.
     """
 
-    def __init__(self, model: torch.nn.Module, schema: StateSchema) -> None:
+    def __init__(self, model: torch.nn.Module, schema: StateSchema,
+                 per_exchange: bool = False) -> None:
+        self.per_exchange = per_exchange
         place = schema.places()
         self._slots: list[tuple[torch.nn.Parameter, slice]] = []
         self._names: list[str] = []
@@ -171,6 +194,7 @@ class Correction:
         self._scaled = 0  # steps taken since the start (or a reset), up to SCALE_STEPS
         self._since = 0  # steps since c was last updated by an exchange
         self._spacing = 1.0  # the steps between its updates, on average (recent ones weigh most)
+        self._updated = False  # whether an exchange has updated c yet (its gap is a measure)
         self._uncovered = _gaps([where for _, where in self._slots], schema.numel)
 
     @property
@@ -205,25 +229,49 @@ class Correction:
             if math.isfinite(norm):
                 self.scale = max(self.scale, norm)
         self._scaled = min(self._scaled + 1, SCALE_STEPS)
-        torch._foreach_mul_(averages, 1.0 - GRADIENT_AVERAGE)
-        torch._foreach_add_(averages, raw, alpha=GRADIENT_AVERAGE)
+        rate = self._gradient_rate()
+        torch._foreach_mul_(averages, 1.0 - rate)
+        torch._foreach_add_(averages, raw, alpha=rate)
         self._since += 1
         if loss_scale is not None:
             cs = torch._foreach_mul(cs, loss_scale)
         torch._foreach_add_(grads, cs, alpha=self.strength())
 
+    def _gradient_rate(self) -> float:
+        """The weight of a new gradient in ``ĝ``: :data:`GRADIENT_AVERAGE`, or per exchange
+        one over the spacing (when that is longer), so that ``ĝ`` is the mean gradient of
+        about the steps between two exchanges."""
+        if not self.per_exchange:
+            return GRADIENT_AVERAGE
+        return min(GRADIENT_AVERAGE, 1.0 / self._spacing)
+
     def strength(self) -> float:
         """The fraction of ``c`` a step adds: 1 while the node updates ``c`` at least every
         :data:`FULL_SPACING` steps, ``FULL_SPACING / k`` when it takes ``k`` steps between
-        updates (on average, or since the last one if that is longer)."""
+        updates (on average, or since the last one if that is longer); per exchange, 1."""
+        if self.per_exchange:
+            return 1.0
         return min(1.0, FULL_SPACING / max(self._spacing, self._since))
+
+    def rate(self) -> float:
+        """``κ``, the fraction of the estimates' difference a committed exchange moves ``c``
+        by (times the state's weight): :data:`CORRECTION_RATE`, or per exchange from it at
+        :data:`FULL_SPACING` steps between updates up to 1 at :data:`WIDE_SPACING` and more,
+        where an estimate averages enough steps that its noise no longer needs halving."""
+        if not self.per_exchange:
+            return CORRECTION_RATE
+        wide = (self._spacing - FULL_SPACING) / (WIDE_SPACING - FULL_SPACING)
+        return CORRECTION_RATE + (1.0 - CORRECTION_RATE) * min(1.0, max(0.0, wide))
 
     def apply(self, delta: torch.Tensor, scale: float, decay: float) -> None:
         """``c ← decay·c + scale·delta`` (``delta`` a flat host vector of the schema; copied
         to the device before this returns, so its buffer may be reused at once)."""
         if scale:
-            self._spacing += 0.2 * (self._since - self._spacing)
-            self._since = 0
+            if self.per_exchange and not self._updated:  # the first gap is all we know
+                self._spacing = max(1.0, float(self._since))
+            else:
+                self._spacing += 0.2 * (self._since - self._spacing)
+            self._since, self._updated = 0, True
         with torch.no_grad():
             for (_, where), c in zip(self._slots, self._c):
                 if decay != 1.0:

@@ -192,6 +192,7 @@ async def open_swarm(
     counters: Counters | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     correction: Mapping[str, torch.Tensor] | None = None,
+    outer: Mapping[str, torch.Tensor] | None = None,
     on_change: Callable[[Member], None] | None = None,
     on_exchange: Callable[[Exchange], None] | None = None,
 ) -> AsyncIterator[SwarmNode]:
@@ -216,6 +217,8 @@ async def open_swarm(
             averages the weights alone. Its state never leaves the node.
         correction: the correction to resume from (saved with a checkpoint, from
             :meth:`~gossip.replica.Replica.correction_state`).
+        outer: the outer step's state to resume from (saved with a checkpoint, from
+            :meth:`~gossip.replica.Replica.outer_state`).
         on_change: called with every membership change (see :func:`~gossip.roster.open_roster`).
         on_exchange: called with every exchange as it ends, in the node's event loop
             (synchronously, so keep it quick): for logs, metrics, or a test waiting on one.
@@ -233,9 +236,10 @@ async def open_swarm(
     rng = rng or random.Random()
     averaging_config = config.averaging
     replica = Replica(model, by_samples=averaging_config.by_samples, leak=averaging_config.leak,
-                      optimizer=optimizer if averaging_config.correction else None)
+                      optimizer=optimizer if averaging_config.correction else None,
+                      outer=averaging_config.outer_setting)
     if counters is not None:
-        replica.restore(counters, correction)
+        replica.restore(counters, correction, outer)
     task_fn: Callable[[], Mapping[str, Any]]
     if task is None:
         task_fn = dict

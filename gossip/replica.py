@@ -81,6 +81,7 @@ import trio
 from . import tensors
 from .correction import DEFAULT_LEAK, Correction
 from .messages import MAX_COUNT, MAX_WEIGHT
+from .outer import Outer
 from .staging import Staging, device_of
 from .tensors import StateSchema
 
@@ -118,11 +119,14 @@ class Replica:
         optimizer: the model's optimizer, to keep a drift correction (added to the
             gradients by a step pre-hook); None: no correction.
         leak: the fraction of the correction that fades at each committed exchange.
+        outer: the outer step's learning rate and momentum (:mod:`gossip.outer`); None, or
+            lr 1 with momentum 0: plain averaging, with no anchor kept.
     """
 
     def __init__(self, model: torch.nn.Module, *, by_samples: bool = False,
                  optimizer: torch.optim.Optimizer | None = None,
-                 leak: float = DEFAULT_LEAK) -> None:
+                 leak: float = DEFAULT_LEAK,
+                 outer: tuple[float, float] | None = None) -> None:
         self.model = model
         self.schema = StateSchema.from_module(model)
         self.lock = threading.RLock()  # re-entrant: the optimizer hook runs under a held lock
@@ -146,9 +150,13 @@ class Replica:
         self._apart: float | None = None  # local steps between queued deltas, on average
         self._queued_at: int | None = None  # local step of the last queued delta
         self.correction: Correction | None = None
+        # The network side's alone (one exchange at a time), but for a download's reset.
+        plain = outer is None or outer == (1.0, 0.0)  # lr 1, no momentum: plain averaging
+        self._per_exchange = not plain
+        self.outer = None if outer is None or plain else Outer(self.schema.numel, *outer)
         self._hook: Any = None
         if optimizer is not None:
-            self.correction = Correction(model, self.schema)
+            self.correction = Correction(model, self.schema, per_exchange=self._per_exchange)
             self._hook = optimizer.register_step_pre_hook(self._before_step)
         device = device_of(tensors.live(model, self.schema))
         self._staging = (None if device is None
@@ -210,13 +218,14 @@ class Replica:
             fire()
 
     def restore(self, counters: Counters,
-                correction: Mapping[str, torch.Tensor] | None = None) -> None:
-        """Take the counters (and correction) saved with a checkpoint, before the node starts
-        averaging.
+                correction: Mapping[str, torch.Tensor] | None = None,
+                outer: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Take the counters (and correction, and outer state) saved with a checkpoint, before
+        the node starts averaging.
 
         Raises:
-            ValueError: a counter out of the protocol's range, or a correction that is not
-                this model's (a damaged or foreign file).
+            ValueError: a counter out of the protocol's range, or a correction or outer state
+                that is not this model's (a damaged or foreign file).
         """
         if not (0 <= counters.step <= MAX_COUNT and 0 <= counters.samples <= MAX_COUNT
                 and 0 < counters.weight <= MAX_WEIGHT):
@@ -228,6 +237,8 @@ class Replica:
             if correction is not None and self.correction is not None:
                 self.correction.load_state_dict(correction)
                 self._revision += 1
+            if outer is not None and self.outer is not None:
+                self.outer.load_state_dict(outer)
 
     def apply_step(self) -> int:
         """At a step boundary: begin applying the deltas queued since the last one, and add
@@ -304,6 +315,11 @@ class Replica:
         """The correction's ``c`` tensors (none without a correction)."""
         return [] if self.correction is None else self.correction.tensors()
 
+    def correction_rate(self) -> float:
+        """The correction's :meth:`~gossip.correction.Correction.rate` (0 without one)."""
+        with self.lock:
+            return 0.0 if self.correction is None else self.correction.rate()
+
     def correction_timing(self) -> tuple[int, float]:
         """The correction's :attr:`~gossip.correction.Correction.timing` ((0, 1.0) without
         one)."""
@@ -333,6 +349,11 @@ class Replica:
     def counters(self) -> Counters:
         with self.lock:
             return Counters(self._step, self._samples, self._weight, self._debt, self._local)
+
+    def outer_state(self) -> dict[str, torch.Tensor] | None:
+        """The outer step's anchor and velocity for a checkpoint (None: no outer step; empty:
+        no exchange has set them yet)."""
+        return None if self.outer is None else self.outer.state_dict()
 
     def correction_state(self) -> dict[str, torch.Tensor] | None:
         """The correction, by parameter name on the CPU, for a checkpoint (None: none kept).
@@ -524,6 +545,8 @@ class Replica:
                 self._pending, self._pending_count, self._spread = None, 0, 0
             if self.correction is not None:
                 self.correction.reset()
+            if self.outer is not None:
+                self.outer.reset()
 
     def int_buffers(self) -> dict[str, int]:
         """The model's integer scalar buffers (such as ``num_batches_tracked``) by name."""

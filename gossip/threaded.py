@@ -348,7 +348,8 @@ class Averager:
         config = self._config.averaging
         optimizer = self._objects.get("optimizer")
         self._replica = Replica(self._model, by_samples=config.by_samples, leak=config.leak,
-                                optimizer=optimizer if config.correction else None)
+                                optimizer=optimizer if config.correction else None,
+                                outer=config.outer_setting)
         try:
             self._group.start(self._replica, resumed)
         except BaseException:

@@ -96,6 +96,7 @@ class _Checkpoint:
     counters: Counters
     steps: int
     correction: dict[str, torch.Tensor] | None
+    outer: dict[str, torch.Tensor] | None
 
 
 class SimNode:
@@ -238,7 +239,7 @@ class SimSwarm:
         config = dataclasses.replace(
             self._config, averaging=dataclasses.replace(self._config.averaging, start="own"))
         await self._start(node, [n.address for n in self.running()], config, checkpoint.counters,
-                          checkpoint.correction)
+                          checkpoint.correction, checkpoint.outer)
 
     async def join(self, node: NodeLike) -> None:
         """Start a node held back at the start (``open_sim_swarm``'s ``late``), a newcomer
@@ -428,14 +429,16 @@ class SimSwarm:
 
     async def _start(self, node: SimNode, bootstrap: list[str], config: NodeConfig,
                      counters: Counters | None,
-                     correction: dict[str, torch.Tensor] | None = None) -> None:
+                     correction: dict[str, torch.Tensor] | None = None,
+                     outer: dict[str, torch.Tensor] | None = None) -> None:
         node._done = trio.Event()
         self._by_peer[node.peer_id] = node
-        await self._nursery.start(self._run, node, bootstrap, config, counters, correction)
+        await self._nursery.start(self._run, node, bootstrap, config, counters, correction,
+                                  outer)
 
     async def _run(self, node: SimNode, bootstrap: list[str], config: NodeConfig,
-                   counters: Counters | None, correction: dict[str, torch.Tensor] | None, *,
-                   task_status: trio.TaskStatus[None]) -> None:
+                   counters: Counters | None, correction: dict[str, torch.Tensor] | None,
+                   outer: dict[str, torch.Tensor] | None, *, task_status: trio.TaskStatus[None]) -> None:
         # The addresses are the node's own; a node behind a NAT at its start is told that
         # it cannot be dialled, unless the swarm's nodes find out for themselves (None).
         reachable = config.reachable
@@ -450,6 +453,7 @@ class SimSwarm:
                     identity=node.identity,
                     rng=random.Random(f"{self._seed}:{node.name}:{node.restarts}"),
                     counters=counters, optimizer=node.optimizer, correction=correction,
+                    outer=outer,
                     on_change=self._changed.fire,
                     on_exchange=functools.partial(self._exchanged, node),
                 ) as swarm_node:
@@ -601,7 +605,7 @@ def _digest(seed: int, what: str) -> bytes:
 def _checkpoint(node: SimNode, swarm_node: SwarmNode) -> _Checkpoint:
     state = {k: v.detach().clone() for k, v in node.model.state_dict().items()}
     return _Checkpoint(state, swarm_node.replica.counters(), node.steps,
-                       swarm_node.replica.correction_state())
+                       swarm_node.replica.correction_state(), swarm_node.replica.outer_state())
 
 
 def _only(kind: type[BaseException], exc: BaseException) -> bool:

@@ -31,7 +31,9 @@ from tests.util import SWARM, Signal
 PORT = 7000
 # Rounds only when the test asks, and every member trusted at once (trust_after=0): these
 # tests are about exchanges and the swarm's arithmetic; the newcomer rule has its own.
-ROUNDS = AveragingConfig(every=None, interval=None, trust_after=0.0)
+# Plain averaging (no outer step): what these swarms pin is the exchange's arithmetic, which
+# keeps the swarm's mean exactly; the outer step's consensus has its own test.
+ROUNDS = AveragingConfig(every=None, interval=None, trust_after=0.0, outer=False)
 
 
 class Flat(torch.nn.Module):

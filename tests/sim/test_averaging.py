@@ -93,6 +93,7 @@ async def test_32_nodes_converge_1000x_within_25_rounds(autojump_clock: MockCloc
             # No faults: both sides of every exchange commit, so the mean never moves.
             torch.testing.assert_close(x.mean(0), mean0, rtol=0, atol=1e-6)
         print(f"1000x in {rounds} rounds; round results {dict(results)}")
+        assert rounds >= 8  # not a swarm that was converged from the start
 
         stats = [p.swarm_node.statistics() for p in peers]
         # Each exchange is one initiator's COMMITTED round, counted at both of its ends, and
@@ -107,6 +108,32 @@ async def test_32_nodes_converge_1000x_within_25_rounds(autojump_clock: MockCloc
         assert sum(s.busy for s in stats) >= results[Result.BUSY]
         # Every byte sent on an averaging channel was received by its peer.
         assert sum(s.bytes_sent for s in stats) == sum(s.bytes_received for s in stats)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+async def test_with_the_outer_step_32_nodes_still_converge_1000x(autojump_clock: MockClock,
+                                                                 seed: int) -> None:
+    """The defaults' outer step (Nesterov momentum over each exchange's move): with no
+    training the swarm still reaches consensus, a little slower than plain averaging (the
+    momentum overshoots a pair's midpoint, gossip.outer), and its mean stays where it was
+    to within the spread it started with."""
+    torch.manual_seed(seed)
+    models = [torch.nn.Linear(8, 4) for _ in range(32)]
+    config = dataclasses.replace(ROUNDS, outer=True)
+    async with open_averaging_swarm(seed=seed, latency=0.005) as swarm:
+        with trio.fail_after(10):
+            peers = await start_all(swarm, models, config=config)
+        x = states(peers)
+        mean0, rms0 = x.mean(0), rms_to_mean(x)
+        rounds = 0
+        while rms_to_mean(x) > rms0 / 1000:
+            assert rounds < 40, f"only {rms0 / rms_to_mean(x):.3g}x after 40 rounds"
+            with trio.fail_after(round_bound(config, exchange=1.0)):
+                await swarm.round()
+            rounds += 1
+            x = states(peers)
+        print(f"1000x in {rounds} rounds with the outer step")
+        assert float((x.mean(0) - mean0).norm()) < 0.5 * rms0
 
 
 # ---- faults --------------------------------------------------------------------------

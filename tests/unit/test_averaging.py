@@ -55,9 +55,17 @@ BAD_VALUES = [
     ("clip", "1"), ("quarantine", "1"), ("download_wait", "1"), ("backoff", True),
     ("min_rate", None), ("by_samples", "no"), ("by_samples", 1), ("by_samples", None),
     ("every", 0), ("every", -5), ("every", 2.0), ("every", True), ("every", "5"),
+    ("every", "fast"), ("every", "Auto"),
     ("correction", 1), ("correction", "yes"), ("correction", None),
     ("leak", -0.1), ("leak", 1.0), ("leak", math.nan), ("leak", "0.1"), ("leak", None),
+    ("outer", 1), ("outer", "yes"), ("outer", None),
+    ("outer_lr", 0.0), ("outer_lr", 2.5), ("outer_lr", math.nan), ("outer_lr", "0.7"),
+    ("outer_momentum", -0.1), ("outer_momentum", 1.0), ("outer_momentum", math.inf),
+    ("outer_momentum", None),
 ]
+# Plain averaging: the arithmetic these tests pin (the outer step has its own test below and
+# in tests/unit/test_outer.py).
+PLAIN = AveragingConfig(outer=False)
 
 
 @pytest.mark.parametrize("field, value", BAD_VALUES, ids=[f"{f}={v!r}" for f, v in BAD_VALUES])
@@ -176,7 +184,7 @@ async def test_two_nodes_land_on_the_midpoint() -> None:
     model_a(torch.randn(16, 8))  # BatchNorm: running stats differ too, and a batch count
     s_a, s_b = flat(model_a), flat(model_b)
     count_a = int(model_a[3].num_batches_tracked)
-    async with two_nodes(model_a, model_b, AveragingConfig()) as (a, b, exchanged):
+    async with two_nodes(model_a, model_b, PLAIN) as (a, b, exchanged):
         await exchange(b, a, exchanged)
         assert a.replica.pending == 1 and b.replica.pending == 1
         torch.testing.assert_close(flat(model_a), s_a, rtol=0, atol=0)  # not until a step
@@ -204,6 +212,23 @@ async def test_two_nodes_land_on_the_midpoint() -> None:
         assert stats_b.bytes_sent == stats_a.bytes_received
 
 
+async def test_with_the_outer_step_a_first_exchange_moves_by_lr_1_plus_momentum_halves() -> None:
+    """The defaults (outer step on): a first exchange has no progress behind it, so each
+    side's step is lr x (1 + momentum) x its move to the midpoint, and both anchors hold the
+    state the step lands on (gossip.outer)."""
+    config = AveragingConfig()
+    model_a, model_b = mlp(21), mlp(22)
+    s_a, s_b = flat(model_a), flat(model_b)
+    factor = config.outer_lr * (1 + config.outer_momentum) * config.weight
+    async with two_nodes(model_a, model_b, config) as (a, b, exchanged):
+        await exchange(a, b, exchanged)
+        a.step(), b.step()
+        torch.testing.assert_close(flat(model_a), s_a + factor * (s_b - s_a))
+        torch.testing.assert_close(flat(model_b), s_b + factor * (s_a - s_b))
+        n = a.replica.schema.numel
+        torch.testing.assert_close(a.replica.outer_state()["anchor"][:n], flat(model_a))
+
+
 async def test_the_first_distance_is_the_distance_between_the_states() -> None:
     model_a, model_b = mlp(3), mlp(4)
     distance = float(torch.linalg.vector_norm(flat(model_a) - flat(model_b)))
@@ -216,7 +241,7 @@ async def test_the_first_distance_is_the_distance_between_the_states() -> None:
 async def test_local_steps_during_the_exchange_are_kept() -> None:
     model_a, model_b = mlp(5), mlp(6)
     s_a, s_b = flat(model_a), flat(model_b)
-    async with two_nodes(model_a, model_b, AveragingConfig()) as (a, b, exchanged):
+    async with two_nodes(model_a, model_b, PLAIN) as (a, b, exchanged):
         await exchange(a, b, exchanged)
         with torch.no_grad():  # a local "optimizer step" after the snapshot was taken
             model_a[0].bias.add_(1.0)
@@ -239,7 +264,7 @@ async def test_a_large_models_snapshot_overlaps_the_offer_and_lands_on_the_midpo
     # check wait for the copy. Whatever the interleaving, each side sends its whole state.
     model_a, model_b = large(21), large(22)
     s_a, s_b = flat(model_a), flat(model_b)
-    async with two_nodes(model_a, model_b, AveragingConfig(correction=False)) as (a, b, done):
+    async with two_nodes(model_a, model_b, dataclasses.replace(PLAIN, correction=False)) as (a, b, done):
         await exchange(a, b, done)
         a.step()
         b.step()
@@ -270,7 +295,7 @@ async def test_a_large_models_refused_offer_leaves_it_untouched() -> None:
 async def test_bf16_exchange_lands_within_bf16_rounding_of_the_midpoint() -> None:
     model_a, model_b = mlp(7), mlp(8)
     s_a, s_b = flat(model_a), flat(model_b)
-    async with two_nodes(model_a, model_b, AveragingConfig(codec="bf16")) as (a, b, exchanged):
+    async with two_nodes(model_a, model_b, dataclasses.replace(PLAIN, codec="bf16")) as (a, b, exchanged):
         await exchange(a, b, exchanged)
         a.step()
         b.step()
@@ -292,7 +317,7 @@ async def test_bf16_exchange_lands_within_bf16_rounding_of_the_midpoint() -> Non
 async def test_push_sum_pair_lands_on_the_sample_weighted_mean() -> None:
     model_a, model_b = mlp(9), mlp(10)
     s_a, s_b = flat(model_a), flat(model_b)
-    config = AveragingConfig(by_samples=True)
+    config = dataclasses.replace(PLAIN, by_samples=True)
     async with two_nodes(model_a, model_b, config) as (a, b, exchanged):
         a.step(samples=30)  # weight 31
         b.step(samples=10)  # weight 11
@@ -398,7 +423,7 @@ async def test_a_young_members_offer_commits_but_moves_only_the_offerer() -> Non
     model_a, model_b = mlp(20), mlp(21)
     s_a, s_b = flat(model_a), flat(model_b)
     # The default trust_after (60 s): B has been in A's table for far less.
-    async with two_nodes(model_a, model_b, AveragingConfig(), trust_after=60.0) as (
+    async with two_nodes(model_a, model_b, PLAIN, trust_after=60.0) as (
             a, b, exchanged):
         await exchange(b, a, exchanged)  # B offers: to A, a newcomer
         a.step()

@@ -274,6 +274,18 @@ def test_check_config_bad_value(node_dir: Path, capsys: pytest.CaptureFixture[st
     assert capsys.readouterr().out == ""
 
 
+def test_check_config_renders_every_auto(node_dir: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = node_dir / "gossipd.toml"
+    rewrite(cfg, "\nevery = 1\n", '\nevery = "auto"\n')
+    assert main(["check-config", "-c", str(cfg)]) == 0
+    assert '\nevery = "auto"\n' in capsys.readouterr().out
+    rewrite(cfg, '\nevery = "auto"\n', '\nevery = "fast"\n')
+    assert main(["check-config", "-c", str(cfg)]) == 2
+    assert one_line_error(capsys, "check-config").rstrip().endswith(
+        'averaging.every: expected an integer or "auto", got string \'fast\'')
+
+
 def test_check_config_bad_override(node_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cfg = str(node_dir / "gossipd.toml")
     assert main(["check-config", "-c", cfg, "--set", "task.device=tpu"]) == 2
@@ -630,6 +642,17 @@ def test_format_status_says_whether_others_can_dial_us(reachability, says) -> No
     lines = format_status(status_reply(reachability=reachability, members=members)).splitlines()
     assert lines[1].startswith(says)
     assert lines[-1].endswith("step 1199 (3 s ago)  outbound only")
+
+
+@pytest.mark.parametrize("changes, ending", [
+    ({"spacing": 1280, "every": "auto"}, "; 1 pending; a round every 1280 steps (auto)"),
+    ({"spacing": 4, "every": 4}, "; 1 pending; a round every 4 steps"),
+    ({"spacing": None, "every": 0}, "; 1 pending; no rounds by steps (averaging.every = 0)"),
+])
+def test_format_status_says_how_far_apart_our_rounds_are(changes: dict[str, Any],
+                                                        ending: str) -> None:
+    lines = format_status(status_reply(**changes)).splitlines()
+    assert lines[5].startswith("averaging 30 committed") and lines[5].endswith(ending)
 
 
 def test_format_status_of_a_daemon_of_an_older_version() -> None:

@@ -155,6 +155,10 @@ BAD = [
     ({"task": {"chunk": 0}}, "task.chunk", "expected a number > 0, got 0.0"),
     ({"task": {"progress_interval": -1}}, "task.progress_interval", "expected a number >= 0"),
     ({"task": {"options": [1, 2]}}, "task.options", "expected a table"),
+    ({"averaging": {"every": "fast"}}, "averaging.every",
+     'expected an integer or "auto", got string \'fast\''),
+    ({"averaging": {"every": -1}}, "averaging.every", 'expected an integer >= 0 or "auto", got -1'),
+    ({"averaging": {"every": 2.5}}, "averaging.every", 'expected an integer or "auto", got float'),
     ({"averaging": {"interval": -1}}, "averaging.interval", "expected a number >= 0"),
     ({"averaging": {"interval": math.inf}}, "averaging.interval", "expected a finite number"),
     ({"averaging": {"interval": "5s"}}, "averaging.interval", "expected a number, got string"),
@@ -305,6 +309,18 @@ def test_shard_auto_from_a_file_or_an_override(tmp_path):
     assert (loaded.task.shard, loaded.task.shards) == ("auto", 8)
     assert 'shard = "auto"' in config.render(loaded)
     assert config.load(path, ["task.shard=auto", "task.shard=5", "task.shards=8"]).task.shard == 5
+
+
+def test_every_auto_from_a_file_or_an_override_reaches_the_library(tmp_path):
+    path = write(tmp_path, MINIMAL + '[averaging]\nevery = "auto"\n')
+    loaded = config.load(path)
+    assert loaded.averaging.every == "auto"
+    assert loaded.node_config().averaging.every == "auto"
+    assert 'every = "auto"' in config.render(loaded)  # what check-config prints
+    assert round_trip(tmp_path, loaded) == loaded
+    assert config.load(path, ["averaging.every=4"]).node_config().averaging.every == 4
+    assert config.load(write(tmp_path, MINIMAL, "other.toml"),
+                       ["averaging.every=auto"]).averaging.every == "auto"  # no quotes needed
 
 
 def test_bad_override_is_reported_like_a_bad_file_value(tmp_path):

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from gossip.correction import (FULL_SPACING, GRADIENT_AVERAGE, SCALE_STEPS, check_state,
-                               corrected)
+from gossip.correction import (CORRECTION_RATE, FULL_SPACING, GRADIENT_AVERAGE, SCALE_STEPS,
+                               check_state, corrected)
 from gossip.mixing import DeltaHistory, judge
 from gossip.replica import Replica
 
@@ -197,3 +197,30 @@ def test_the_step_may_run_under_the_replicas_lock_as_the_docs_suggest() -> None:
     with replica.lock:
         optimizer.step()
     assert replica.estimating
+
+
+def test_per_exchange_every_step_adds_all_and_the_estimate_spans_the_gap() -> None:
+    """With the outer step the correction is measured per exchange: 100 steps between two
+    updates, and every step still adds all of ``c``; ``ĝ`` then weighs each of the last
+    hundred steps about alike (a mean gradient over the gap, not over the last five steps),
+    and an exchange takes the whole difference of the estimates."""
+    model = Pair()
+    optimizer = torch.optim.SGD([model.a], lr=0.1)
+    replica = Replica(model, optimizer=optimizer, outer=(0.7, 0.5))
+    assert replica.correction is not None and replica.correction.per_exchange
+    assert replica.correction_rate() == CORRECTION_RATE  # spacing not known yet
+    c = torch.zeros(replica.schema.numel)
+    c[replica.schema.places()["a"]] = 1.0
+    for _ in range(100):
+        step_with_grad(model, optimizer, [0.0, 0.0, 0.0])
+    set_correction(replica, c)  # an update after 100 steps: the spacing is 100
+    assert replica.correction_rate() == 1.0
+    for k in range(100):
+        raw = 1.0 if k < 50 else 0.0
+        seen = step_with_grad(model, optimizer, [raw, 0.0, 0.0])
+        assert seen[0].item() == pytest.approx(raw + 1.0, rel=1e-6)  # all of c, every step
+    z = torch.zeros(replica.schema.numel)
+    replica.correction.estimate_into(z, decay=0.0)
+    # The first half of the gap had gradient 1: an average of weight 1/100 per step still reads
+    # 0.99^50 x (1 - 0.99^50) ≈ 0.24 of it, where the per-step one (weight 0.2) reads 1e-5.
+    assert z[replica.schema.places()["a"]][0].item() == pytest.approx(0.24, abs=0.01)

@@ -29,7 +29,7 @@ PURE = frozenset({
     "membership", "handshake", "wire", "mixing", "suspicion", "broadcast", "pushpull",
     "member", "probing", "seal", "limits", "linkrate", "config",
     "messages", "errors", "identity", "address", "rotation", "standing", "tensors", "int8",
-    "mismatch", "correction",
+    "mismatch", "correction", "spacing",
 })
 
 # What a pure module may import from outside gossip: the standard library's computation, the

@@ -50,7 +50,10 @@ def test_an_infinite_time_means_never_where_it_can() -> None:
 
 
 @pytest.mark.parametrize("cls, name, value, message", [
-    (AveragingConfig, "every", 0, "expected an integer >= 1, got 0"),
+    (AveragingConfig, "every", 0, 'expected an integer >= 1 or "auto", got 0'),
+    (AveragingConfig, "every", "fast", "expected an integer, \"auto\" or None, got 'fast'"),
+    (AveragingConfig, "every", "Auto", "expected an integer, \"auto\" or None, got 'Auto'"),
+    (AveragingConfig, "every", 2.5, "expected an integer, \"auto\" or None, got 2.5"),
     (AveragingConfig, "codec", "fp8", "expected fp32, bf16, fp16 or int8, got 'fp8'"),
     (AveragingConfig, "clip_min_history", 33,
      "expected at most averaging.clip_window (32), got 33"),
@@ -66,6 +69,12 @@ def test_a_bad_value_names_its_field(cls: type, name: str, value: object, messag
     with pytest.raises(ValueError) as info:
         cls(**{name: value})
     assert str(info.value) == f"{cls.section}.{name}: {message}"
+
+
+def test_every_is_a_count_or_auto() -> None:
+    assert AveragingConfig(every="auto").every == "auto"  # gossip.spacing measures it
+    assert AveragingConfig(every=7).every == 7
+    assert AveragingConfig().every == 1  # the default stays a round every step
 
 
 def test_none_is_a_value_only_where_it_means_something() -> None:

@@ -354,7 +354,7 @@ def test_the_drift_correction_goes_into_the_checkpoint_and_comes_back() -> None:
     node.replica.close()
 
     other = make_task(seed=1)
-    counters, saved = Trainer.restore(other, state)
+    counters, saved, _ = Trainer.restore(other, state)
     back = Replica(other.model, optimizer=other.optimizer)
     back.restore(counters, saved)
     assert back.correction_state() is not None
@@ -379,9 +379,9 @@ def test_restore_loads_model_optimizer_and_rng() -> None:
     assert not torch.equal(other.model.weight, task.model.weight)
     torch.rand(10)
     random.random()
-    counters, correction = Trainer.restore(other, state)
+    counters, correction, outer = Trainer.restore(other, state)
     assert counters == Counters(5, 5 * BATCH, 1.0)
-    assert correction is None  # the node kept none
+    assert correction is None and outer is None  # the node kept neither
     for k, v in task.model.state_dict().items():
         assert torch.equal(other.model.state_dict()[k], v)
     assert torch.equal(other.optimizer.state_dict()["state"][0]["momentum_buffer"],
@@ -416,7 +416,7 @@ def test_restore_survives_torch_save_round_trip(tmp_path: Any) -> None:
     path = tmp_path / "state.pt"
     torch.save(trainer.state({"entry": "m:f"}), path)
     state = torch.load(path, weights_only=True)
-    assert Trainer.restore(make_task(seed=3), state) == (Counters(2, 2 * BATCH, 1.0), None)
+    assert Trainer.restore(make_task(seed=3), state) == (Counters(2, 2 * BATCH, 1.0), None, None)
 
 
 def test_restore_refuses_another_model() -> None:
