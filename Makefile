@@ -44,6 +44,7 @@ bench: $(STAMP)
 	$(PY) bench/nat.py --quick
 	$(PY) bench/wan.py --quick
 	$(PY) bench/efficiency.py --quick
+	$(PY) bench/lowcomm.py --quick
 	$(PY) bench/processes.py --quick
 	$(PY) bench/straggler.py
 

@@ -74,6 +74,7 @@ import trio
 from . import exchange
 from .channel import SecureChannel, connect
 from .config import AveragingConfig, Timeouts
+from .correction import ESTIMATE_CLIP
 from .download import CODEC as DOWNLOAD_CODEC
 from .download import Download, Said, download, serve_download
 from .errors import GossipError, PeerGone, PeerTimeout
@@ -560,12 +561,14 @@ class Averaging:
             if parts == 2:
                 n = self.replica.schema.numel
                 self.replica.clear_uncovered(theirs[n:])
+            estimate_clip = (min(config.clip, ESTIMATE_CLIP)
+                             if config.clip and self.replica.per_exchange else None)
             return await offload(self.replica, judge, theirs, own, parts, c, self._histories,
                                  clip=config.clip, max_norm_ratio=config.max_norm_ratio,
                                  standing=rank,
                                  correction=self.replica.correction_rate() * config.weight,
                                  gradient_scale=self.replica.gradient_scale,
-                                 difference=difference)
+                                 difference=difference, estimate_clip=estimate_clip)
 
         return check, difference
 

@@ -87,7 +87,14 @@ daemon's digits task, eight nodes on label-sorted shards, 100 steps between exch
 steps each: 88.7% mean and 83.0% worst node held-out accuracy, against 41.1% and 29.3% with
 the per-step measure and plain averaging, and 98.1% for all-reduce every step (the walk-off
 that set ``FULL_SPACING / k`` did not return: weight norms stayed at 15, against 12 without
-a correction). ``κ`` depends on each node's own spacing, so two nodes whose spacings differ
+a correction). One more bound holds the joins: an estimate's step is clipped to
+:data:`ESTIMATE_CLIP` x the median of the recent ones (the state's clip is 5x). A joiner that
+trained alone on classes nobody else has brings, once it is trusted, an estimate far from the
+others', and a correction that took it in one exchange and added all of it at every step
+knocked the older nodes' held-out accuracy from 67% to 35-53% at 10 steps between exchanges
+(tests/sim/test_join.py, four seeds); clipped so, the change comes in over a few exchanges
+and no node fell more than 1 point in three of them (4 in the fourth), while at 100 steps it
+cost 2 points (86.7% mean, 81.3% worst). ``κ`` depends on each node's own spacing, so two nodes whose spacings differ
 (between 4 and 16 steps) move their corrections by slightly different fractions, and their
 sum by a little; the leak takes that out as it takes out a half-applied exchange.
 
@@ -115,13 +122,14 @@ from .config import DEFAULT_LEAK  # λ, declared with the averaging.leak setting
 from .tensors import StateSchema, all_finite
 
 __all__ = ["Correction", "CORRECTION_RATE", "DEFAULT_LEAK", "FULL_SPACING", "GRADIENT_AVERAGE",
-           "WIDE_SPACING", "check_state", "corrected", "check_correction"]
+           "WIDE_SPACING", "ESTIMATE_CLIP", "check_state", "corrected", "check_correction"]
 
 GRADIENT_AVERAGE = 0.2  # β: the weight of each new gradient in the recent average ĝ
 CORRECTION_RATE = 0.5  # κ: the correction moves by κ x the state's fraction of the difference
 SCALE_STEPS = 16  # steps whose gradient norms give the scale an estimate's check starts from
 FULL_SPACING = 4  # local steps between updates of c up to which every step adds all of it
 WIDE_SPACING = 16  # per exchange: from this spacing on, the correction takes the whole difference
+ESTIMATE_CLIP = 1.2  # per exchange: an estimate's step is at most this x the median of recent ones
 
 
 def corrected(model: torch.nn.Module) -> dict[str, torch.Size]:

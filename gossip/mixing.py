@@ -325,6 +325,7 @@ def judge(
     correction: float = 0.0,
     gradient_scale: float = 0.0,
     difference: Difference | None = None,
+    estimate_clip: float | None = None,
 ) -> Verdict:
     """:func:`make_delta` for each part of a payload: the state, then (``parts`` 2) the
     correction's estimate, each against its own history, so that neither bound is driven by
@@ -339,7 +340,9 @@ def judge(
     gradients as it started: :attr:`~gossip.correction.Correction.scale`) and the median
     distance of the estimates it accepted; neither can be driven by what a peer sends.
 
-    ``difference``: the state's pass (the first part), already under way as it arrived."""
+    ``difference``: the state's pass (the first part), already under way as it arrived.
+    ``estimate_clip``: the estimate's own clip, when it is tighter than ``clip`` (see
+    :data:`gossip.correction.ESTIMATE_CLIP`); None: ``clip``."""
     n = received.numel() // parts
     state = make_delta(received[:n], own[:n], coefficient, histories[0], clip=clip,
                        max_norm_ratio=max_norm_ratio, standing=standing, record=False,
@@ -348,7 +351,8 @@ def judge(
     if parts == 2 and state.refused is None:
         floor = max(gradient_scale, histories[1].median() or 0.0)
         estimate = make_delta(received[n:], own[n:2 * n], correction, histories[1],
-                              clip=clip, max_norm_ratio=max_norm_ratio, standing=standing,
+                              clip=clip if estimate_clip is None else estimate_clip,
+                              max_norm_ratio=max_norm_ratio, standing=standing,
                               record=False, floor=floor)
     verdict = Verdict(state, estimate)
     if standing is Standing.CHOSEN and verdict.refused is None:

@@ -163,6 +163,11 @@ class Replica:
                          else Staging(device, self.parts * self.schema.numel))
 
     @property
+    def per_exchange(self) -> bool:
+        """Whether the outer step is on, and with it the correction measured per exchange."""
+        return self._per_exchange
+
+    @property
     def estimating(self) -> bool:
         """Whether this replica can swap a drift correction's estimate: it keeps a correction
         and has taken a step since it started (or downloaded a state)."""
@@ -250,8 +255,8 @@ class Replica:
                 return 0
             began = 0
             if self._spread == 0:
-                began = self._begin()
                 self._spread = max(1, min(MAX_SPREAD, round((self._apart or 1) / 2)))
+                began = self._begin()
             self._add_state(1.0 / self._spread)
             self._spread -= 1
             if self._spread == 0:

@@ -46,11 +46,15 @@ def test_replica_of_a_cuda_model_uses_pinned_buffers() -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-async def test_cuda_and_cpu_nodes_average_to_the_midpoint(device: str) -> None:
+async def test_cuda_and_cpu_nodes_take_the_outer_step_towards_each_other(device: str) -> None:
+    """The defaults' first exchange (no progress behind it): each side moves by
+    lr x (1 + momentum) x weight of the difference (gossip.outer), whatever its device."""
+    factor = CONFIG.outer_lr * (1 + CONFIG.outer_momentum) * CONFIG.weight
     gpu, cpu = mlp(1).to(device), mlp(2)
-    expected = [(a.detach().cpu() + b.detach()) / 2
-                for a, b in zip(gpu.state_dict().values(), cpu.state_dict().values())
-                if a.is_floating_point()]
+    pairs = [(a.detach().cpu(), b.detach().clone())
+             for a, b in zip(gpu.state_dict().values(), cpu.state_dict().values())
+             if a.is_floating_point()]
+    expected = [(a + factor * (b - a), b + factor * (a - b)) for a, b in pairs]
     async with gossip.open_swarm(gpu, SWARM, NodeConfig(averaging=CONFIG)) as a:
         own = gossip.AveragingConfig(every=None, interval=None, start="own", trust_after=0.0)
         async with gossip.open_swarm(cpu, SWARM, NodeConfig(bootstrap=(a.address,),
@@ -62,9 +66,9 @@ async def test_cuda_and_cpu_nodes_average_to_the_midpoint(device: str) -> None:
             assert a.step() == 1 and b.step() == 1
     got_gpu = [t.cpu() for t in gpu.state_dict().values() if t.is_floating_point()]
     got_cpu = [t for t in cpu.state_dict().values() if t.is_floating_point()]
-    for e, g, c in zip(expected, got_gpu, got_cpu):
-        torch.testing.assert_close(g, e)
-        torch.testing.assert_close(c, e)
+    for (e_gpu, e_cpu), g, c in zip(expected, got_gpu, got_cpu):
+        torch.testing.assert_close(g, e_gpu)
+        torch.testing.assert_close(c, e_cpu)
 
 
 @cuda

@@ -611,3 +611,23 @@ def test_a_difference_covers_its_state_part_only_and_only_its_buffers() -> None:
                     difference=difference)
     assert verdict.refused is None
     torch.testing.assert_close(payload, received - own, rtol=0, atol=0)  # both parts
+
+
+def test_an_estimate_has_its_own_tighter_clip_and_the_state_keeps_the_usual_one() -> None:
+    """With the outer step the averager passes ``estimate_clip`` (gossip.correction's
+    ESTIMATE_CLIP): an estimate far from ours moves the correction by that bound, while the
+    state is clipped as before."""
+    n = 100
+    states, estimates = DeltaHistory(window=8, min_history=1), DeltaHistory(window=8, min_history=1)
+    states.add(1.0, ANY_NORM)
+    estimates.add(1.0, ANY_NORM)
+    own = torch.zeros(2 * n)
+    received = torch.zeros(2 * n)
+    received[0] = 4.0  # the state 4 x its median away
+    received[n] = 4.0  # the estimate too
+    verdict = judge(received, own, 2, 0.5, (states, estimates), clip=5.0, max_norm_ratio=1e6,
+                    correction=0.5, gradient_scale=1.0, estimate_clip=1.2)
+    assert verdict.refused is None
+    assert not verdict.state.clipped and verdict.state.scale == 0.5
+    assert verdict.correction is not None and verdict.correction.clipped
+    assert math.isclose(verdict.correction.scale * 4.0, 0.5 * 1.2, rel_tol=1e-6)
