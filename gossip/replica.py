@@ -255,8 +255,8 @@ class Replica:
                 return 0
             began = 0
             if self._spread == 0:
-                self._spread = max(1, min(MAX_SPREAD, round((self._apart or 1) / 2)))
                 began = self._begin()
+                self._spread = max(1, min(MAX_SPREAD, round((self._apart or 1) / 2)))
             self._add_state(1.0 / self._spread)
             self._spread -= 1
             if self._spread == 0:
