@@ -144,7 +144,8 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("output", metavar="OUT", help="the state-dict file to write")
 
     sp = sub.add_parser("demo", help="run a swarm of real daemons on 127.0.0.1 and report")
-    sp.add_argument("--nodes", type=int, default=3)
+    sp.add_argument("--nodes", type=int, default=3, help="how many train at once; node1 "
+                    "leaves halfway and one more joins in its place")
     sp.add_argument("--seconds", type=float, default=60.0, help="how long they train")
     sp.add_argument("--dir", help="where to keep the nodes' files (default: a new temp dir)")
     sp.add_argument("--task", default=NEW_SWARM_TASK, help="task entry point")

@@ -17,19 +17,17 @@ to the end. It prints each node's test result beside the baseline's, and plots e
 held-out result over time with the baseline as a line and the two events marked.
 
 The cost of churn is measured from the evaluations each daemon logs every ``EVAL_EVERY``
-seconds, with the daemon's own timestamps: for each event (the departure at the SIGTERM, the
-join at the joiner's ``download``) and each node that ran across it, the *dip* is how far the
-node's accuracy fell, at its lowest afterwards, below its level just before (the mean of its
-last ``LEVEL_EVALS`` evaluations). ``worst_dip_points`` is the largest, in points (0 when
-none fell). The schedule waits on conditions, not fixed sleeps: the departure waits until
-every node has a level to dip from, and the end until the joiner has trained; at the default
-60 s both are met long before they are due, so the run takes no longer than it did without
-churn.
+seconds, with the daemon's own timestamps, by :mod:`daemon.churn`: for each event (the
+departure at the SIGTERM, the join at the joiner's ``download``) and each node that ran across
+it, the *dip* is how far the node's accuracy fell below its level just before;
+``worst_dip_points`` is the largest, in points. The schedule waits on conditions, not fixed
+sleeps: the departure waits until every node has a level to dip from, and the end until the
+joiner has trained; at the default 60 s both are met long before they are due, so the run
+takes no longer than it did without churn.
 """
 from __future__ import annotations
 
 import json
-import math
 import secrets
 import signal
 import subprocess
@@ -38,13 +36,14 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Literal, Mapping, Sequence
+from typing import IO, Any, Mapping, Sequence
 
+from .churn import LEVEL_EVALS, MIN_LEVEL_EVALS, ChurnEvent, Dip, dips, worst_dip_points
 from .config import from_dict, load, render
 from .keys import write_swarm_key
 from .metrics import MetricsLogReader
 
-__all__ = ["ChurnEvent", "DemoError", "Dip", "dips", "run_demo", "worst_dip_points"]
+__all__ = ["DemoError", "run_demo"]
 
 START_TIMEOUT = 120.0  # s for a daemon to import torch, load its task and listen
 STOP_TIMEOUT = 60.0  # s for a stopped daemon to exit
@@ -55,73 +54,12 @@ EVAL_EVERY = 2.0
 PRESETS = ["checkpoint.interval=30", "metrics.every=2", "task.progress_interval=1",
            "task.threads=1", f"task.eval_every={EVAL_EVERY:g}"]
 POINTS = 2.0  # the demo's verdict: every node within this many points of the central baseline
-# A node's level before an event is the mean of its last LEVEL_EVALS evaluations (one alone
-# swings by points between evaluations); with fewer than MIN_LEVEL_EVALS it has no level, and
-# no dip is counted for it.
-LEVEL_EVALS = 3
-MIN_LEVEL_EVALS = 2
 LEAVER = 1  # the index of the node that departs: not node0, whose address the joiner dials
 RESULT_KEYS = ("time", "event", "step")  # an eval event's fields that are not results
 
 
 class DemoError(Exception):
     """The demo cannot run (bad arguments, or a node failed to start)."""
-
-
-@dataclass(frozen=True)
-class ChurnEvent:
-    """A change of the swarm's membership, at a Unix time of the daemons' clock."""
-
-    kind: Literal["join", "departure"]
-    node: str  # who joined or departed
-    time: float
-
-
-@dataclass(frozen=True)
-class Dip:
-    """How far one node's accuracy fell after an event, below its level just before it."""
-
-    event: ChurnEvent
-    node: str
-    level: float  # the mean of its last LEVEL_EVALS evaluations before the event
-    lowest: float  # its lowest evaluation after the event, until its end
-
-    @property
-    def points(self) -> float:
-        return max(0.0, 100 * (self.level - self.lowest))
-
-
-def dips(evaluations: Mapping[str, Sequence[tuple[float, float]]],
-         events: Sequence[ChurnEvent]) -> list[Dip]:
-    """The dip of every node that ran across each event.
-
-    A node ran across an event when it is not the event's subject, has at least
-    ``MIN_LEVEL_EVALS`` evaluations before it and one after, and had not itself departed by
-    then (a departed node's final evaluation, written as it stops, is not a running one).
-
-    Args:
-        evaluations: per node, ``(time, accuracy)`` in time order, accuracy in [0, 1].
-        events: the joins and departures.
-    Returns:
-        One :class:`Dip` per (event, node that ran across it), in the events' order.
-    """
-    gone = {e.node: e.time for e in events if e.kind == "departure"}
-    found = []
-    for event in events:
-        for node, series in evaluations.items():
-            end = gone.get(node, math.inf)
-            if node == event.node or end <= event.time:
-                continue
-            before = [v for t, v in series if t < event.time][-LEVEL_EVALS:]
-            after = [v for t, v in series if event.time < t < end]
-            if len(before) >= MIN_LEVEL_EVALS and after:
-                found.append(Dip(event, node, sum(before) / len(before), min(after)))
-    return found
-
-
-def worst_dip_points(found: Sequence[Dip]) -> float:
-    """The largest dip in points, 0 when there is none."""
-    return max((d.points for d in found), default=0.0)
 
 
 @dataclass
