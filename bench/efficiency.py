@@ -30,7 +30,12 @@ Churn: in the "crash and rejoin" row, node 1 crashes at 20% of the budget and no
 each for 15% of the budget (24 of its 160 steps at N = 8); each comes back from what a
 checkpoint written at the crash holds (model, counters, drift correction; the deltas not yet
 applied are lost) and rejoins through the running nodes. Meanwhile the others train on, so
-the swarm trains fewer samples of those two shards than the reference does.
+the swarm trains fewer samples of those two shards than the reference does. The dip: for each
+crash and restart, and each other node running across it, how far the node's accuracy fell,
+at its lowest after the event (until the next one, or the budget), below its level before it
+(the mean of its last ``LEVEL_EVALS`` evaluations while up); ``worst_dip_points`` is the
+largest over events and nodes, then the largest over seeds (target ``TARGET_DIP``). A crashed
+node's model, which the bench still holds, is not counted while it is down.
 
 Reference: synchronous all-reduce ("DDP-equivalent") at N = 4 and 8 on the same label-sorted
 shards, with no swarm: one model and one SGD optimizer built by the task (the same initial
@@ -95,9 +100,12 @@ TARGET_GAP = 2.0  # points of mean node accuracy below all-reduce, at the budget
 TARGET_WORST = 4.0  # points of the worst node below all-reduce, at the budget
 TARGET_CHURN = 3.0  # points below all-reduce with two nodes crashing and rejoining
 TARGET_HORIZON = 0.5  # points below all-reduce at 8x the budget
+TARGET_DIP = 2.0  # points a running node falls below its own level after a crash or restart
+LEVEL_EVALS = 3  # a node's level before a churn event: the mean of its last 3 evaluations
 EVERY = AveragingConfig().every  # the library's default period, in local steps
 CODEC = AveragingConfig().codec  # the library's default wire codec
 CHURN = [(1, 0.20, 0.35), (5, 0.50, 0.65)]  # node, crash and restart, in budget fractions
+CURVES = ("mean", "worst", "mean_model")  # what run_swarm and run_allreduce both return
 CPU = torch.device("cpu")
 
 
@@ -158,9 +166,11 @@ def with_codecs(codecs: list[str]) -> list[Setting]:
     return out
 
 
-def run_swarm(setting: Setting, seed: int, points: int) -> dict[str, list[float]]:
+def run_swarm(setting: Setting, seed: int, points: int) -> dict[str, Any]:
     """Train one swarm until ``points`` evaluations are taken; returns the curves ``mean``,
-    ``worst`` (over nodes) and ``mean_model``, in percent, one value per evaluation."""
+    ``worst`` (over nodes) and ``mean_model``, in percent, one value per evaluation, and for
+    :func:`worst_dip`: ``nodes``, per node its accuracy at each evaluation (None while it is
+    down), and ``events``, an ``(evaluations taken, node)`` pair per crash and restart."""
     n = setting.n
     if setting.iid:
         # A task's seed picks its batch order, so one seed per node; then node 0's initial
@@ -173,10 +183,15 @@ def run_swarm(setting: Setting, seed: int, points: int) -> dict[str, list[float]
         tasks = [digits.task(Context(seed, CPU)) for _ in range(n + 1)]  # the last: mean model
         batches = [t.batches(Shard(i, n)) for i, t in enumerate(tasks[:n])]
     curves: dict[str, list[float]] = {"mean": [], "worst": [], "mean_model": []}
+    per_node: list[list[float | None]] = [[] for _ in range(n)]
+    events: list[tuple[int, int]] = []
+    down: set[int] = set()  # crashed, by index: their models are still evaluated, not kept
     total = 0
 
     def evaluate() -> None:
         accuracy = [100 * t.evaluate()["accuracy"] for t in tasks[:n]]
+        for i, value in enumerate(accuracy):
+            per_node[i].append(None if i in down else value)
         with torch.no_grad():
             nodes = (t.model.parameters() for t in tasks[:n])
             for mean, *ps in zip(tasks[n].model.parameters(), *nodes):
@@ -194,13 +209,16 @@ def run_swarm(setting: Setting, seed: int, points: int) -> dict[str, list[float]
         return float(loss)
 
     async def churn(sim: SimSwarm) -> None:
-        events = sorted([(crash, "crash", i) for i, crash, _ in CHURN]
-                        + [(back, "restart", i) for i, _, back in CHURN])
-        for fraction, what, i in events:
+        schedule = sorted([(crash, "crash", i) for i, crash, _ in CHURN]
+                          + [(back, "restart", i) for i, _, back in CHURN])
+        for fraction, what, i in schedule:
             await sim.wait_until(lambda: total >= fraction * BUDGET)
+            events.append((len(curves["mean"]), i))
             if what == "crash":
                 sim.crash(i)
+                down.add(i)
             else:
+                down.discard(i)  # from here its model is the checkpoint's, then its own
                 await sim.restart(i)
 
     async def main() -> None:
@@ -217,7 +235,7 @@ def run_swarm(setting: Setting, seed: int, points: int) -> dict[str, list[float]
                 nursery.cancel_scope.cancel()
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
-    return curves
+    return {**curves, "nodes": per_node, "events": events}
 
 
 def run_allreduce(setting: Setting, seed: int, points: int) -> dict[str, list[float]]:
@@ -257,6 +275,39 @@ def samples_to_reach(curve: list[float], accuracy: float) -> int | None:
         if value >= accuracy - 1e-9:
             return (k + 1) * BUDGET // POINTS
     return None
+
+
+def worst_dip(per_node: list[list[float | None]], events: list[tuple[int, int]]) -> float:
+    """The largest fall of a node below its own level after a crash or restart, in points.
+
+    For each event and each node other than its subject that is up at the last evaluation
+    before it and the first after it: the level is the mean of the node's last
+    ``LEVEL_EVALS`` evaluations before the event (fewer if it has been up for fewer), the dip
+    is the level minus its lowest evaluation from the event up to the next event (or the end
+    of the table), floored at 0.
+
+    Args:
+        per_node: per node, its accuracy in percent at each evaluation, None while it is down.
+        events: ``(k, node)`` per crash or restart of ``node`` after evaluation ``k - 1``
+            and before evaluation ``k``.
+    Returns:
+        The largest dip, 0 when no node ran across an event.
+    """
+    length = max((len(series) for series in per_node), default=0)
+    worst = 0.0
+    for k, subject in events:
+        end = min((j for j, _ in events if j > k), default=length)
+        for i, series in enumerate(per_node):
+            if i == subject or k == 0 or k >= len(series) or None in series[k - 1:k + 1]:
+                continue
+            before: list[float] = []
+            for value in reversed(series[:k]):  # since it last came up
+                if value is None or len(before) == LEVEL_EVALS:
+                    break
+                before.append(value)
+            after = [v for v in series[k:end] if v is not None]
+            worst = max(worst, sum(before) / len(before) - min(after))
+    return worst
 
 
 def seed_mean(runs: list[dict[str, list[float]]], key: str) -> list[float]:
@@ -355,10 +406,13 @@ def main() -> None:
             runs.append(run(setting, seed, horizon * POINTS))
             progress(f"[{time.perf_counter() - started:6.1f}s] {setting.label} seed {seed}: "
                      f"accuracy at the budget {smooth(runs[-1]['mean'])[POINTS - 1]:.1f}%")
-        curves[setting] = {key: seed_mean(runs, key) for key in runs[0]}
+        curves[setting] = {key: seed_mean(runs, key) for key in CURVES}
         per_seed[setting] = runs
     summary = summarize(curves, horizon)
     base = summary[BASELINE]["final_accuracy"]
+    # Up to the budget, as the churn schedule is; the largest over seeds, not their mean.
+    dip = max(worst_dip([s[:POINTS] for s in run["nodes"]], run["events"])
+              for run in per_seed[CHURNED])
     plot(curves, base)
     elapsed = time.perf_counter() - started
 
@@ -394,6 +448,8 @@ def main() -> None:
           f"initial weights, lr and momentum, each step on the mean loss of one batch of "
           f"{BATCH} from each\nof the N shards, as DDP averages gradients: {BATCH}N samples "
           f"per step. One model, so worst and mean model are its accuracy.")
+    print(f"churn: largest fall of a node below its own level before a crash or restart: "
+          f"{dip:.1f} points (target {TARGET_DIP:g})")
     # The first codec named is the one the others are compared with; the default's rows last.
     codecs = args.codecs + [CODEC] * (CODEC not in args.codecs) if args.codecs else []
     if codecs:
@@ -406,6 +462,7 @@ def main() -> None:
            "gap_to_allreduce_n4": round(n4["gap_to_allreduce"], 2),
            "worst_gap_n4": round(n4["worst_gap_to_allreduce"], 2),
            "churn_gap_n8": round(summary[CHURNED]["gap_to_allreduce"], 2),
+           "worst_dip_points": round(dip, 1),
            f"gap_{horizon}x_n8": round(n8["horizon_gap_to_allreduce"], 2),
            f"gap_{horizon}x_n4": round(n4["horizon_gap_to_allreduce"], 2),
            "iid_control_n8": round(summary[CONTROL]["final_accuracy"], 2),
@@ -421,7 +478,7 @@ def main() -> None:
         **out, "budget_samples": BUDGET, "points": POINTS, "window": WINDOW,
         "step_time": STEP_TIME, "batch_size": BATCH, "task_options": digits.DEFAULTS,
         "targets": {"gap": TARGET_GAP, "worst": TARGET_WORST, "churn": TARGET_CHURN,
-                    "horizon": TARGET_HORIZON},
+                    "horizon": TARGET_HORIZON, "dip": TARGET_DIP},
         "wall_s": round(elapsed, 1),
         "settings": [{"label": s.label, "n": s.n, "every": s.every, "correction": s.correction,
                       "iid": s.iid, "churn": s.churn, "allreduce": s.allreduce,
