@@ -154,7 +154,8 @@ class AveragingConfig(_Settings):
                           "averaging, own += weight * (peer - own). Costs two model-sized "
                           "buffers on the host")
     outer_lr: float = setting(0.7, "the outer step's learning rate, in (0, 2]; 1 with momentum "
-                              "0 is plain averaging", want(lambda v: 0 < v <= 2, "a number in (0, 2]"))
+                              "0 is plain averaging",
+                              want(lambda v: 0 < v <= 2, "a number in (0, 2]"))
     outer_momentum: float = setting(0.5, "the outer step's Nesterov momentum, in [0, 1)",
                                     want(lambda v: 0 <= v < 1, "a number in [0, 1)"))
     attempts: int = setting(3, "peers tried per round when they are busy or fail (>= 1)",

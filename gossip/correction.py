@@ -76,32 +76,32 @@ exchanges, the case the correction is for, nothing changes.
 
 Per exchange (with the outer step, :mod:`gossip.outer`, the default): over real links hundreds
 of local steps pass between exchanges, and at ``FULL_SPACING / k`` the correction is all but
-off. There the correction is measured per exchange instead, as SCAFFOLD's option II measures
-it from the progress of the local steps: ``ĝ`` averages the gradients of about the steps
-between two exchanges (its weight per step is one over the spacing, when that is longer than
-``1/β``), so the estimate is the mean gradient along the path the node took, not the last few
-steps of it; every step adds all of ``c``; and an exchange moves ``c`` by ``κ`` from ½ at
+off. There the correction is measured per exchange instead, as SCAFFOLD's option II measures it
+from the progress of the local steps: ``ĝ`` averages the gradients of about the steps between
+two exchanges (its weight per step is one over the spacing, when that is longer than ``1/β``),
+so the estimate is the mean gradient along the path the node took, not the last few steps of
+it; every step adds all of ``c``; and an exchange moves ``c`` by ``κ`` from ½ at
 :data:`FULL_SPACING` steps between updates up to 1 from :data:`WIDE_SPACING` on, since an
-estimate averaged over that many steps has little noise left to halve. Measured on the
-daemon's digits task, eight nodes on label-sorted shards, 100 steps between exchanges, 3,000
-steps each: 88.7% mean and 83.0% worst node held-out accuracy, against 41.1% and 29.3% with
-the per-step measure and plain averaging, and 98.1% for all-reduce every step (the walk-off
-that set ``FULL_SPACING / k`` did not return: weight norms stayed at 15, against 12 without
-a correction). Where it costs: on the byte-level language model with AdamW at 500 steps
-between exchanges (bench/lowcomm.py), a correction added in full for 500 steps ended at loss
-2.35 where the per-step one ended at 2.20 (AdamW divides each direction by its own gradient
-scale, so a constant offset where the gradient is small moves the weights far); weakening it
-past 16 steps fixed that and gave back most of the digits' gain, so it stays whole. One more
-bound holds the joins: an estimate's step is clipped to
-:data:`ESTIMATE_CLIP` x the median of the recent ones (the state's clip is 5x). A joiner that
-trained alone on classes nobody else has brings, once it is trusted, an estimate far from the
-others', and a correction that took it in one exchange and added all of it at every step
-knocked the older nodes' held-out accuracy from 67% to 35-53% at 10 steps between exchanges
-(tests/sim/test_join.py, four seeds); clipped so, the change comes in over a few exchanges
-and no node fell more than 1 point in three of them (4 in the fourth), while at 100 steps it
-cost 2 points (86.7% mean, 81.3% worst). ``κ`` depends on each node's own spacing, so two nodes whose spacings differ
-(between 4 and 16 steps) move their corrections by slightly different fractions, and their
-sum by a little; the leak takes that out as it takes out a half-applied exchange.
+estimate averaged over that many steps has little noise left to halve. Measured on the daemon's
+digits task, eight nodes on label-sorted shards, 100 steps between exchanges, 3,000 steps each:
+88.7% mean and 83.0% worst node held-out accuracy, against 41.1% and 29.3% with the per-step
+measure and plain averaging, and 98.1% for all-reduce every step (the walk-off that set
+``FULL_SPACING / k`` did not return: weight norms stayed at 15, against 12 without a
+correction). Where it costs: on the byte-level language model with AdamW at 500 steps between
+exchanges (bench/lowcomm.py), a correction added in full for 500 steps ended at loss 2.35 where
+the per-step one ended at 2.20 (AdamW divides each direction by its own gradient scale, so a
+constant offset where the gradient is small moves the weights far); weakening it past 16 steps
+fixed that and gave back most of the digits' gain, so it stays whole. One more bound holds the
+joins: an estimate's step is clipped to :data:`ESTIMATE_CLIP` x the median of the recent ones
+(the state's clip is 5x). A joiner that trained alone on classes nobody else has brings, once
+it is trusted, an estimate far from the others', and a correction that took it in one exchange
+and added all of it at every step knocked the older nodes' held-out accuracy from 67% to 35-53%
+at 10 steps between exchanges (tests/sim/test_join.py, four seeds); clipped so, the change
+comes in over a few exchanges and no node fell more than 1 point in three of them (4 in the
+fourth), while at 100 steps it cost 2 points (86.7% mean, 81.3% worst). ``κ`` depends on each
+node's own spacing, so two nodes whose spacings differ (between 4 and 16 steps) move their
+corrections by slightly different fractions, and their sum by a little; the leak takes that out
+as it takes out a half-applied exchange.
 
 Checks: an estimate is checked like a state (:func:`gossip.mixing.judge`), but its norm
 check cannot be against our own estimate alone. A node that has learned its own data has a
