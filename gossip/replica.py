@@ -49,7 +49,8 @@ sent, the state being received, and the pending delta (held while it is spread).
 received buffer *becomes* the pending delta when nothing is pending, and applied deltas go
 back to a spare slot for the next exchange, so a node holds at most three buffers however
 many exchanges it makes. On a CUDA model the buffers are page-locked, so device copies are
-fast.
+fast. With the outer step (:mod:`gossip.outer`) two more host vectors of the state's size are
+kept for good: the anchor and the velocity.
 
 Counters: ``step`` is the step the swarm schedules by (see :mod:`gossip.standing`): this
 node's optimizer steps, moved on each exchange towards the swarm's by a signed ``step_move``.
