@@ -31,8 +31,7 @@ counted after a pause, a clock that did not move) would otherwise put the next r
 reach, for ever when ``interval`` is None. 10,000 steps is 17 minutes of training at 0.1 s a
 step and nearly 3 hours at 1 s. It is past every spacing of the table in docs/DAEMON.md but
 fp32 over 10 Mbit/s (12,800 for 100M and 1B parameters, where int8 is the choice), and past
-it a swarm barely mixes: the drift correction adds 4/k of itself at k steps between
-exchanges, 0.04% there. At the bound a node starts rounds a little more often than its link
+it a swarm barely mixes. At the bound a node starts rounds a little more often than its link
 carries them, which costs busy answers, not training time.
 
 Nothing here imports trio or reads a clock: callers pass step counts, seconds and ``now``.
