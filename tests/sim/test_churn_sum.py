@@ -7,7 +7,7 @@ leaves the others summing to ``−c``, which only the leak fades (1% per exchang
 that the corrections are large) exchange every 10 steps with the defaults (outer step on); the
 sum's size relative to the corrections' (``‖Σ c‖ / Σ ‖c‖``) is read after each event.
 
-Measured: about 0.02 before and after the join; 0.28 to 0.45 at a crash or a departure, and
+Measured: 0.02 to 0.12 before and after the join; 0.29 to 0.67 at a crash or a departure, and
 that share fades slowly. A leak raised for 20 exchanges after each departure took 0.28 to
 0.22 in 300 steps and was left out: it shrinks every ``c`` with their sum. What is held here
 is what holds: a join keeps the sum, and a departure's share never grows.
@@ -27,7 +27,12 @@ from gossip.testing import SimNode, SimSwarm, open_sim_swarm
 N = 5  # four at the start, one late joiner
 STEP_TIME = 0.01
 SETTLE = 3.0  # virtual s after an event: 300 steps, about 30 rounds of each node's own
-NEAR_ZERO = 0.1  # the most ‖Σ c‖ / Σ ‖c‖ may be with no departure behind it
+# ‖Σ c‖ / Σ ‖c‖ with no departure behind it is not 0: κ follows each node's own spacing
+# (gossip.correction), and the rounds' jitter makes two nodes' fractions differ a little. In 8
+# runs it read 0.02-0.07 before the join and 0.02-0.12 after it, against 0.29-0.67 at a crash
+# or a departure: the bound sits between the two.
+NEAR_ZERO = 0.2
+NOISE = 0.1  # how much a departure's share may move up meanwhile, at most
 
 
 def relative_sum(sim: SimSwarm) -> float:
@@ -84,8 +89,8 @@ async def test_a_join_keeps_the_sum_of_corrections_and_a_departure_never_grows_i
 
     assert at_crash > NEAR_ZERO and at_departure > NEAR_ZERO  # each event did break the sum
     assert after_join < NEAR_ZERO, after_join
-    assert after_crash <= at_crash + NEAR_ZERO, (at_crash, after_crash)
-    assert after_departure <= at_departure + NEAR_ZERO, (at_departure, after_departure)
+    assert after_crash <= at_crash + NOISE, (at_crash, after_crash)
+    assert after_departure <= at_departure + NOISE, (at_departure, after_departure)
     print(f"sum/size: before {before:.3f}, after the join {after_join:.3f}, at the crash "
           f"{at_crash:.3f}, after {after_crash:.3f}, at the departure {at_departure:.3f}, "
           f"after {after_departure:.3f}")
