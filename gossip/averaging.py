@@ -607,7 +607,7 @@ class Averaging:
                     await offload(self.replica, outer.step, own[:n], theirs[:n], scale)
                 scale = 1.0
             self.replica.queue(theirs, scale=scale,
-                               correction=verdict.correction.scale if verdict.correction else 0.0,
+                               correction=outcome.fraction,  # the same as the peer's
                                step_move=move, weight=weight,
                                sent_weight=self._my_weight(mine))
         else:

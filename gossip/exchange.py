@@ -94,10 +94,14 @@ class Ending(enum.Enum):
 
 
 class Verdict(Protocol):
-    """What ``check`` returns: ``refused`` is why the payload is refused, or None."""
+    """What ``check`` returns: ``refused`` is why the payload is refused, or None;
+    ``fraction`` what our ``Commit`` offers to move the correction by (0.0: no estimates)."""
 
     @property
     def refused(self) -> str | None: ...
+
+    @property
+    def fraction(self) -> float: ...
 
 
 Check = Callable[[torch.Tensor, int, "Offer | Accept"], Awaitable[Any]]
@@ -116,6 +120,8 @@ class Outcome:
         peer: the peer's ``Offer`` or ``Accept`` (its counters), once it was known.
         parts: the vectors each payload held (0 if no payload moved).
         verdict: ``check``'s verdict on the peer's payload, if it got that far.
+        fraction: committed: the fraction of the estimates' difference both sides move their
+            corrections by, the smaller of the two ``Commit``s' (0.0: no estimates).
     """
 
     ending: Ending
@@ -123,6 +129,7 @@ class Outcome:
     peer: Offer | Accept | None = None
     parts: int = 0
     verdict: Any = None
+    fraction: float = 0.0
 
 
 async def initiate(channel: SecureChannel, offer: Offer, own: torch.Tensor,
@@ -225,14 +232,16 @@ async def _swap(channel: SecureChannel, peer: Offer | Accept, codec: str, parts:
     # deadline to, so the commit deadline counts from there.
     with phase_deadline_at(max(transfer_end, trio.current_time()) + deadlines.commit,
                            channel.peer.short, "commit"):
-        await channel.send_message(Commit())
+        fraction = verdict.fraction if parts == 2 else 0.0
+        await channel.send_message(Commit(fraction))
         answer = await channel.receive_message()
     if isinstance(answer, Close):
         refused = _refused(answer)
         return Outcome(refused.ending, refused.reason, peer, parts, verdict)
     if not isinstance(answer, Commit):
         raise RemoteProtocolError(f"expected Commit, got {type(answer).__name__}")
-    return Outcome(Ending.COMMITTED, "", peer, parts, verdict)
+    # The smaller: a peer can make us move less than we judged, never more.
+    return Outcome(Ending.COMMITTED, "", peer, parts, verdict, min(fraction, answer.correction))
 
 
 def _refused(close: Close) -> Outcome:

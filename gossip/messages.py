@@ -488,9 +488,20 @@ class Commit(Message):
 
     Each side sends it after validating the other's payload and applies the result only on
     receiving the other's Commit, so nothing is applied unless both sides hold both states.
+    ``correction`` is the fraction of the estimates' difference the sender would move its drift
+    correction by (its rate, weight and clipping), 0.0 when the payloads held no estimates:
+    both sides move by the smaller of the two, so that the pair's corrections keep their sum.
     """
 
     TAG: ClassVar[int] = 18
+    correction: float = 0.0
+
+    def __post_init__(self) -> None:
+        if type(self.correction) is not float:
+            raise ValueError(f"Commit.correction: expected a float, got "
+                             f"{type(self.correction).__name__}")
+        if not 0.0 <= self.correction <= 1.0:  # also refuses NaN
+            raise ValueError(f"Commit.correction: {self.correction} out of range 0..1")
 
 
 @dataclass(frozen=True, slots=True)

@@ -204,6 +204,12 @@ class Verdict:
     def clipped(self) -> bool:
         return self.state.clipped or (self.correction is not None and self.correction.clipped)
 
+    @property
+    def fraction(self) -> float:
+        """The fraction of the estimates' difference the correction moves by (clipping
+        included): what our ``Commit`` offers; 0.0 with no estimate."""
+        return 0.0 if self.correction is None else min(1.0, max(0.0, self.correction.scale))
+
 
 class Difference:
     """``received − own`` over the first ``numel`` elements, computed in place as a payload

@@ -37,12 +37,14 @@ def payload(value: float, parts: int = 2) -> torch.Tensor:
 @dataclass
 class Recorded:
     refused: str | None = None
+    fraction: float = 0.0
 
 
-def recorder(seen: list[torch.Tensor], refuse: str | None = None) -> exchange.Check:
+def recorder(seen: list[torch.Tensor], refuse: str | None = None,
+             fraction: float = 0.0) -> exchange.Check:
     async def check(theirs: torch.Tensor, parts: int, peer: Offer | Accept) -> Recorded:
         seen.append(theirs.clone())
-        return Recorded(refuse)
+        return Recorded(refuse, fraction)
 
     return check
 
@@ -84,6 +86,19 @@ async def test_both_sides_swap_state_and_correction_and_commit() -> None:
     assert torch.equal(seen_a[0], payload(2.0)) and torch.equal(seen_b[0], payload(1.0))
     assert isinstance(a.peer, Accept) and a.peer.step == 20  # each learns the other's bid
     assert isinstance(b.peer, Offer) and b.peer.step == 10
+
+
+@pytest.mark.parametrize("accepted", [True, False])
+async def test_both_sides_move_their_corrections_by_the_smaller_fraction(accepted: bool) -> None:
+    # Each side's checks give its own fraction (its rate, weight and clipping); moving by the
+    # same one keeps the pair's sum of corrections, and a peer can only make us move less.
+    a, b = await run_both(offered=offer(), accepted=accepted, alice_own=payload(1.0),
+                          bob_own=payload(2.0, parts=1 + accepted),
+                          alice_check=recorder([], fraction=0.5),
+                          bob_check=recorder([], fraction=0.25))
+    assert (a.ending, b.ending) == (Ending.COMMITTED, Ending.COMMITTED)
+    expected = 0.25 if accepted else 0.0  # without estimates there is nothing to move by
+    assert a.fraction == b.fraction == expected
 
 
 async def test_a_responder_without_a_correction_swaps_the_state_alone() -> None:

@@ -35,6 +35,7 @@ EXAMPLES = [
     m.Offer(fingerprint=FP, codec="fp32", step=12, samples=768, weight=0.0, correction=True),
     m.Accept(step=13, samples=2**50, weight=1234.5, correction=False),
     m.Commit(),
+    m.Commit(correction=0.375),
     m.StateInfo(step=7, samples=0, weight=1.0, meta=b"\xa0"),
     m.SchemaInfo(count=3, entries=(("fc.weight", (4, 8), "float32"), ("fc.bias", (4,), "float32")),
                  meta=b""),
@@ -99,6 +100,11 @@ def test_round_trip(message):
         ([16, FP, "fp32", 0, 0, 0, False], "Offer.weight: expected a float"),
         ([17, 0, 0, 0.0], "Accept: expected 4 fields, got 3"),
         ([17, 0, 0, 0.0, None], "Accept.correction: expected a boolean"),
+        ([18], "Commit: expected 1 fields, got 0"),  # before the correction's fraction
+        ([18, 0], "Commit.correction: expected a float"),
+        ([18, 1.5], "Commit.correction: 1.5 out of range 0..1"),
+        ([18, -0.25], "Commit.correction"),
+        ([18, float("nan")], "Commit.correction"),
     ],
 )
 def test_bad_fields_name_the_problem(obj, match):
