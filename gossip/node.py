@@ -258,9 +258,14 @@ async def open_swarm(
         await node._handle(channel, first)
 
     try:
+        def changed(member: Member) -> None:
+            replica.member_changed(member)  # a departure fades what it left of Σ c
+            if on_change is not None:
+                on_change(member)
+
         async with open_roster(network, identity, swarm, config,
                                rng=random.Random(rng.getrandbits(64)), handler=handle,
-                               on_change=on_change) as roster:
+                               on_change=changed) as roster:
             averaging = Averaging(replica, roster, network, identity, swarm, averaging_config,
                                   config.timeouts, rng, on_exchange, allow=config.allow)
             node = SwarmNode(roster, replica, averaging, task_fn)
@@ -271,6 +276,10 @@ async def open_swarm(
                     try:
                         yield node
                     finally:
+                        # Offers that come while the roster announces the departure are
+                        # answered busy: a node that the others already count as gone must
+                        # not move their corrections (gossip.correction, "Departures").
+                        averaging.stop()
                         nursery.cancel_scope.cancel()
     finally:
         replica.close()  # the optimizer goes on without our hook

@@ -80,7 +80,8 @@ import torch
 import trio
 
 from . import tensors
-from .correction import DEFAULT_LEAK, Correction
+from .correction import DEFAULT_LEAK, Correction, Stray
+from .member import Member
 from .messages import MAX_COUNT, MAX_WEIGHT
 from .outer import Outer
 from .staging import Staging, device_of
@@ -119,7 +120,8 @@ class Replica:
         by_samples: push-sum mode: the weight grows by the samples trained on.
         optimizer: the model's optimizer, to keep a drift correction (added to the
             gradients by a step pre-hook); None: no correction.
-        leak: the fraction of the correction that fades at each committed exchange.
+        leak: the fraction of the correction that fades at each committed exchange (more at
+            a few after a departure, with the outer step: :class:`~gossip.correction.Stray`).
         outer: the outer step's learning rate and momentum (:mod:`gossip.outer`); None, or
             lr 1 with momentum 0: plain averaging, with no anchor kept.
     """
@@ -156,12 +158,20 @@ class Replica:
         self._per_exchange = not plain
         self.outer = None if outer is None or plain else Outer(self.schema.numel, *outer)
         self._hook: Any = None
+        self.stray = Stray(on=False)  # what departures leave of the corrections' sum
         if optimizer is not None:
+            self.stray.on = self._per_exchange
             self.correction = Correction(model, self.schema, per_exchange=self._per_exchange)
             self._hook = optimizer.register_step_pre_hook(self._before_step)
         device = device_of(tensors.live(model, self.schema))
         self._staging = (None if device is None
                          else Staging(device, self.parts * self.schema.numel))
+
+    def member_changed(self, member: Member) -> None:
+        """Take a member's new record (from the roster): a departure, or a return, starts
+        fading what it left of the swarm's sum of corrections (:class:`Stray`)."""
+        with self.lock:
+            self.stray.seen(member.peer, member.state, member.ready)
 
     @property
     def per_exchange(self) -> bool:
@@ -476,8 +486,8 @@ class Replica:
         if not scale > 0:
             raise ValueError(f"scale must be positive, not {scale!r}")
         n = self.schema.numel
-        decay = 1.0 if self.correction is None else 1.0 - self.leak
         with self.lock:
+            decay = 1.0 if self.correction is None else 1.0 - self.stray.leak(self.leak)
             self._move_step(step_move)
             if weight is not None:
                 self._weight = min(self._weight + weight - sent_weight, MAX_WEIGHT)

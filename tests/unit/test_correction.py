@@ -9,8 +9,11 @@ import math
 import pytest
 import torch
 
-from gossip.correction import (CORRECTION_RATE, FULL_SPACING, GRADIENT_AVERAGE, SCALE_STEPS,
-                               check_state, corrected)
+from gossip.correction import (CORRECTION_RATE, DEFAULT_LEAK, FADE_LEAK, FULL_SPACING,
+                               GRADIENT_AVERAGE, SCALE_STEPS, STRAY_FLOOR, Stray, check_state,
+                               corrected)
+from gossip.identity import Identity, PeerId
+from gossip.member import Member, State
 from gossip.mixing import DeltaHistory, judge
 from gossip.replica import Replica
 
@@ -224,3 +227,72 @@ def test_per_exchange_every_step_adds_all_and_the_estimate_spans_the_gap() -> No
     # The first half of the gap had gradient 1: an average of weight 1/100 per step still reads
     # 0.99^50 x (1 - 0.99^50) ≈ 0.24 of it, where the per-step one (weight 0.2) reads 1e-5.
     assert z[replica.schema.places()["a"]][0].item() == pytest.approx(0.24, abs=0.01)
+
+
+# --- departures: the adaptive leak (Stray) -------------------------------------------------
+
+def members(n: int) -> list[PeerId]:
+    return [Identity.generate().peer_id for _ in range(n)]
+
+
+def fades(stray: Stray, base: float = DEFAULT_LEAK) -> int:
+    """How many exchanges leak by more than ``base`` before it is back."""
+    count = 0
+    while stray.leak(base) > base:
+        count += 1
+        assert count < 100
+    return count
+
+
+def test_a_departure_fades_its_share_over_a_few_exchanges_then_the_leak_is_back() -> None:
+    stray = Stray()
+    peers = members(3)
+    for peer in peers:
+        stray.seen(peer, State.ALIVE, ready=True)
+    stray.seen(peers[0], State.DEAD, ready=True)
+    assert stray.share == pytest.approx(1 / 3)  # two others and this node are left
+    # (1 − 0.3)^k · 1/3 ≤ 0.05 from k = 6 on
+    expected = math.ceil(math.log(STRAY_FLOOR * 3) / math.log(1 - FADE_LEAK))
+    assert fades(stray) == expected == 6
+    assert stray.leak(DEFAULT_LEAK) == DEFAULT_LEAK
+    stray.seen(peers[1], State.LEFT, ready=True)  # a departure announced: the same
+    assert stray.share > STRAY_FLOOR and stray.leak(DEFAULT_LEAK) == FADE_LEAK
+
+
+def test_only_members_that_took_part_count_and_a_return_counts_too() -> None:
+    stray = Stray()
+    watcher, joiner = members(2)
+    stray.seen(watcher, State.ALIVE, ready=False)  # never took part: it holds no correction
+    stray.seen(watcher, State.DEAD, ready=False)
+    stray.seen(joiner, State.ALIVE, ready=True)
+    stray.seen(joiner, State.SUSPECT, ready=True)  # suspected is not gone
+    assert stray.share == 0
+    stray.seen(joiner, State.DEAD, ready=True)
+    assert stray.share == 1.0  # this node alone is left: all of the sum is stray
+    fades(stray)
+    left = stray.share
+    stray.seen(joiner, State.ALIVE, ready=True)  # back, with its checkpoint's correction
+    assert stray.share == pytest.approx(left + 1 / 2)
+    stray.seen(joiner, State.ALIVE, ready=True)  # a record that says nothing new
+    assert stray.share == pytest.approx(left + 1 / 2)
+
+
+def test_in_a_large_swarm_a_departure_is_below_the_floor_and_plain_leak_applies() -> None:
+    stray = Stray()
+    peers = members(21)
+    for peer in peers:
+        stray.seen(peer, State.ALIVE, ready=True)
+    stray.seen(peers[0], State.DEAD, ready=True)
+    assert stray.share == pytest.approx(1 / 21) and fades(stray) == 0
+
+
+def test_without_the_outer_step_nothing_strays() -> None:
+    peer = members(1)[0]
+    for outer, on in (((1.0, 0.0), False), ((0.7, 0.5), True)):
+        model = torch.nn.Linear(2, 2)
+        replica = Replica(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                          outer=outer)
+        replica.member_changed(Member(peer, "h:1", 0, State.ALIVE, 1, 0, True, 0.0))
+        replica.member_changed(Member(peer, "h:1", 0, State.DEAD, 1, 0, True, 0.0))
+        assert (replica.stray.share > 0) is on
+        replica.close()
