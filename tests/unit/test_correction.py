@@ -244,12 +244,17 @@ def fades(stray: Stray, base: float = DEFAULT_LEAK) -> int:
     return count
 
 
-def test_a_departure_fades_its_share_over_a_few_exchanges_then_the_leak_is_back() -> None:
-    stray = Stray()
-    peers = members(3)
+def taking_part(n: int) -> tuple[Stray, list[PeerId]]:
+    """A Stray that has seen ``n`` members alive and ready, and the first of them die."""
+    stray, peers = Stray(), members(n)
     for peer in peers:
         stray.seen(peer, State.ALIVE, ready=True)
     stray.seen(peers[0], State.DEAD, ready=True)
+    return stray, peers
+
+
+def test_a_departure_fades_its_share_over_a_few_exchanges_then_the_leak_is_back() -> None:
+    stray, peers = taking_part(3)
     assert stray.share == pytest.approx(1 / 3)  # two others and this node are left
     # (1 − 0.3)^k · 1/3 ≤ 0.05 from k = 6 on
     expected = math.ceil(math.log(STRAY_FLOOR * 3) / math.log(1 - FADE_LEAK))
@@ -278,11 +283,7 @@ def test_only_members_that_took_part_count_and_a_return_counts_too() -> None:
 
 
 def test_in_a_large_swarm_a_departure_is_below_the_floor_and_plain_leak_applies() -> None:
-    stray = Stray()
-    peers = members(21)
-    for peer in peers:
-        stray.seen(peer, State.ALIVE, ready=True)
-    stray.seen(peers[0], State.DEAD, ready=True)
+    stray, _ = taking_part(21)
     assert stray.share == pytest.approx(1 / 21) and fades(stray) == 0
 
 
