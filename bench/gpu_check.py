@@ -306,12 +306,6 @@ def step_tests(env: dict[str, str], out: Path, args: argparse.Namespace) -> dict
             "failures": failures[:20]}
 
 
-DEMO_NODE = re.compile(r"^(node\d+)\s+(-?\d+|-)\s+\d+\s+\d+\s+\S+(?:\s+\S+)?\s+accuracy\s+"
-                       r"([0-9.]+)")
-DEMO_WORST = re.compile(r"worst (-?[0-9.]+) points below it")
-DEMO_CENTRAL = re.compile(r"^central baseline\s+accuracy\s+([0-9.]+)")
-
-
 def step_demo(env: dict[str, str], out: Path, args: argparse.Namespace) -> dict[str, Any]:
     # Both runs at once: six daemons of a small model are far from filling a GPU or sixteen
     # cores, and the check stays within its minutes.
@@ -324,16 +318,18 @@ def step_demo(env: dict[str, str], out: Path, args: argparse.Namespace) -> dict[
     for i, process in started.items():
         directory = out / f"demo{i}"
         code, text = finish(process, out / f"demo{i}.log", max(1.0, until - time.monotonic()))
-        nodes = {m.group(1): float(m.group(3)) for line in text.splitlines()
-                 if (m := DEMO_NODE.match(line))}
-        worst = DEMO_WORST.search(text)
-        central = next((float(m.group(1)) for line in text.splitlines()
-                        if (m := DEMO_CENTRAL.match(line))), None)
+        figures = last_json(text) or {}  # the demo's closing line
         logs = sorted(directory.glob("node*/daemon.log"))
         devices = sorted({m.group(1) for log in logs
                           for m in re.finditer(r"device=(\S+)", log.read_text(errors="replace"))})
-        runs.append({"exit": code, "nodes": nodes, "central": central, "devices": devices,
-                     "worst_points": None if worst is None else float(worst.group(1))})
+        runs.append({"exit": code, "devices": devices,
+                     "nodes": {name: node["result"]
+                               for name, node in (figures.get("nodes") or {}).items()
+                               if node.get("result") is not None},
+                     "central": figures.get("central"),
+                     "worst_points": figures.get("worst_points"),
+                     "worst_dip_points": figures.get("worst_dip_points"),
+                     "departed": figures.get("departed"), "joined": figures.get("joined")})
     ok = all(r["exit"] == 0 and r["worst_points"] is not None and r["devices"]
              and all(d.startswith("cpu" if args.cpu else "cuda") for d in r["devices"])
              for r in runs)
@@ -392,6 +388,7 @@ def flatten(figures: dict[str, Any]) -> dict[str, Any]:
     demo = figures.get("demo")
     if demo:
         line["demo_worst_points"] = [r["worst_points"] for r in demo["runs"]]
+        line["demo_worst_dip_points"] = [r["worst_dip_points"] for r in demo["runs"]]
         line["demo_node_accuracy"] = [sorted(r["nodes"].values()) for r in demo["runs"]]
         line["demo_central_accuracy"] = [r["central"] for r in demo["runs"]]
         line["demo_devices"] = sorted({d for r in demo["runs"] for d in r["devices"]})
