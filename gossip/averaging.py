@@ -46,8 +46,9 @@ newcomer's offer commits but moves us by nothing, and the newcomers behind one s
 share a budget of one exchange per round of ours.
 
 On a commit a node moves its step half way towards the peer's, counting the peer's only as
-far as it lies between our step and the swarm's (the median step of the peers of our last
-rounds, aged by our own steps since: :class:`~gossip.standing.PeerSteps`,
+far as it lies between our step and the swarm's (the median over the hosts of our last
+rounds of each one's latest step, aged by our own steps since: one host counts once, however
+often it is free to commit: :class:`~gossip.standing.PeerSteps`,
 :func:`~gossip.standing.step_move`), and a
 download takes the sender's step up to the members' median: nodes agree on the step their
 learning-rate schedules follow, and a liar cannot move it.
@@ -92,8 +93,8 @@ from .network import Network
 from .replica import OFFLOAD_NUMEL, Counters, Replica, offload
 from .roster import Roster
 from .spacing import Spacing
-from .standing import (NewcomerBudget, PeerSteps, Records, Standing, pick, seniority,
-                       standing, step_ceiling, step_move)
+from .standing import (NewcomerBudget, PeerSteps, Records, Standing, by_host, host_of, pick,
+                       seniority, standing, step_ceiling, step_move)
 
 __all__ = ["AveragingConfig", "AveragingStatistics", "Averaging", "Exchange", "Result"]
 
@@ -592,11 +593,12 @@ class Averaging:
         if verdict.state.scale > 0:  # else a newcomer's: it learns from us, we take nothing
             weight = (merged_weight(self._my_weight(mine), bid.weight) if self.config.by_samples
                       else None)
-            if rank is Standing.CHOSEN:
-                self._peer_steps.add(bid.step, mine.local)
-            swarm = self._peer_steps.swarm(mine.local)
-            if swarm is None:  # too few rounds of our own yet: the members' announcements
-                members = self._roster.alive(ready=True)
+            members = self._roster.alive(ready=True)
+            chosen = self._roster.get(peer) if rank is Standing.CHOSEN else None
+            if chosen is not None:
+                self._peer_steps.add(host_of(chosen), str(peer), bid.step, mine.local)
+            swarm = self._peer_steps.swarm(mine.local, len(by_host(members)), len(members))
+            if swarm is None:  # too few hosts of our own rounds yet: the announcements
                 swarm = step_ceiling(members) if members else None
             move = step_move(mine.heading, bid.step, swarm)
             scale, outer = verdict.state.scale, self.replica.outer

@@ -144,12 +144,52 @@ def test_a_gap_is_closed_half_way_at_a_time_and_never_counted_twice() -> None:
 
 def test_the_swarms_step_ages_by_our_own_training_not_by_our_step() -> None:
     seen = PeerSteps(window=8, least=4)
-    for peer, local in [(100, 0), (110, 10), (1000, 10), (105, 5)]:
-        seen.add(peer, local)
+    for host, step, local in [("a", 100, 0), ("b", 110, 10), ("c", 1000, 10), ("d", 105, 5)]:
+        seen.add(host, "p" + host, step, local)
     # Peers' steps aged to our 20 local steps: 120, 120, 1010, 120: a liar's is outvoted.
     assert seen.swarm(20) == 120
     assert seen.swarm(20) == seen.swarm(20)  # asking moves nothing: only training ages it
-    assert PeerSteps(least=4).swarm(0) is None  # too few rounds: the caller falls back
+    assert PeerSteps(least=4).swarm(0) is None  # too few hosts: the caller falls back
+
+
+def test_a_host_counts_once_however_often_it_commits() -> None:
+    # A liar that is always free to commit fills the rounds, not the hosts.
+    seen = PeerSteps(window=32, least=4)
+    for host in "abcd":
+        seen.add(host, "p" + host, 100, 0)
+    for i in range(40):  # ... and however many identities it holds there
+        seen.add("liar", f"fake{i}", 2**53 - 1, 0)
+    assert seen.swarm(0) == 100
+    # Liars on as many hosts as the honest: the lower median is still an honest step ...
+    for host in "xyz":
+        seen.add(host, "p" + host, 2**53 - 1, 0)
+    assert seen.swarm(0) == 100
+    seen.add("w", "pw", 2**53 - 1, 0)  # ... and on more, no longer
+    assert seen.swarm(0) == 2**53 - 1
+
+
+def test_honest_nodes_sharing_a_host_count_as_its_lower_median() -> None:
+    # Several daemons on one machine (or every node of a test on 127.0.0.1) and a liar
+    # among them: the host's step is the lower median of its peers'.
+    seen = PeerSteps(least=4)
+    seen.add("127.0.0.1", "b", 2**53 - 1, 0)
+    assert seen.swarm(0, hosts=1, members=3) is None  # one of three: the caller falls back
+    for peer, step in [("c", 40), ("d", 44)]:
+        seen.add("127.0.0.1", peer, step, 0)
+    assert seen.swarm(0, hosts=1, members=3) == 44
+    seen.add("127.0.0.1", "b", 2**53 - 1, 0)  # again and again: still one peer's step
+    assert seen.swarm(0, hosts=1, members=3) == 44
+
+
+def test_with_few_hosts_in_the_table_the_estimate_needs_them_all() -> None:
+    seen = PeerSteps(least=4)
+    seen.add("a", "pa", 100, 0)
+    assert seen.swarm(0, hosts=2, members=2) is None
+    seen.add("b", "pb", 90, 0)
+    assert seen.swarm(0, hosts=2, members=2) == 90  # both known: their lower median
+    assert seen.swarm(0, hosts=10, members=10) is None  # a larger table needs 4
+    seen.add("a", "pa", 120, 5)  # the latest from a peer replaces its older one
+    assert seen.swarm(5, hosts=2, members=2) == 95
 
 
 # --- seniority: how much of the mixing weight a peer's state gets -----------------------
