@@ -26,7 +26,12 @@ a temp file in the same directory (``.checkpoint-<step>.ckpt.<random>.tmp``, whi
 ``os.replace``, and the directory fsynced. Until the rename the previous checkpoint is
 untouched, so a crash at any instant leaves the last completed checkpoint on disk, plus at
 most a temp file, which the next save removes. After the rename, all but the newest ``keep``
-checkpoints are deleted, never the new one. One process writes a directory at a time (the
+checkpoints are deleted, never the new one. A save whose step is more than twice the newest
+checkpoint's plus :data:`JUMP_SLACK` first sets that one aside as ``<name>.before-jump``, out
+of the pruning's reach: names follow the step, so a step taken from a lying peer would
+otherwise prune every checkpoint from before it (the newest ``keep`` of those are kept, and
+:func:`load_latest` does not read them: resuming from one is the operator's choice). One
+process writes a directory at a time (the
 daemon's trainer): a second writer's temp file would be taken for a stale one.
 
 Reading (:func:`load`) reads the file once, verifies it, and only then unpickles.
@@ -80,6 +85,11 @@ _TRAILER = struct.Struct("<Q32s8s")  # payload length, SHA-256(header + payload)
 MAX_STEP = MAX_COUNT  # the protocol's counter range: any step a peer can give us
 _NAME = re.compile(r"checkpoint-(\d{12,16})\.ckpt")
 _TEMP_PREFIX, _TEMP_SUFFIX = ".checkpoint-", ".tmp"
+# A save more than twice the newest checkpoint's step, plus this, is a jump (a joiner's
+# download or a restart far behind the swarm, honestly; a peer's lie otherwise): the
+# checkpoint before it is kept aside (BEFORE_JUMP), out of the pruning's reach.
+JUMP_SLACK = 100_000
+BEFORE_JUMP = ".before-jump"
 
 
 class CheckpointError(Exception):
@@ -214,9 +224,12 @@ def save(directory: Path, state: Mapping[str, Any], *, step: int, keep: int) -> 
         f.write(_TRAILER.pack(payload.size, digest.digest(), END_MAGIC))
         size = len(FORMAT) + payload.size + _TRAILER.size
 
+    before = checkpoints(directory)
     atomic_write(path, write)
     log.debug("checkpoint saved path=%s step=%d bytes=%d seconds=%.3f",
               path, step, size, time.monotonic() - started)
+    if before and before[-1] != path and step > jump_bound(_step_of(before[-1])):
+        _keep_before_jump(before[-1], step, keep)
 
     for old in checkpoints(directory)[:-keep]:
         if old != path:
@@ -349,6 +362,36 @@ def checkpoints(directory: Path) -> list[Path]:
 
 def _name(step: int) -> str:
     return f"checkpoint-{step:012d}.ckpt"
+
+
+def _step_of(path: Path) -> int:
+    match = _NAME.fullmatch(path.name)
+    assert match is not None  # checkpoints() lists only such names
+    return int(match[1])
+
+
+def jump_bound(step: int) -> int:
+    """The largest step a save may follow a checkpoint of ``step`` with before it counts as
+    a jump: twice the step, plus :data:`JUMP_SLACK`."""
+    return 2 * step + JUMP_SLACK
+
+
+def _keep_before_jump(newest: Path, step: int, keep: int) -> None:
+    """The step jumped past :func:`jump_bound` of the newest checkpoint before it: set that
+    one aside as ``<name>.before-jump``, out of the pruning's reach (and of
+    :func:`load_latest`'s), so that a step taken from a lying peer cannot prune away every
+    checkpoint from before it. At most ``keep`` are kept, the newest."""
+    kept = newest.with_name(newest.name + BEFORE_JUMP)
+    with contextlib.suppress(FileNotFoundError):
+        os.replace(newest, kept)
+        log.warning("checkpoint step jumped from %d to %d: the one before it is kept at %s "
+                    "(to resume from it, rename it to %s and move the newer ones away)",
+                    _step_of(newest), step, kept, newest.name)
+    olds = sorted(kept.parent.glob(f"checkpoint-*.ckpt{BEFORE_JUMP}"),
+                  key=lambda p: _step_of(p.with_name(p.name[:-len(BEFORE_JUMP)])))
+    for old in olds[:-keep]:
+        with contextlib.suppress(FileNotFoundError):
+            old.unlink()
 
 
 def capture_rng() -> dict[str, Any]:

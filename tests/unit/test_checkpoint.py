@@ -296,11 +296,40 @@ def test_any_step_a_peer_can_give_names_a_checkpoint_in_step_order(tmp_path: Pat
     # The protocol's counters go up to MAX_COUNT (16 digits): past 10^12 names grow longer
     # than 12 digits, and the order is the steps', not the names'.
     for step in (10**12 - 1, 10**12, MAX_COUNT):  # by name, 10^12 would sort first
-        checkpoint.save(tmp_path, {"step": step}, step=step, keep=2)
+        checkpoint.save(tmp_path, {"step": step}, step=step, keep=3)
+    # (MAX_COUNT is a jump from 10^12: that one is set aside, below.)
     assert [p.name for p in checkpoint.checkpoints(tmp_path)] == [
-        "checkpoint-1000000000000.ckpt", f"checkpoint-{MAX_COUNT}.ckpt"]
+        "checkpoint-999999999999.ckpt", f"checkpoint-{MAX_COUNT}.ckpt"]
     resumed, state = checkpoint.load_latest(tmp_path)
     assert state == {"step": MAX_COUNT}
+
+
+def test_a_step_that_jumps_cannot_prune_every_checkpoint_from_before_it(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # A peer that gave us step 2^53 - 1: every later save is named by it or above, and with
+    # `keep` 1 the first of them would delete the last good checkpoint.
+    for step in (1000, 2000):  # honest progress: no jump
+        checkpoint.save(tmp_path, {"step": step}, step=step, keep=1)
+    assert not list(tmp_path.glob("*.before-jump"))
+    with caplog.at_level(logging.WARNING, logger=checkpoint.log.name):
+        for _ in range(3):
+            checkpoint.save(tmp_path, {"step": MAX_COUNT}, step=MAX_COUNT, keep=1)
+    kept = tmp_path / f"checkpoint-000000002000.ckpt{checkpoint.BEFORE_JUMP}"
+    assert checkpoint.load(kept) == {"step": 2000}  # whole, and readable
+    assert "step jumped from 2000" in caplog.text and kept.name in caplog.text
+    # load_latest does not resume from it by itself: that is the operator's choice.
+    assert checkpoint.load_latest(tmp_path)[1] == {"step": MAX_COUNT}
+    assert checkpoint.checkpoints(tmp_path) == [tmp_path / f"checkpoint-{MAX_COUNT}.ckpt"]
+
+
+def test_checkpoints_kept_from_before_jumps_are_at_most_keep(tmp_path: Path) -> None:
+    steps = [10]
+    for _ in range(3):
+        steps.append(checkpoint.jump_bound(steps[-1]) + 1)
+    for step in steps:  # each a jump from the one before: three are set aside
+        checkpoint.save(tmp_path, {}, step=step, keep=2)
+    kept = sorted(p.name for p in tmp_path.glob("*.before-jump"))
+    assert kept == [f"checkpoint-{s:012d}.ckpt{checkpoint.BEFORE_JUMP}" for s in steps[1:3]]
 
 
 def test_same_step_replaces(tmp_path: Path) -> None:
