@@ -71,7 +71,7 @@ from .member import Member
 from .messages import MAX_COUNT as MAX_STEP
 
 __all__ = ["FOUNDING", "Standing", "standing", "seniority", "Records", "pick", "step_ceiling",
-           "PeerSteps", "by_host", "host_of", "step_move", "NewcomerBudget",
+           "PeerSteps", "by_host", "host_of", "step_move", "MOVE_SLACK", "NewcomerBudget",
            "NEWCOMER_BURST", "MAX_HOSTS", "MAX_RECORDS"]
 
 NEWCOMER_BURST = 2  # newcomer exchanges one host may have saved up
@@ -188,6 +188,9 @@ def step_ceiling(members: Iterable[Member]) -> int:
     return _lower_median([_lower_median([m.step for m in group]) for group in by_host(members)])
 
 
+MOVE_SLACK = 100_000  # a move up is at most our step plus this (step_move)
+
+
 class PeerSteps:
     """Where the swarm's step is, from the peers we picked for our own rounds: the latest
     step we committed with each peer, aged by the optimizer steps we have taken since, the
@@ -252,12 +255,15 @@ def step_move(own: int, peer: int, swarm: int | None) -> int:
     moves towards the other and towards the swarm's median, so nodes that train at different
     speeds agree on a step that advances at the pace of the swarm's median node; a liar
     moves nobody past the median, up or down. A negative move is a debt the replica pays
-    from its next steps (the step never goes back)."""
+    from its next steps (the step never goes back). A move up is at most ``own`` plus
+    :data:`MOVE_SLACK`: no single exchange more than doubles a step, whoever holds the median
+    (a node far behind still catches up in a few exchanges, its gap halving or its step
+    doubling at each)."""
     if swarm is None:
         return 0
     target = min(max(peer, min(own, swarm)), max(own, swarm))
     half = abs(target - own) // 2
-    return half if target >= own else -half
+    return min(half, max(own, 0) + MOVE_SLACK) if target >= own else -half
 
 
 def _lower_median(values: list[int]) -> int:

@@ -14,8 +14,8 @@ from gossip.identity import PeerId
 from gossip.member import Member, State
 from gossip.messages import MAX_COUNT
 from gossip.standing import (
-    NEWCOMER_BURST, NewcomerBudget, PeerSteps, Records, Standing, pick, seniority, standing,
-    step_ceiling, step_move,
+    MOVE_SLACK, NEWCOMER_BURST, NewcomerBudget, PeerSteps, Records, Standing, pick, seniority,
+    standing, step_ceiling, step_move,
 )
 
 def member(i: int, host: str, step: int = 0) -> Member:
@@ -140,6 +140,9 @@ def test_a_gap_is_closed_half_way_at_a_time_and_never_counted_twice() -> None:
         assert step - debt == want
     assert step_move(100, 0, 100) == 0  # at the swarm's step a liar's 0 moves nothing
     assert step_move(90, 10**9, 100) == 5  # from below: half way to the median, no further
+    # However far the median lies (liars holding it), one move at most doubles the step.
+    assert step_move(10**6, 2**53 - 1, 2**53 - 1) == 10**6 + MOVE_SLACK
+    assert step_move(0, 10**9, 10**9) == MOVE_SLACK
 
 
 def test_the_swarms_step_ages_by_our_own_training_not_by_our_step() -> None:
