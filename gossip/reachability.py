@@ -12,12 +12,14 @@ A node told to find out (``reachable=None``, the daemon's ``node.reachable = "au
 announces itself unreachable, joins, then asks a member to dial it back:
 
 1. it opens a channel to the member and sends ``DialBack(nonce)``, ``nonce`` fresh;
-2. the member dials the address in the requester's own member record (never an address
-   the request names: a member is not a dialer for hire) and expects the requester's
-   identity in the handshake; on that new channel it sends the same ``DialBack`` and
-   closes it;
+2. the member dials the host the request came from (the channel's source IP address), at the
+   port in the requester's own member record (never the record's host, which is a claim,
+   nor an address the request names: a member is not a dialer for hire, and never resolves
+   a name for it) and expects the requester's identity in the handshake; on that new channel
+   it sends the same ``DialBack`` and closes it;
 3. the member then answers on the request's channel: ``DialBack(nonce)`` if its dial got
-   through, ``Close(REJECTED, reason)`` if not (the reason never says how it failed).
+   through, ``Close(REJECTED, reason)`` if not, and then always at the dial's deadline
+   (neither the reason nor the time says how it failed).
 
 The requester asks the member it joined through first (it surely knows us), then reachable
 members, then the others: in a swarm started all at once every node is unchecked, and a
@@ -38,7 +40,11 @@ together, and one per requesting peer id and one per target address per :data:`G
 seconds (fresh identities are free; an address pins a host and a port). Not per host: nodes
 that share an address's host (several daemons on one machine, or behind one NAT) each need
 their own check. Its answer says only that the dial failed,
-never how (refused, timed out, handshake failed), so a member is no port-scanning oracle. A
+never how (refused, timed out, handshake failed), by its content or by its time, and it dials
+only the requester's own source host, so a member is no port-scanning oracle: a key holder
+can make it dial ports of its own host alone. A requester behind a NAT whose record names
+another address than the one its connections come from is dialed at the latter, which is
+where a forwarded port would be. A
 request from a peer the member does not know yet is refused without dialing (``Close(BUSY)``:
 no verdict; the requester asks another member, or later).
 
@@ -59,7 +65,7 @@ from typing import Awaitable, Callable
 
 import trio
 
-from .address import parse_address
+from .address import format_address, parse_address
 from .channel import SecureChannel, connect
 from .config import NodeConfig, Timeouts
 from .errors import GossipError, PeerTimeout
@@ -71,8 +77,8 @@ from .membership import Effect, Member, Membership
 from .messages import DIAL_BACK_NONCE, Close, DialBack
 from .network import Network
 
-__all__ = ["Reachability", "ReachabilityCheck", "DialBacks", "ask", "answer", "GRACE",
-           "RECHECK", "MAX_RUNNING", "GAP"]
+__all__ = ["Reachability", "ReachabilityCheck", "DialBacks", "ask", "answer",
+           "dial_back_address", "GRACE", "RECHECK", "MAX_RUNNING", "GAP"]
 
 log = logging.getLogger(__name__)
 # The roster's log, for what ReachabilityCheck tells the operator: these lines were always
@@ -205,6 +211,16 @@ async def _first_of(channel: SecureChannel, reached: trio.Event) -> object | Non
     return answer
 
 
+def dial_back_address(source: str, announced: str) -> str | None:
+    """Where a dial-back goes: the host the request came from (an IP address, never a name
+    to resolve), at the port of the requester's own member record; None if the channel
+    cannot tell its host. Never the record's host: a record is a claim, and dialling what it
+    names made every member a port scanner of any address a key holder announced."""
+    if not source:
+        return None
+    return format_address(source, parse_address(announced)[1])
+
+
 async def answer(channel: SecureChannel, request: DialBack, address: str, *,
                  network: Network, identity: Identity, swarm: Swarm, timeouts: Timeouts) -> bool:
     """Dial ``channel.peer`` back at ``address`` (its own record's), send it ``request``
@@ -218,6 +234,7 @@ async def answer(channel: SecureChannel, request: DialBack, address: str, *,
         GossipError: ``channel`` itself failed otherwise while we answered.
     """
     peer, limit = channel.peer, timeouts.connect + timeouts.handshake
+    started = trio.current_time()
     try:
         with phase_deadline(limit, address, "dial-back"):
             back = await connect(network, address, identity=identity, swarm=swarm,
@@ -228,6 +245,10 @@ async def answer(channel: SecureChannel, request: DialBack, address: str, *,
     except GossipError as exc:
         log.debug("dial-back failed peer=%s address=%s: %s", peer.short, address, exc)
         reached = False
+        # How it failed must not show in when we answer either: a closed port fails in
+        # milliseconds, one that takes the connection and says nothing at the deadline. Every
+        # failure is answered at the deadline.
+        await trio.sleep_until(started + limit)
     # The requester is waiting: it reads at once.
     with phase_deadline(timeouts.connect, peer.short, "dial-back answer"):
         await channel.send_message(request if reached else Close(
@@ -363,15 +384,16 @@ class ReachabilityCheck:
         if pending is not None and first.nonce == pending[0]:
             pending[1].set()
             return
+        target = None if record is None else dial_back_address(channel.host, record.address)
         refusal = ("you are not in my member table yet" if record is None
-                   else self._dial_backs.refusal(str(channel.peer), record.address,
-                                                 trio.current_time()))
+                   else "your address cannot be told from this channel" if target is None
+                   else self._dial_backs.refusal(str(channel.peer), target, trio.current_time()))
         if refusal is not None:  # Close(BUSY): no verdict, the requester asks elsewhere
             await channel.send_closing(Close(Close.BUSY, refusal))
             return
-        assert record is not None
+        assert record is not None and target is not None
         try:
-            await answer(channel, first, record.address, network=self._network,
+            await answer(channel, first, target, network=self._network,
                          identity=self._identity, swarm=self._swarm, timeouts=self._timeouts)
         finally:
             self._dial_backs.done()

@@ -4,6 +4,7 @@ tests/sim/test_outbound.py)."""
 
 import functools
 
+import pytest
 import trio
 
 from gossip.channel import connect, serve
@@ -12,7 +13,7 @@ from gossip.identity import Identity
 from gossip.messages import Close, DialBack
 from gossip.errors import GossipError
 from gossip.reachability import (GAP, MAX_REMEMBERED, MAX_RUNNING, RATE, DialBacks, answer,
-                                 ask, budget)
+                                 ask, budget, dial_back_address)
 from gossip.simnet import SimNetwork
 from tests.util import SWARM
 
@@ -52,7 +53,8 @@ def test_the_memory_of_requests_is_bounded():
     assert len(d._by_peer) == len(d._by_address) == MAX_REMEMBERED
 
 
-async def run_check(net: SimNetwork, requester_host: str, *, nat: bool = False):
+async def run_check(net: SimNetwork, requester_host: str, *, nat: bool = False,
+                    listen: bool = True):
     """A requester at ``requester_host`` asks a member at m:1 to dial it back."""
     member, requester = Identity.generate(), Identity.generate()
     timeouts = Timeouts(connect=1.0, handshake=1.0)
@@ -73,9 +75,10 @@ async def run_check(net: SimNetwork, requester_host: str, *, nat: bool = False):
     async with trio.open_nursery() as nursery:
         await nursery.start(functools.partial(serve, net.host("m"), "m:1", member_side,
                                               identity=member, swarm=SWARM))
-        await nursery.start(functools.partial(serve, net.host(requester_host),
-                                              f"{requester_host}:1", requester_side,
-                                              identity=requester, swarm=SWARM))
+        if listen:
+            await nursery.start(functools.partial(serve, net.host(requester_host),
+                                                  f"{requester_host}:1", requester_side,
+                                                  identity=requester, swarm=SWARM))
         if nat:
             net.nat(requester_host)
         result = await ask(net.host(requester_host), member.peer_id, "m:1", identity=requester,
@@ -95,7 +98,32 @@ async def test_a_requester_behind_a_nat_is_told_the_dial_failed(autojump_clock):
     (tried, detail), reached, answered = await run_check(SimNetwork(1), "r", nat=True)
     assert tried and not reached and answered == [False]
     assert detail.endswith("could not dial us: no channel to r:1 within 2 s")  # never how
-    assert trio.current_time() - start < 2.0  # the connect deadline, then its answer
+    assert trio.current_time() - start < 2.5  # the dial's deadline, then its answer
+
+
+@pytest.mark.parametrize("closed", [True, False], ids=["closed port", "silent port"])
+async def test_how_a_dial_back_failed_shows_neither_in_the_answer_nor_in_its_time(
+        autojump_clock, closed: bool):
+    # A port nobody listens on fails at once; one behind a NAT that drops the dial, at the
+    # deadline. The answer comes at the deadline either way, with the same words.
+    start = trio.current_time()
+    net = SimNetwork(1)
+    (tried, detail), reached, answered = await run_check(net, "r", nat=not closed,
+                                                         listen=not closed)
+    assert tried and not reached and answered == [False]
+    assert detail.endswith("could not dial us: no channel to r:1 within 2 s")
+    assert 2.0 <= trio.current_time() - start < 2.1
+
+
+@pytest.mark.parametrize("source, announced, expected", [
+    ("10.0.0.5", "10.0.0.5:7000", "10.0.0.5:7000"),
+    ("10.0.0.5", "192.168.1.20:7070", "10.0.0.5:7070"),  # another host's: its own, not that
+    ("10.0.0.5", "example.org:22", "10.0.0.5:22"),  # a name is never resolved for it
+    ("::1", "[::1]:7000", "[::1]:7000"),
+    ("", "10.0.0.5:7000", None),  # the channel cannot tell: no dial
+])
+def test_a_dial_back_goes_to_the_requesters_own_host(source, announced, expected):
+    assert dial_back_address(source, announced) == expected
 
 
 async def ask_a_member_that(behaves, *, timeouts=Timeouts()):
