@@ -77,7 +77,7 @@ from .handshake import (
 )
 from .config import Limits, Timeouts
 from .identity import Identity, PeerId
-from .limits import Admission
+from .limits import Admission, FirstMessages
 from .messages import Message
 from .groups import phase_deadline
 from .network import Network, peer_host
@@ -475,6 +475,7 @@ async def handshake(
     record_timeout: float = Timeouts.record,
     on_proved: Callable[[], None] | None = None,
     previous: bool = False,
+    on_first: Callable[[bytes], bool] | None = None,
 ) -> SecureChannel:
     """Run the secure handshake over ``stream`` and return the channel. Takes no deadline:
     wrap it in :func:`~gossip.groups.phase_deadline` (``connect`` and ``serve`` do). On any
@@ -484,9 +485,12 @@ async def handshake(
         allow: peer ids accepted on the other side; None accepts any holder of the swarm
             key. An initiator that knows whom it dials passes ``frozenset({peer_id})``: a
             different holder of the swarm key is then refused before we reveal who we are.
-        on_proved: responder only: called once message 1 has authenticated under the swarm
-            key (or its previous one), before we answer (``serve`` lifts its first-message
-            deadline then).
+        on_first: responder only: called with the initiator's ephemeral key once message 1
+            has authenticated under the swarm key (or its previous one), before we answer;
+            False refuses it as a replay (``serve`` also lifts its first-message deadline
+            then).
+        on_proved: responder only: called once the handshake has completed (message 3
+            checked): the initiator is a live holder of the key and of its identity.
         previous: initiator only: initiate under ``swarm.previous``, the key being rotated
             away from, instead of ``swarm.key`` (:func:`connect` decides). A responder
             accepts message 1 under either of its keys (:func:`read_first_message`).
@@ -521,12 +525,14 @@ async def handshake(
             # Under the swarm key, or mid-rotation the previous one: whichever the dialer used.
             hs, answered_previous = read_first_message(await _read_handshake_message(reader),
                                                        swarm, static)
-            if on_proved is not None:
-                on_proved()
+            if on_first is not None and not on_first(hs.remote_ephemeral or b""):
+                raise HandshakeError("handshake message 1 replayed")
             # Signed only now: a dialer without the swarm key costs us no signature.
             await send(hs.write_message(make_hello(identity, x25519_public_bytes(static), swarm)))
             payload = hs.read_message(await _read_handshake_message(reader))
             peer = check_hello(payload, hs.remote_static, swarm, allow)
+            if on_proved is not None:
+                on_proved()
     except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
         await trio.aclose_forcefully(stream)
         raise PeerGone(f"connection lost during the handshake: {exc}") from None
@@ -612,9 +618,10 @@ async def serve(
     whose handler raises a :class:`GossipError`, is closed and logged; the server goes on.
     Calls ``task_status.started(bound_address)`` once listening.
 
-    Until its handshake message 1 proves the swarm key, a connection is *unproven*: it must
-    prove it within :data:`FIRST_MESSAGE_TIMEOUT` (or ``timeouts.handshake``, if shorter),
-    and it can be evicted. See :mod:`gossip.limits` for why.
+    Until its handshake completes, a connection is *unproven*, and it can be evicted; its
+    message 1 must authenticate under the swarm key within :data:`FIRST_MESSAGE_TIMEOUT` (or
+    ``timeouts.handshake``, if shorter), and one that repeats an earlier message 1 (a
+    replay) is closed at once. See :mod:`gossip.limits` for why.
 
     Args:
         limits: ``max_connections``, connections open at once, handshakes included: one
@@ -631,6 +638,7 @@ async def serve(
         Admission(limits.max_connections, limits.max_handshakes_per_host) if limits is not None
         else Admission(None, None))
     first_message = min(FIRST_MESSAGE_TIMEOUT, timeouts.handshake)
+    firsts = FirstMessages()  # to know a replayed message 1
 
     def refused(limit: str) -> None:
         if on_refused is not None:
@@ -650,15 +658,21 @@ async def serve(
             refused("max_handshakes_per_host")
             log.debug("unproven connection evicted host=%s", host)
 
+        def first(ephemeral: bytes) -> bool:
+            if not firsts.fresh(ephemeral):
+                log.debug("replayed handshake message 1 closed host=%s", host)
+                return False
+            scope.deadline = math.inf  # the handshake's own deadline goes on
+            return True
+
         def proved() -> None:
             admission.proved(host, scope)
-            scope.deadline = math.inf
 
         try:
             with phase_deadline(timeouts.handshake, "incoming", "handshake"), scope:
                 channel = await handshake(
                     stream, identity=identity, swarm=swarm, initiator=False, allow=allow,
-                    record_timeout=timeouts.record, on_proved=proved,
+                    record_timeout=timeouts.record, on_proved=proved, on_first=first,
                 )
             if scope.cancelled_caught:  # the handshake closed the stream
                 if trio.current_time() >= scope.deadline:

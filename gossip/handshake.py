@@ -382,6 +382,13 @@ class NoiseHandshake:
         """The transcript hash h; equal on both sides once complete (channel binding)."""
         return self._h
 
+    @property
+    def remote_ephemeral(self) -> bytes | None:
+        """The peer's ephemeral public key, once its first message is read: fresh random
+        bytes in every honest handshake, so a message 1 that brings one seen before is a
+        replay (:class:`gossip.limits.FirstMessages`)."""
+        return self._re
+
     def _dh_token(self, token: str) -> bytes:
         assert self._e is not None and self._re is not None
         if token == "ee":

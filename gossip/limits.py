@@ -13,10 +13,13 @@ likes. Two limits close that gap:
   limit is closed as soon as it is accepted, before a byte is read, so a flood of half-open
   connections costs at most ``max_connections`` handshake buffers (64 KiB each) and as many
   descriptors, and honest peers retry on their next round. Our own dials do not count.
-* ``max_handshakes_per_host``: connections from one remote host that have not proved the
-  swarm key yet. Until the handshake's first message proves it, a connection could be
-  anyone's; an honest peer's proves it one round trip after the accept, an outsider's
-  never does. Without this cap one host could fill all ``max_connections`` places and keep
+* ``max_handshakes_per_host``: connections from one remote host whose handshake has not
+  completed yet. Until the handshake's last message proves it, a connection could be
+  anyone's: message 1 authenticates under the swarm key, but anyone who watched a connection
+  can replay one (it carries no proof of a live peer until message 3 answers our fresh
+  ephemeral key). An honest peer's completes a round trip and a half after the accept, an
+  outsider's or a replayer's never does; a replayed message 1 is also known as one
+  (:class:`FirstMessages`) and closed at once. Without this cap one host could fill all ``max_connections`` places and keep
   honest peers out; with it, it takes that many hosts. When a host is at its cap, a new
   connection from it *evicts* the host's oldest unproven one instead of being refused: an
   outsider sharing an address with honest peers (one NAT, one machine) would otherwise
@@ -43,9 +46,30 @@ from typing import Generic, Hashable, TypeVar
 
 from .config import Limits
 
-__all__ = ["Limits", "RateLimit", "Admission", "MAX_BUCKETS"]
+__all__ = ["Limits", "RateLimit", "Admission", "FirstMessages", "MAX_BUCKETS", "MAX_FIRSTS"]
 
 MAX_BUCKETS = 4096  # peers whose budget is remembered at once
+MAX_FIRSTS = 16384  # handshake first messages remembered, to know a replay (about 1 MB)
+
+
+class FirstMessages:
+    """The ephemeral keys of the last :data:`MAX_FIRSTS` handshake first messages a server
+    took: ``fresh(key)`` is False for one seen before. An honest initiator draws a new
+    ephemeral key for every connection, so a repeat is a captured message 1 replayed (it
+    authenticates under the swarm key, so nothing else tells it apart before message 3)."""
+
+    def __init__(self, max_keys: int = MAX_FIRSTS) -> None:
+        self._max_keys = max_keys
+        self._seen: OrderedDict[bytes, None] = OrderedDict()
+
+    def fresh(self, key: bytes) -> bool:
+        """Whether ``key`` is new (and remember it)."""
+        if key in self._seen:
+            return False
+        self._seen[key] = None
+        if len(self._seen) > self._max_keys:
+            self._seen.popitem(last=False)
+        return True
 
 
 class RateLimit:

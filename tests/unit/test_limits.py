@@ -165,22 +165,47 @@ async def test_a_silent_connection_is_closed_at_the_first_message_deadline(
         assert refused == []
 
 
-async def test_a_connection_that_proved_the_key_is_not_evicted(autojump_clock: MockClock) -> None:
+async def test_only_a_completed_handshake_is_safe_from_eviction(autojump_clock: MockClock) -> None:
+    # A valid message 1 and no more proves nothing: anyone who watched a connection can
+    # replay one. Such a connection stays evictable by its host's newer ones; a connection
+    # whose handshake completed never is.
     net = SimNetwork(seed=5, latency=0.0)
     timeouts = Timeouts(handshake=5.0)
     async with echo_server(net, limits=Limits(max_handshakes_per_host=1),
                            timeouts=timeouts) as refused:
         x = net.host("x")
-        # A valid message 1 and no more: the key is proved, the handshake never finishes.
-        proved = await x.dial("s:7000")
+        done = await connect(x, "s:7000", identity=Identity.generate(), swarm=SWARM)
+        halfway = await x.dial("s:7000")
         hs = NoiseHandshake(initiator=True, psk=SWARM.key, static=X25519PrivateKey.generate())
-        await proved.send_all(encode_frame(hs.write_message()))
-        assert await proved.receive_some(65536)  # message 2: the responder took message 1
-        silent = [await x.dial("s:7000") for _ in range(3)]
-        assert [await closed_after(s) for s in silent[:2]] == [0.0, 0.0]
-        assert refused == ["max_handshakes_per_host"] * 2  # each evicted by the next silent one
-        # The proved connection is cut by the handshake deadline, not by the silent ones.
-        assert await closed_after(proved) == pytest.approx(timeouts.handshake)
+        await halfway.send_all(encode_frame(hs.write_message()))
+        assert await halfway.receive_some(65536)  # message 2: the responder took message 1
+        silent = await x.dial("s:7000")
+        assert await closed_after(halfway) == 0.0  # evicted by the next one from its host
+        assert refused == ["max_handshakes_per_host"]
+        await done.send_message(REQUEST)  # the completed one is still served
+        assert isinstance(await done.receive_message(), StateRequest)
+        await done.aclose()
+        await silent.aclose()
+
+
+async def test_a_replayed_message_1_is_closed_at_once_without_an_answer(
+        autojump_clock: MockClock) -> None:
+    # A passive observer captured an honest dialer's message 1 and replays it: it
+    # authenticates under the swarm key, but its ephemeral key was seen before.
+    net = SimNetwork(seed=6, latency=0.0)
+    async with echo_server(net, limits=Limits(max_handshakes_per_host=8)) as refused:
+        x = net.host("x")
+        hs = NoiseHandshake(initiator=True, psk=SWARM.key, static=X25519PrivateKey.generate())
+        first = encode_frame(hs.write_message())
+        original = await x.dial("s:7000")
+        await original.send_all(first)
+        assert await original.receive_some(65536)  # the first time it is answered
+        for _ in range(20):
+            replay = await x.dial("s:7000")
+            await replay.send_all(first)
+            assert await replay.receive_some(65536) == b""  # closed, no message 2
+        assert refused == []  # nothing was evicted to make room for them
+        await original.aclose()
 
 
 async def test_a_peer_over_its_rate_gets_its_channels_closed(autojump_clock: MockClock) -> None:
