@@ -74,7 +74,7 @@ import trio
 
 from . import exchange
 from .channel import SecureChannel, connect
-from .config import AveragingConfig, Timeouts
+from .config import AveragingConfig, Limits, Timeouts
 from .correction import ESTIMATE_CLIP
 from .download import CODEC as DOWNLOAD_CODEC
 from .download import Download, Said, download, serve_download
@@ -83,6 +83,7 @@ from .exchange import Deadlines, Ending, Outcome
 from .groups import one_error
 from .handshake import Swarm
 from .identity import Identity, PeerId
+from .limits import RateLimit
 from .linkrate import LinkRates
 from .member import Member, State
 from .messages import Accept, Close, Offer, StateRequest
@@ -99,6 +100,9 @@ from .standing import (NewcomerBudget, PeerSteps, Records, Standing, by_host, ho
 __all__ = ["AveragingConfig", "AveragingStatistics", "Averaging", "Exchange", "Result"]
 
 log = logging.getLogger(__name__)
+
+PACE = 0.9  # our offers to one peer at most this x the channels per second it takes from one
+PACE_SLACK = 0.001  # s past a paced peer's next token before we offer again (float rounding)
 
 
 def deadlines(config: AveragingConfig) -> Deadlines:
@@ -195,7 +199,8 @@ class Averaging:
                  swarm: Swarm, config: AveragingConfig, timeouts: Timeouts,
                  rng: random.Random,
                  on_exchange: Callable[[Exchange], None] | None = None,
-                 allow: frozenset[str] | None = None) -> None:
+                 allow: frozenset[str] | None = None,
+                 limits: Limits | None = None) -> None:
         self.replica = replica
         self.allow = allow  # peer ids we exchange with; None: any holder of the swarm key
         self.config = config
@@ -216,6 +221,11 @@ class Averaging:
         self._newcomers = NewcomerBudget()
         self._records = Records()
         self._peer_steps = PeerSteps(config.clip_window)
+        # Our offers to one peer, paced below the inbound channels per peer it lets in
+        # (taken to be ours, Limits.peer_rate): a pair whose rounds come faster than that
+        # had every offer past it cut off at the handshake, a failed round each.
+        limits = limits or Limits()
+        self._pace = RateLimit(PACE * limits.peer_rate, max(1, limits.peer_burst // 2))
         self._tally = _Tally()
         self.ready = trio.Event()
         self._deadlines = deadlines(config)
@@ -356,10 +366,23 @@ class Averaging:
             # thin link), two nodes that end one together find everyone else busy, and
             # picking each other again and again would re-average what they already share.
             last = {self._last_partner} if self._last_partner is not None else set()
-            peer = (self._pick(failed | busy | last) or self._pick(failed | busy)
-                    or self._pick(failed))
+            paced = self._paced()
+            peer = (self._pick(failed | busy | last | paced) or self._pick(failed | busy | paced)
+                    or self._pick(failed | paced))
+            if peer is None and paced and self._pick(failed) is not None:
+                # Everyone left to try has had all the offers it takes from us for now: wait
+                # for the first of them to take one more, rather than have it refused.
+                now = trio.current_time()
+                await trio.sleep(min(self._pace.wait(p, now) for p in paced) + PACE_SLACK)
+                if self.stopping:
+                    return result
+                if self._busy:  # an offer came meanwhile, and we answer it
+                    result = Result.BUSY
+                    continue
+                peer = self._pick(failed | self._paced())
             if peer is None:
                 break
+            self._pace.allow(peer.peer, trio.current_time())
             result = await self._initiate(peer)
             if result in (Result.COMMITTED, Result.INVALID):
                 break
@@ -467,6 +490,12 @@ class Averaging:
         if self.allow is None:
             return members
         return [m for m in members if m.peer in self.allow]
+
+    def _paced(self) -> set[str]:
+        """The members that have had all the offers from us they take for now."""
+        now = trio.current_time()
+        return {m.peer for m in self._roster.alive(ready=True, reachable=True)
+                if self._pace.wait(m.peer, now) > 0}
 
     def _pick(self, skip: set[str]) -> Member | None:
         now = trio.current_time()

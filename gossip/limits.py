@@ -30,8 +30,11 @@ likes. Two limits close that gap:
 * ``peer_rate`` / ``peer_burst``: inbound channels one authenticated peer may open, as a
   token bucket (``peer_burst`` at once, refilled at ``peer_rate`` per second). A channel
   over the budget is closed after the handshake, before its first message is read. An
-  honest node opens a few per averaging interval (an offer, now and then a push-pull or a
-  download), far below the default; a peer looping on offers is cut off.
+  honest node in a large swarm opens a few per averaging interval (an offer, now and then a
+  push-pull or a download), far below the default; but a pair alone, or a node whose rounds
+  come fast, would offer its one peer as fast as exchanges end, so the initiator paces its
+  offers to each peer at 0.9 x the default (:data:`gossip.averaging.PACE`), waiting for the
+  peer's next token rather than having the offer cut off. A peer looping on offers is cut off.
 
 The bucket table holds at most :data:`MAX_BUCKETS` peers; a full table forgets the peer
 seen longest ago (a forgotten peer starts again with a full bucket, which errs on the side
@@ -80,6 +83,12 @@ class RateLimit:
         self.burst = burst
         self._max_keys = max_keys
         self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # tokens, when
+
+    def wait(self, peer: str, now: float) -> float:
+        """Seconds until ``peer`` has a token (0: it has one now); spends nothing."""
+        tokens, then = self._buckets.get(peer, (float(self.burst), now))
+        tokens = min(float(self.burst), tokens + max(0.0, now - then) * self.rate)
+        return 0.0 if tokens >= 1.0 else (1.0 - tokens) / self.rate
 
     def allow(self, peer: str, now: float) -> bool:
         """Whether ``peer`` may open one more channel at ``now`` (and count it if so)."""

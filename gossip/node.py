@@ -267,7 +267,8 @@ async def open_swarm(
                                rng=random.Random(rng.getrandbits(64)), handler=handle,
                                on_change=changed) as roster:
             averaging = Averaging(replica, roster, network, identity, swarm, averaging_config,
-                                  config.timeouts, rng, on_exchange, allow=config.allow)
+                                  config.timeouts, rng, on_exchange, allow=config.allow,
+                                  limits=config.limits)
             node = SwarmNode(roster, replica, averaging, task_fn)
             with one_error():
                 async with trio.open_nursery() as nursery:

@@ -37,6 +37,15 @@ def test_a_bucket_allows_a_burst_then_the_rate() -> None:
     assert [rate.allow("a", 100.0) for _ in range(4)] == [True, True, True, False]  # capped
 
 
+def test_a_bucket_says_how_long_until_its_next_token_without_spending() -> None:
+    rate = RateLimit(rate=2.0, burst=1)
+    assert rate.wait("a", 0.0) == 0.0 and rate.wait("a", 0.0) == 0.0  # asking spends nothing
+    assert rate.allow("a", 0.0)
+    assert rate.wait("a", 0.0) == pytest.approx(0.5)
+    assert rate.wait("a", 0.4) == pytest.approx(0.1)
+    assert rate.wait("a", 0.5) == 0.0 and rate.allow("a", 0.5)
+
+
 def test_the_bucket_table_is_bounded_and_forgets_the_oldest_peer() -> None:
     rate = RateLimit(rate=1.0, burst=1, max_keys=2)
     assert rate.allow("a", 0.0) and rate.allow("b", 0.0)
