@@ -43,6 +43,9 @@ SETTINGS = [
     "task.progress_interval=2",
     "averaging.connect_timeout=2",
     "averaging.handshake_timeout=2",
+    # Each daemon is dialed through its proxy, which hides the dialer's source address, and a
+    # dial-back goes to the source address: the daemons are reachable, so they say so.
+    "node.reachable=true",
 ]
 
 
