@@ -116,11 +116,12 @@ exchanges leak by :data:`FADE_LEAK` instead of ``λ``, each taking that fraction
 Measured on four nodes on skewed data (tests/sim/test_churn_sum.py, 10 runs), ``‖Σ c‖ /
 Σ ‖c‖`` went from 0.23-0.44 at a crash to 0.01-0.02 within 500 steps of the others
 declaring it dead, where the plain leak held it at 0.2-0.4 for 300 steps; after a departure,
-0.06-0.16 (the departed node held more than its ``1/N``). The cost is that every ``c`` shrinks with the sum for
-those exchanges (to a third of its size, regrown within about ten more, as each exchange puts
-back the pair's difference); in a swarm of twenty or more a departure is below the floor and
-changes nothing. Joins need none of it: a joiner brings ``c = 0`` and swaps no estimates as a
-newcomer. With the outer step off it stays off too, so that ``outer = false`` is the old path.
+0.06-0.16 (the departed node held more than its ``1/N``). The cost is that every ``c`` shrinks
+with the sum for those exchanges (to a third of its size, regrown within about ten more, as each
+exchange puts back the pair's difference); in a swarm of twenty or more a departure is below the
+floor and changes nothing. Joins need none of it: a joiner brings ``c = 0`` and swaps no
+estimates as a newcomer. With the outer step off it stays off too, so that ``outer = false`` is
+the old path.
 
 Checks: an estimate is checked like a state (:func:`gossip.mixing.judge`), but its norm
 check cannot be against our own estimate alone. A node that has learned its own data has a
@@ -148,7 +149,8 @@ from .member import State
 from .tensors import StateSchema, all_finite
 
 __all__ = ["Correction", "CORRECTION_RATE", "DEFAULT_LEAK", "FULL_SPACING", "GRADIENT_AVERAGE",
-           "WIDE_SPACING", "ESTIMATE_CLIP", "FADE_LEAK", "STRAY_FLOOR", "Stray", "check_state", "corrected", "check_correction"]
+           "WIDE_SPACING", "ESTIMATE_CLIP", "FADE_LEAK", "STRAY_FLOOR", "Stray", "check_state",
+           "corrected", "check_correction"]
 
 GRADIENT_AVERAGE = 0.2  # β: the weight of each new gradient in the recent average ĝ
 CORRECTION_RATE = 0.5  # κ: the correction moves by κ x the state's fraction of the difference

@@ -19,13 +19,13 @@ likes. Two limits close that gap:
   can replay one (it carries no proof of a live peer until message 3 answers our fresh
   ephemeral key). An honest peer's completes a round trip and a half after the accept, an
   outsider's or a replayer's never does; a replayed message 1 is also known as one
-  (:class:`FirstMessages`) and closed at once. Without this cap one host could fill all ``max_connections`` places and keep
-  honest peers out; with it, it takes that many hosts. When a host is at its cap, a new
-  connection from it *evicts* the host's oldest unproven one instead of being refused: an
-  outsider sharing an address with honest peers (one NAT, one machine) would otherwise
-  keep them out by holding the slots, whereas now each honest connection has until the
-  next ``max_handshakes_per_host`` connections from its host arrive to send its first
-  message (:class:`Admission`). Connections that never send it are closed by the server's
+  (:class:`FirstMessages`) and closed at once. Without this cap one host could fill all
+  ``max_connections`` places and keep honest peers out; with it, it takes that many hosts. When
+  a host is at its cap, a new connection from it *evicts* the host's oldest unproven one instead
+  of being refused: an outsider sharing an address with honest peers (one NAT, one machine)
+  would otherwise keep them out by holding the slots, whereas now each honest connection has
+  until the next ``max_handshakes_per_host`` connections from its host arrive to complete its
+  handshake (:class:`Admission`). Connections that never send it are closed by the server's
   first-message deadline (:data:`gossip.channel.FIRST_MESSAGE_TIMEOUT`).
 * ``peer_rate`` / ``peer_burst``: inbound channels one authenticated peer may open, as a
   token bucket (``peer_burst`` at once, refilled at ``peer_rate`` per second). A channel

@@ -33,8 +33,8 @@ N = 5  # four at the start, one late joiner
 STEP_TIME = 0.01
 SETTLE = 3.0  # virtual s after an event: 300 steps, about 30 rounds of each node's own
 # ‖Σ c‖ / Σ ‖c‖ with no departure behind it is not 0: the leak shrinks only the two
-# corrections of each exchange, and an exchange only one side applied (a lost Commit) moves one. The bounds sit above the readings
-# (in the docstring), well below a departed correction's share.
+# corrections of each exchange, and an exchange only one side applied (a lost Commit) moves one.
+# The bounds sit above the readings (in the docstring), well below a departed correction's share.
 NEAR_ZERO = 0.1
 NEAR_ZERO_FEW = 0.25  # with three nodes left, and a departure faded on a share of 1/3
 SETTLE_CRASH = 5.0  # after the others know of the crash: the first few exchanges fade it
@@ -55,7 +55,8 @@ def share(sim: SimSwarm, node: SimNode) -> float:
 
 
 @pytest.mark.slow
-async def test_the_sum_of_corrections_stays_near_zero_through_a_join_a_crash_and_a_departure(autojump_clock) -> None:
+async def test_the_sum_of_corrections_stays_near_zero_through_a_join_a_crash_and_a_departure(
+        autojump_clock) -> None:
     torch.manual_seed(0)
     models = [torch.nn.Linear(4, 3) for _ in range(N)]
     for m in models[1:]:
