@@ -7,8 +7,8 @@
 * On quadratics with known optima (node i pulls towards its own target; the swarm's optimum
   is the targets' mean) the sum of the corrections stays near zero through crashes and
   connection resets that cut exchanges short, and after two nodes leave for good (taking
-  their corrections with them) the leak removes the bias they left, so the remaining nodes
-  settle on *their* targets' mean.
+  their corrections with them) the others fade the bias they left (an adaptive leak,
+  gossip.correction.Stray), so the remaining nodes settle on *their* targets' mean.
 * Nodes that step at different speeds agree on the step their schedules follow, and no
   node's step ever goes back.
 """
