@@ -27,6 +27,7 @@ Pure: no I/O, no trio.
 
 from __future__ import annotations
 
+import re
 import reprlib
 from collections.abc import Mapping
 from typing import Any
@@ -41,6 +42,7 @@ __all__ = ["SHOWN", "describe", "listed", "difference", "task_difference", "expl
 
 SHOWN = 4  # differences named in one text; the rest are counted
 _SLACK = 16  # bytes an array's header and the count may grow by as entries are added
+_PLAIN = re.compile(r"[\w.\-\[\]]{1,80}")  # a name shown as is in a log line: nothing to forge
 _VALUE = reprlib.Repr()
 _VALUE.maxstring = _VALUE.maxother = 40
 _VALUE.maxlist = _VALUE.maxdict = 4
@@ -89,10 +91,11 @@ def difference(ours: StateSchema, theirs: StateSchema, *, count: int | None = No
     there = {e.name: e for e in theirs.entries}
     items = [_changed(mine[e.name], e) for e in theirs.entries
              if e.name in mine and mine[e.name] != e]
-    items += [f"{e.name} {_spec(e)} only there" for e in theirs.entries if e.name not in mine]
+    items += [f"{_name(e.name)} {_spec(e)} only there" for e in theirs.entries
+              if e.name not in mine]
     missing = [e for e in ours.entries if e.name not in there]
     if not cut:
-        items += [f"{e.name} {_spec(e)} only here" for e in missing]
+        items += [f"{_name(e.name)} {_spec(e)} only here" for e in missing]
     sizes = f"{len(ours.entries)} here, {total} there"
     listing = f"; they listed their first {len(theirs.entries)}" if cut else ""
     if items:
@@ -116,7 +119,7 @@ def task_difference(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> str:
     for key in sorted(mine.keys() | there.keys()):
         a, b = mine.get(key, _ABSENT), there.get(key, _ABSENT)
         if a != b or type(a) is not type(b):
-            items.append(f"{_key(key)}: {_show(a)} here, {_show(b)} there")
+            items.append(f"{_name(key)}: {_show(a)} here, {_show(b)} there")
     more = f"; and {len(items) - SHOWN} more" if len(items) > SHOWN else ""
     return "; ".join(items[:SHOWN]) + more
 
@@ -147,7 +150,7 @@ def _changed(mine: TensorSpec, theirs: TensorSpec) -> str:
     def side(e: TensorSpec) -> str:
         parts = [str(e.shape)] if e.shape != mine.shape or e.shape != theirs.shape else []
         return " ".join(parts + ([e.dtype] if mine.dtype != theirs.dtype else []))
-    return f"{mine.name}: {side(mine)} here, {side(theirs)} there"
+    return f"{_name(mine.name)}: {side(mine)} here, {side(theirs)} there"
 
 
 def _flat(table: Mapping[str, Any], prefix: str) -> dict[str, Any]:
@@ -161,8 +164,13 @@ def _flat(table: Mapping[str, Any], prefix: str) -> dict[str, Any]:
     return out
 
 
-def _key(key: str) -> str:
-    return key if key.isprintable() and len(key) <= 80 else _VALUE.repr(key)
+def _name(name: str) -> str:
+    """A tensor name or a metadata key as a log line shows it: as is when it is made of the
+    characters names are made of, quoted otherwise. A peer chooses its names: a printable
+    one such as ``x peer=abc`` would otherwise put a field of its choosing into our log line."""
+    return name if _PLAIN.fullmatch(name) else _VALUE.repr(name)
+
+
 
 
 def _show(value: Any) -> str:

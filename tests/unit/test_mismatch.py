@@ -88,6 +88,16 @@ def test_task_difference_names_the_keys_that_differ() -> None:
     assert task_difference({"x": 1}, {"x": 1.0}) == "x: 1 here, 1.0 there"  # type differs
 
 
+def test_a_peers_names_cannot_forge_fields_in_our_log_line() -> None:
+    # Printable, so the wire takes them; a log line of key=value fields must not.
+    theirs = schema(("a", (1,)), ("x peer=abc result=ok", (2,)))
+    text = difference(schema(("a", (1,)), ("b", (2,))), theirs)
+    assert "'x peer=abc result=ok' (2,) float32 only there" in text
+    assert " peer=abc" not in text.replace("'x peer=abc result=ok'", "")
+    assert task_difference({}, {"k=v w": 1}).startswith("'k=v w': ")
+    assert task_difference({}, {"options.hidden": 1}).startswith("options.hidden: ")
+
+
 def test_task_difference_keeps_a_hostile_value_to_one_short_line() -> None:
     text = task_difference({}, {"x\n": "\x1b[2J" + "a" * 1000, "y": list(range(1000))})
     assert "\n" not in text and "\x1b" not in text and len(text) < 200
