@@ -65,6 +65,7 @@ import torch
 import trio
 
 from gossip import MAX_COUNT
+from gossip.standing import MOVE_SLACK
 
 from .logs import RUN
 
@@ -85,10 +86,11 @@ _TRAILER = struct.Struct("<Q32s8s")  # payload length, SHA-256(header + payload)
 MAX_STEP = MAX_COUNT  # the protocol's counter range: any step a peer can give us
 _NAME = re.compile(r"checkpoint-(\d{12,16})\.ckpt")
 _TEMP_PREFIX, _TEMP_SUFFIX = ".checkpoint-", ".tmp"
-# A save more than twice the newest checkpoint's step, plus this, is a jump (a joiner's
-# download or a restart far behind the swarm, honestly; a peer's lie otherwise): the
-# checkpoint before it is kept aside (BEFORE_JUMP), out of the pruning's reach.
-JUMP_SLACK = 100_000
+# A save more than twice the newest checkpoint's step, plus this, is a jump: more than one
+# exchange may move a step (gossip.standing.step_move caps a move up at the step plus the same
+# slack). Honestly a restart far behind the swarm; a peer's lie otherwise: the checkpoint
+# before it is kept aside (BEFORE_JUMP), out of the pruning's reach.
+JUMP_SLACK = MOVE_SLACK
 BEFORE_JUMP = ".before-jump"
 
 

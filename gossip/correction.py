@@ -429,7 +429,8 @@ class Stray:
                 self._disturbed()
         elif ready and peer not in self._taking_part:
             self._taking_part.add(peer)
-            if self._gone.pop(peer, 0) is None:  # it went, and is back
+            if peer in self._gone:  # it went, and is back
+                del self._gone[peer]
                 self._disturbed()
 
     def _disturbed(self) -> None:
