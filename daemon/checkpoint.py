@@ -65,7 +65,6 @@ import torch
 import trio
 
 from gossip import MAX_COUNT
-from gossip.standing import MOVE_SLACK
 
 from .logs import RUN
 
@@ -88,9 +87,9 @@ _NAME = re.compile(r"checkpoint-(\d{12,16})\.ckpt")
 _TEMP_PREFIX, _TEMP_SUFFIX = ".checkpoint-", ".tmp"
 # A save more than twice the newest checkpoint's step, plus this, is a jump: more than one
 # exchange may move a step (gossip.standing.step_move caps a move up at the step plus the same
-# slack). Honestly a restart far behind the swarm; a peer's lie otherwise: the checkpoint
+# slack, MOVE_SLACK, which is not public API: the daemon keeps its own copy of the number). Honestly a restart far behind the swarm; a peer's lie otherwise: the checkpoint
 # before it is kept aside (BEFORE_JUMP), out of the pruning's reach.
-JUMP_SLACK = MOVE_SLACK
+JUMP_SLACK = 100_000
 BEFORE_JUMP = ".before-jump"
 
 
