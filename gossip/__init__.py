@@ -25,7 +25,7 @@ _API: dict[str, tuple[str, ...]] = {
     "config": ("AveragingConfig", "Limits", "MembershipConfig", "NodeConfig", "Timeouts"),
     "correction": ("check_correction",),
     "download": ("Download",),
-    "errors": ("ChannelClosed", "DownloadFailed", "GossipError", "HandshakeClosed",
+    "errors": ("BadMessage", "ChannelClosed", "DownloadFailed", "GossipError", "HandshakeClosed",
                "HandshakeError", "IdentityClash", "IdentityError", "LocalProtocolError",
                "PeerGone", "PeerTimeout", "ProcessLost", "RemoteProtocolError",
                "ReplicasDiverged", "SchemaMismatch", "WireError"),
@@ -70,7 +70,7 @@ if TYPE_CHECKING:
     from .config import AveragingConfig, Limits, MembershipConfig, NodeConfig, Timeouts
     from .correction import check_correction
     from .download import Download
-    from .errors import (ChannelClosed, DownloadFailed, GossipError, HandshakeClosed,
+    from .errors import (BadMessage, ChannelClosed, DownloadFailed, GossipError, HandshakeClosed,
                          HandshakeError, IdentityClash, IdentityError, LocalProtocolError,
                          PeerGone, PeerTimeout, ProcessLost, RemoteProtocolError,
                          ReplicasDiverged, SchemaMismatch, WireError)

@@ -78,7 +78,7 @@ from .config import AveragingConfig, Limits, Timeouts
 from .correction import ESTIMATE_CLIP
 from .download import CODEC as DOWNLOAD_CODEC
 from .download import Download, Said, download, serve_download
-from .errors import GossipError, PeerGone, PeerTimeout
+from .errors import BadMessage, GossipError, PeerGone, PeerTimeout
 from .exchange import Deadlines, Ending, Outcome
 from .groups import one_error
 from .handshake import Swarm
@@ -539,6 +539,11 @@ class Averaging:
             result = self._failure(peer, phase, exc)
             if isinstance(exc, (PeerGone, PeerTimeout)) and phase == "connect":
                 self._roster.report_failure(peer)
+            elif isinstance(exc, BadMessage) and phase == "offer":
+                # A message we cannot decode on an authenticated channel (a garbled
+                # SchemaInfo, say) is never an honest peer's: as with a refusal, stop
+                # offering to it for a while rather than offer to it every round.
+                self._quarantine.bar(peer, trio.current_time())
         finally:
             self._busy = False
             self._release(own, theirs)

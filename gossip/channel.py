@@ -54,6 +54,7 @@ import trio
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from .errors import (
+    BadMessage,
     ChannelClosed,
     GossipError,
     HandshakeClosed,
@@ -432,13 +433,14 @@ class SecureChannel(trio.abc.AsyncResource):
         """Receive one record and decode it as a protocol message.
 
         Raises:
-            RemoteProtocolError: the record is not a valid message (the channel is closed).
+            BadMessage: the record is not a valid message (the channel is closed).
+            GossipError: as :meth:`receive`.
         """
         data = await self.receive()
         try:
             return decode(data)
         except WireError as exc:
-            raise await self._break(RemoteProtocolError(f"bad message from {self.peer.short}: {exc}")) from None
+            raise await self._break(BadMessage(f"bad message from {self.peer.short}: {exc}")) from None
 
     async def aclose(self) -> None:
         if self._closed:

@@ -14,6 +14,7 @@ __all__ = [
     "WireError",
     "LocalProtocolError",
     "RemoteProtocolError",
+    "BadMessage",
     "HandshakeError",
     "PeerTimeout",
     "PeerGone",
@@ -68,6 +69,13 @@ class RemoteProtocolError(GossipError):
     record, or a message that is not valid at this point.
 
     The peer's fault. The connection is closed; nothing from the bad record was delivered.
+    """
+
+
+class BadMessage(RemoteProtocolError):
+    """An authenticated record that is not a valid protocol message (it does not decode, or a
+    field is out of range). Never an honest peer's of the same protocol version: the reference
+    stops offering to a peer that answers an offer so (docs/PROTOCOL.md section 9.3).
     """
 
 

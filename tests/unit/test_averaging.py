@@ -9,6 +9,7 @@ import random
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import AsyncIterator, Callable, Sequence
 
+import cbor2
 import pytest
 import torch
 import trio
@@ -17,7 +18,8 @@ from gossip import tensors
 from gossip.averaging import Exchange, Result
 from gossip.config import AveragingConfig, MembershipConfig, NodeConfig
 from gossip.network import TcpNetwork
-from gossip.messages import MAX_COUNT, Commit, Offer, PushPull
+from gossip.channel import SecureChannel
+from gossip.messages import MAX_COUNT, Commit, Offer, PushPull, SchemaInfo
 from gossip.node import SwarmNode, open_swarm
 from gossip.replica import OFFLOAD_NUMEL, Counters
 from gossip.standing import NEWCOMER_BURST
@@ -522,6 +524,27 @@ async def test_a_liars_step_moves_nobody_past_the_median_the_members_announce() 
             await joiner.wait_ready()
         assert joiner.downloaded is not None and joiner.global_step == 40
         assert joiner.downloaded.peer != b.peer_id  # the liar is the last server tried
+
+
+async def test_a_peer_that_answers_an_offer_with_what_no_decoder_takes_is_left_alone() -> None:
+    # B answers A's offer with a SchemaInfo that no decoder accepts (a negative count): A's
+    # round fails, and A quarantines B at once, as it does a peer that refused, rather than
+    # offer to it again at every round.
+    config = AveragingConfig(every=None, interval=None, start="own", trust_after=0.0)
+    async with AsyncExitStack() as stack:
+        a = await enter_node(stack, mlp(0), config, [], "a", lambda _: None)
+        b = await enter_node(stack, mlp(0), config, [a.address], "b", lambda _: None)
+        with trio.fail_after(DEADLINE):
+            await until(lambda: sees_ready(a, b), a)
+
+        async def garbled(channel: SecureChannel, offer: Offer) -> None:
+            await channel.send(cbor2.dumps([SchemaInfo.TAG, -1, [], b""]))
+
+        b._averaging.respond = garbled  # type: ignore[method-assign]
+        with trio.fail_after(DEADLINE):
+            assert await a.average_now() is Result.FAILED
+            assert await a.average_now() is Result.NO_PEER  # B is in quarantine now
+        assert a.statistics().quarantined == 1
 
 
 # --- a bad payload header earns a strike, every time ------------------------------------
