@@ -205,7 +205,8 @@ class Metrics:
                           "rejected": stats.rejected, "invalid": stats.invalid,
                           "failed": stats.failed, "no_peer": stats.no_peer,
                           "newcomers": stats.newcomers,
-                          "newcomers_limited": stats.newcomers_limited},
+                          "newcomers_limited": stats.newcomers_limited,
+                          "members_limited": stats.members_limited},
             "bytes": {"sent": stats.bytes_sent, "received": stats.bytes_received},
             "mean_exchange_s": round(stats.mean_duration, 4),
             "spacing": stats.spacing,  # local steps between our rounds; None: by time only

@@ -426,18 +426,21 @@ class Training:
     # ---- between chunks ---------------------------------------------------------------
 
     async def choose_shard(self) -> None:
-        """``task.shard = "auto"``: choose the shard the fewest alive members announce, keep
-        the choice, announce it, and train on it (:mod:`daemon.sharding`)."""
+        """``task.shard = "auto"``: choose the shard the fewest members announce, keep
+        the choice, announce it, and train on it (:mod:`daemon.sharding`). Only members that
+        proved their identity to this node count (a push-pull with a sample of the others
+        first): records invented in gossip would steer every joiner off the shards they
+        claim."""
         c, node, trainer = self.config, self.node, self.trainer
         shards = c.task.shards
-        announced = [(m.shard, m.shards) for m in node.roster.alive()]
+        announced = await sharding.announced(node.roster)
         counts = sharding.coverage(shards, announced)
         if not c.swarm.bootstrap:
             index, why = 0, "as the first node of the swarm (no bootstrap address)"
         else:
             index = sharding.choose_shard(shards, announced, random.Random(str(node.peer_id)))
-            why = (f"as the least covered: {sum(counts)} of {len(announced)} alive members "
-                   f"announce a shard of {shards}; {sharding.describe(counts)}")
+            why = (f"as the least covered: {sum(counts)} of {len(announced)} members proved "
+                   f"to us announce a shard of {shards}; {sharding.describe(counts)}")
         shard = Shard(index, shards)
         path = c.path(sharding.CHOICE_FILE)
         try:

@@ -40,10 +40,11 @@ A peer whose payload fails the checks gets a strike; ``strikes`` in a row quaran
 ``quarantine`` seconds: we neither offer to it nor accept its offers. A peer whose schema,
 codec or mixing mode differs from ours is quarantined at once (it cannot be averaged with).
 How far a received state may move us depends on the exchange's standing
-(:mod:`gossip.standing`): a peer we chose, or one with a record (a member for
-``trust_after`` seconds, or one we chose before), moves us within the clip bound; a
-newcomer's offer commits but moves us by nothing, and the newcomers behind one source host
-share a budget of one exchange per round of ours.
+(:mod:`gossip.standing`): a peer we chose, or one with a record (proved to us on a channel
+and a member for ``trust_after`` seconds since, or one we chose before), moves us within the
+clip bound; a newcomer's offer commits but moves us by nothing. The newcomers behind one
+source host share a budget of one exchange per round of ours, and the members behind one
+host one of twice what an honest host sends us per round.
 
 On a commit a node moves its step half way towards the peer's, counting the peer's only as
 far as it lies between our step and the swarm's (the median over the hosts of our last
@@ -88,14 +89,15 @@ from .linkrate import LinkRates
 from .member import Member, State
 from .messages import Accept, Close, Offer, StateRequest
 from .mismatch import describe
-from .mixing import (DeltaHistory, Difference, Quarantine, Verdict, coefficient, judge,
-                     merged_weight)
+from .mixing import (OFFER_CLIP, DeltaHistory, Difference, Quarantine, Verdict, coefficient,
+                     judge, merged_weight)
 from .network import Network
 from .replica import OFFLOAD_NUMEL, Counters, Replica, offload
 from .roster import Roster
 from .spacing import Spacing
-from .standing import (NewcomerBudget, PeerSteps, Records, Standing, by_host, host_of, pick,
-                       seniority, standing, step_ceiling, step_move)
+from .standing import (FOUNDING, MEMBER_BURST, MEMBER_SHARE, NewcomerBudget, PeerSteps, Records,
+                       Standing, by_host, host_of, pick, seniority, standing, step_ceiling,
+                       step_move)
 
 __all__ = ["AveragingConfig", "AveragingStatistics", "Averaging", "Exchange", "Result"]
 
@@ -156,6 +158,7 @@ class AveragingStatistics:
     clipped: int  # committed exchanges whose step (state or correction) was clipped
     newcomers: int  # committed exchanges with a newcomer, whose state moved us by nothing
     newcomers_limited: int  # newcomers' offers answered busy: their host's budget was spent
+    members_limited: int  # members' offers answered busy: their host's budget was spent
     quarantined: int  # peers in quarantine now
     bytes_sent: int  # on the wire, over every averaging channel
     bytes_received: int
@@ -181,6 +184,7 @@ class _Tally:
     clipped: int = 0
     newcomers: int = 0
     newcomers_limited: int = 0
+    members_limited: int = 0
     corrected: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
@@ -219,6 +223,7 @@ class Averaging:
                            DeltaHistory(config.clip_window, config.clip_min_history))
         self._quarantine = Quarantine(config.strikes, config.quarantine)
         self._newcomers = NewcomerBudget()
+        self._members = NewcomerBudget(MEMBER_BURST)
         self._records = Records()
         self._peer_steps = PeerSteps(config.clip_window)
         # Our offers to one peer, paced below the inbound channels per peer it lets in
@@ -261,6 +266,7 @@ class Averaging:
             clipped=t.clipped,
             newcomers=t.newcomers,
             newcomers_limited=t.newcomers_limited,
+            members_limited=t.members_limited,
             quarantined=self._quarantine.count(now),
             bytes_sent=t.bytes_sent,
             bytes_received=t.bytes_received,
@@ -347,6 +353,11 @@ class Averaging:
         await self.ready.wait()
         self._roster.set_meta(step=self.replica.counters().step)
         self._newcomers.round()
+        # Each host picks among the hosts that take offers: its share of our offers is one
+        # over those (but us). Proven ones only: claims could shrink everyone's share.
+        hosts = len(by_host(self._roster.alive(ready=True, reachable=True, proven=True),
+                            self._roster.proven_host))
+        self._members.round(MEMBER_SHARE / max(hosts, 1))
         # A peer that failed or refused is not tried again this round. One that was busy
         # may be, when nobody untried is left: two nodes whose rounds start at the same
         # instant are busy with their own offers, and the randomized backoff lets one of
@@ -426,7 +437,7 @@ class Averaging:
                     mine, ready = await self._snapshot(copying, own, 1 + corrected)
                     accept = Accept(mine.step, mine.samples, self._my_weight(mine), corrected)
                     check, difference = self._checker(own, theirs, mine, rank, ready,
-                                                      self._seniority(peer))
+                                                      self._seniority(peer), self._clip(peer))
                     outcome = await exchange.respond(channel, offer, accept, own, theirs,
                                                      self.replica.schema, check,
                                                      self._link_deadlines(channel), ready,
@@ -455,11 +466,14 @@ class Averaging:
                        task: Callable[[], Mapping[str, Any]] | None = None) -> Download:
         """Load the state of a candidate that answers (see
         :func:`gossip.download.download`); ``task`` gives our task metadata, to compare with
-        a refusing peer's."""
+        a refusing peer's. The step's ceiling counts only the candidates that proved
+        their identity to us (:meth:`~gossip.roster.Roster.prove` some first)."""
+        proven = {m.peer: self._roster.proven_host(m) for m in candidates
+                  if self._roster.proven_since(m.peer) is not None}
         return await download(self.replica, candidates, self._network, self._identity,
                               self._swarm, self._timeouts, deadline=self._download_deadline,
                               rng=self._rng, task=task, said=self._said, rates=self._rates,
-                              stall=self.config.stall_timeout)
+                              stall=self.config.stall_timeout, proven=proven)
 
     def _download_deadline(self, host: str) -> float:
         """Seconds a state download with ``host`` may take once connected: the request's
@@ -521,12 +535,14 @@ class Averaging:
                     channel = await connect(self._network, member.address,
                                             identity=self._identity, swarm=self._swarm,
                                             allow=frozenset({peer}), timeouts=self._timeouts)
+                    self._roster.proved(channel)
                     async with channel:
                         phase = "offer"
                         offer = Offer(self.replica.schema.fingerprint, self.config.codec,
                                       mine.step, mine.samples, self._my_weight(mine), corrected)
                         check, difference = self._checker(own, theirs, mine, Standing.CHOSEN,
-                                                          ready, self._seniority(peer))
+                                                          ready, self._seniority(peer),
+                                                          self.config.clip)
                         outcome = await exchange.initiate(
                             channel, offer, own, theirs, self.replica.schema, check,
                             self._link_deadlines(channel), ready, difference.advance)
@@ -580,12 +596,13 @@ class Averaging:
         return counters[0], ready
 
     def _checker(self, own: torch.Tensor, theirs: torch.Tensor, mine: Counters,
-                 rank: Standing, ready: trio.Event | None,
-                 senior: float) -> tuple[exchange.Check, Difference]:
+                 rank: Standing, ready: trio.Event | None, senior: float,
+                 clip: float) -> tuple[exchange.Check, Difference]:
         """The checks of a received payload (:func:`gossip.mixing.judge`), for the exchange,
         and the pass over the state that they start while the payload arrives (fed by the
         exchange's ``on_decoded``; it waits for our snapshot to be whole). ``senior``: the
-        fraction of the mixing weight the peer's state gets (:func:`seniority`)."""
+        fraction of the mixing weight the peer's state gets (:func:`seniority`); ``clip``:
+        the state's clip (:meth:`_clip`)."""
         config = self.config
         difference = Difference(theirs, own, self.replica.schema.numel,
                                 (lambda: True) if ready is None else ready.is_set)
@@ -599,7 +616,7 @@ class Averaging:
             estimate_clip = (min(config.clip, ESTIMATE_CLIP)
                              if config.clip and self.replica.per_exchange else None)
             return await offload(self.replica, judge, theirs, own, parts, c, self._histories,
-                                 clip=config.clip, max_norm_ratio=config.max_norm_ratio,
+                                 clip=clip, max_norm_ratio=config.max_norm_ratio,
                                  standing=rank,
                                  correction=self.replica.correction_rate() * config.weight,
                                  gradient_scale=self.replica.gradient_scale,
@@ -627,13 +644,14 @@ class Averaging:
         if verdict.state.scale > 0:  # else a newcomer's: it learns from us, we take nothing
             weight = (merged_weight(self._my_weight(mine), bid.weight) if self.config.by_samples
                       else None)
-            members = self._roster.alive(ready=True)
+            members = self._roster.alive(ready=True, proven=True)
             chosen = self._roster.get(peer) if rank is Standing.CHOSEN else None
             if chosen is not None:
                 self._peer_steps.add(host_of(chosen), str(peer), bid.step, mine.local)
-            swarm = self._peer_steps.swarm(mine.local, len(by_host(members)), len(members))
+            host = self._roster.proven_host
+            swarm = self._peer_steps.swarm(mine.local, len(by_host(members, host)), len(members))
             if swarm is None:  # too few hosts of our own rounds yet: the announcements
-                swarm = step_ceiling(members) if members else None
+                swarm = step_ceiling(members, host) if members else None
             move = step_move(mine.heading, bid.step, swarm)
             scale, outer = verdict.state.scale, self.replica.outer
             if outer is not None:
@@ -682,9 +700,13 @@ class Averaging:
                                        distance, step))
 
     def _offerer(self, peer: str) -> Standing:
-        """The standing of an offer from ``peer``: a member's, or a newcomer's."""
+        """The standing of an offer from ``peer``: a member's, or a newcomer's. Its time
+        counts from when it was both alive in our table and proved to us (its offer's own
+        channel proves it, so a first offer is a newcomer's)."""
         member = self._roster.get(peer)
-        since = member.since if member is not None and member.state is State.ALIVE else None
+        proved = self._roster.proven_since(peer)
+        since = (max(member.since, proved) if member is not None
+                 and member.state is State.ALIVE and proved is not None else None)
         return standing(False, since, trio.current_time(), self.config.trust_after,
                         chosen_before=peer in self._records)
 
@@ -698,6 +720,20 @@ class Averaging:
         alive_for = (now - member.since if member is not None and member.state is State.ALIVE
                      else None)
         return seniority(alive_for, now - self._started, self.config.trust_after)
+
+    def _clip(self, peer: str) -> float:
+        """The state's clip for an offer from ``peer``: :data:`~gossip.mixing.OFFER_CLIP`,
+        or the configured clip while we are young (our history of rounds is not full yet)
+        and the peer was a member before us (in our table, alive, since no later than
+        :data:`FOUNDING` x ``trust_after`` after our start): a joiner is the one far from the
+        swarm, and the members it joined must be able to pull it in."""
+        clip = self.config.clip
+        if not clip or len(self._histories[0]) >= self.config.clip_window:
+            return min(clip, OFFER_CLIP) if clip else clip
+        member = self._roster.get(peer)
+        older = (member is not None and member.state is State.ALIVE
+                 and member.since - self._started <= FOUNDING * self.config.trust_after)
+        return clip if older else min(clip, OFFER_CLIP)
 
     def _my_weight(self, counters: Counters) -> float:
         return counters.weight if self.config.by_samples else 0.0
@@ -713,6 +749,10 @@ class Averaging:
         if rank is Standing.NEWCOMER and not self._newcomers.allow(host):
             self._tally.newcomers_limited += 1
             return "busy: newcomers from this address have had their share for now"
+        if (rank is Standing.MEMBER and self.config.trust_after > 0
+                and not self._members.allow(host)):
+            self._tally.members_limited += 1
+            return "busy: members from this address have had their share for now"
         return None
 
     def _refusal(self, offer: Offer, peer: PeerId) -> str | None:

@@ -174,11 +174,13 @@ class AveragingConfig(_Settings):
                            AT_LEAST_1)
     quarantine: float = setting(600.0, "s a quarantined peer is left alone (>= 0)",
                                 NON_NEGATIVE)
-    trust_after: float = setting(10.0, "s a peer must have been an alive member before its "
-                                 "offers move our model (unless we picked it before); until "
-                                 "then they commit but move it by nothing. A peer that joined "
-                                 "after us moves us by a share of the weight that grows to all "
-                                 "of it over this time (>= 0)", NON_NEGATIVE)
+    trust_after: float = setting(10.0, "s a peer must have been an alive member, proved to us "
+                                 "on a channel, before its offers move our model (unless we "
+                                 "picked it before); until then they commit but move it by "
+                                 "nothing. A peer that joined after us moves us by a share of "
+                                 "the weight that grows to all of it over this time. 0 trusts "
+                                 "every key holder at once, and lifts the budget of members' "
+                                 "offers per address (>= 0)", NON_NEGATIVE)
     offer_timeout: float = setting(5.0, "s from sending an offer to its answer (> 0)", POSITIVE)
     transfer_timeout: float = setting(10.0, "s for both payloads, plus encoded bytes at the "
                                       "peer link's measured rate / 4, or at min_rate if that "

@@ -15,8 +15,11 @@ It tries the alive, ready members in order of their announced step, highest firs
 random order), and falls back to the next on any failure; members announcing more than the
 candidates' median step (:func:`~gossip.standing.step_ceiling`) come last, so that a liar
 announcing a huge step is not everyone's first server. What arrives is checked (every
-value finite) before the replica takes it, with the sender's step bounded by that same median;
-only then does the node announce itself ready.
+value finite) before the replica takes it, with the sender's step bounded by that same median,
+counted over the candidates that proved their identity to the joiner (a push-pull with a
+sample of them first, :meth:`~gossip.roster.Roster.prove`: records invented in gossip, on
+hosts of their own, would otherwise be the median); only then does the node announce itself
+ready.
 
 ``meta`` is a canonical CBOR map ``{"buffers": {name: int}, "task": {...}}``: the model's
 integer scalar buffers (``num_batches_tracked``), which are not part of the averaged state,
@@ -245,7 +248,7 @@ async def download(replica: Replica, candidates: list[Member], network: Network,
                    deadline: Callable[[str], float], rng: random.Random,
                    task: Callable[[], Mapping[str, Any]] | None = None,
                    said: Said | None = None, rates: LinkRates | None = None,
-                   stall: float = STALL) -> Download:
+                   stall: float = STALL, proven: Mapping[str, str] | None = None) -> Download:
     """Fetch the state of the most advanced candidate (not above the median) that answers,
     and load it.
 
@@ -259,11 +262,16 @@ async def download(replica: Replica, candidates: list[Member], network: Network,
             DEBUG (a joiner retries every second). None: log everything.
         rates: where each transfer's time is counted towards its peer's link (None: not).
         stall: seconds the state may go without a byte before the next candidate is tried.
+        proven: the candidates that proved their identity to us, each with the host it
+            proved itself from: only their steps count towards the ceiling, by those hosts
+            (none proven: the ceiling is 0, and the step comes from exchanges). None: every
+            candidate's counts, by its address's host.
 
     Raises:
         DownloadFailed: every candidate failed (each failure is logged).
     """
-    ceiling = step_ceiling(candidates)
+    ceiling = (step_ceiling(candidates) if proven is None else
+               step_ceiling([m for m in candidates if m.peer in proven], lambda m: proven[m.peer]))
     order = sorted(candidates, key=lambda m: (m.step > ceiling, -m.step, rng.random()))
     last: BaseException | None = None
     said = said if said is not None else Said()

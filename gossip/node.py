@@ -154,6 +154,9 @@ class SwarmNode:
                              f" (up to {config.download_wait:g} s, then our own initialization)"
                              if config.start == "auto" else "")
                 if candidates:
+                    if not any(self.roster.proven_since(m.peer) is not None
+                               for m in candidates):  # only proven steps count for the ceiling
+                        await self.roster.prove(candidates)
                     try:
                         self.downloaded = await averaging.download(candidates, self._task)
                         break

@@ -27,6 +27,13 @@ partition find their way back. Tables travel in pages; cutting and reassembling 
 refusing a table no honest sender sends, is pure protocol logic in :mod:`gossip.pushpull`
 (sent and read by :mod:`gossip.tables`).
 
+Who has proved its identity: every channel that completes its handshake, whichever side
+dialled, is a proof that the peer holds its identity key (:class:`~gossip.standing.Proofs`);
+a record heard in gossip is only a claim. What counts identities (standing, the step's
+estimate, the data shards) asks :meth:`Roster.alive` for ``proven`` members, and a joiner
+proves a sample of the members it heard of by a push-pull with each (:meth:`Roster.prove`)
+before it counts them.
+
 Datagrams that fail to open or decode are dropped and counted; they never stop the roster.
 Every effect's network wait is under a deadline; a deadline missed is a
 :class:`~gossip.errors.PeerTimeout` from where it is set, so callers catch
@@ -59,6 +66,7 @@ from .messages import Close, DialBack, Message, PushPull
 from .network import DatagramEndpoint, Network
 from .reachability import Reachability, ReachabilityCheck
 from .seal import Sealer
+from .standing import Proofs, host_of
 from .tables import receive_table, send_table
 
 __all__ = ["JoinTrouble", "Roster", "RosterStatistics", "open_roster", "MAX_PUSH_PULLS"]
@@ -67,6 +75,7 @@ log = logging.getLogger(__name__)
 
 PORT_ATTEMPTS = 8  # ports tried for listen port 0 when the stream port is taken
 MAX_PUSH_PULLS = 2  # outgoing push-pulls in flight at once; more are skipped, not queued
+PROVE_SAMPLE = 8  # members a joiner proves by a push-pull each before it counts them
 SEND_TIMEOUT = 0.1  # s one datagram send may take (a host name's lookup included)
 
 # What a channel whose first message is not a PushPull is handed to (averaging, later).
@@ -139,6 +148,7 @@ class Roster:
         self._rate = RateLimit(config.limits.peer_rate, config.limits.peer_burst)
         self._over_limit = {"max_connections": 0, "max_handshakes_per_host": 0}  # by serve
         self._channels_limited = 0
+        self._proofs = Proofs()
         # The checks beside the machine, each given what it needs (the machine itself only
         # exists once run() has bound the port: hence the lambdas).
         self._clash = ClashWatch(network, identity, swarm, config,
@@ -170,12 +180,51 @@ class Roster:
         """What we know of ``peer``, in any state; None if it is not in our table."""
         return self._m.get(peer)
 
-    def alive(self, *, ready: bool | None = None, reachable: bool | None = None) -> list[Member]:
-        """Members in state ALIVE (not suspect), optionally only those (not) ready, and
-        only those that do (not) accept connections (``reachable=True``: whom we may dial)."""
+    def alive(self, *, ready: bool | None = None, reachable: bool | None = None,
+              proven: bool | None = None) -> list[Member]:
+        """Members in state ALIVE (not suspect), optionally only those (not) ready, only
+        those that do (not) accept connections (``reachable=True``: whom we may dial), and
+        only those that have (not) proved their identity to us (``proven=True``: a channel
+        with them completed its handshake; what counts identities counts only these)."""
         return [m for m in self._m.members()
                 if m.state == State.ALIVE and (ready is None or m.ready == ready)
-                and (reachable is None or m.reachable == reachable)]
+                and (reachable is None or m.reachable == reachable)
+                and (proven is None or (m.peer in self._proofs) == proven)]
+
+    def proved(self, channel: SecureChannel) -> None:
+        """``channel`` completed its handshake: its peer proved its identity (the roster
+        records its own channels; the averager reports those it dials)."""
+        if channel.peer != self._identity.peer_id:
+            self._proofs.proved(channel.peer, trio.current_time(), channel.host)
+
+    def proven_since(self, peer: str) -> float | None:
+        """When ``peer`` first proved its identity to us, or None if it has not."""
+        return self._proofs.since(peer)
+
+    def proven_host(self, member: Member) -> str:
+        """The host ``member`` last proved itself from, or its address's if it never did:
+        what counts once, whatever addresses its identities claim."""
+        return self._proofs.host(member.peer) or host_of(member)
+
+    async def prove(self, members: list[Member], most: int = PROVE_SAMPLE) -> None:
+        """Push-pull with up to ``most`` of ``members`` not yet proven (a random sample,
+        :data:`PROVE_SAMPLE` at a time), so that what counts identities can count them; failures are only logged
+        (a record whose address is not its own, say, stays unproven). Returns when every
+        push-pull has ended, within the push-pull deadline."""
+        unproven = [m for m in members if m.peer not in self._proofs and m.reachable]
+        sample = unproven if len(unproven) <= most else self._rng.sample(unproven, most)
+        limiter = trio.CapacityLimiter(PROVE_SAMPLE)
+
+        async def one(member: Member) -> None:
+            try:
+                async with limiter:
+                    await self._push_pull(member.address, member.peer, join=False)
+            except GossipError as exc:
+                log.debug("push-pull to prove peer=%s failed: %s", member.peer.short, exc)
+
+        async with trio.open_nursery() as nursery:
+            for member in sample:
+                nursery.start_soon(one, member)
 
     def random_alive(self, *, ready: bool | None = None, reachable: bool | None = None,
                      rng: random.Random | None = None) -> Member | None:
@@ -419,6 +468,7 @@ class Roster:
         with phase_deadline(self._config.push_pull_timeout, address, "push-pull"):
             channel = await connect(self._network, address, identity=self._identity,
                                     swarm=self._swarm, allow=allow, timeouts=self._timeouts)
+            self.proved(channel)
             async with channel:
                 if channel.peer == self._identity.peer_id:
                     await self._clash.meet(channel, address, join=join)  # always raises
@@ -431,6 +481,7 @@ class Roster:
         return channel.peer
 
     async def _on_channel(self, channel: SecureChannel) -> None:
+        self.proved(channel)
         if not self._rate.allow(str(channel.peer), trio.current_time()):
             # Closed unread: whatever the peer asked for, it asks too often.
             self._channels_limited += 1

@@ -12,13 +12,18 @@ of three standings:
   whatever its offer rate. Its state is applied within the clip bound, and its distance (clipped) feeds
   the history the bound comes from (:class:`~gossip.mixing.DeltaHistory`), which is why the
   bound cannot be driven by offers.
-* ``MEMBER``: it offered, and it has a record with us: it has been an alive member of our
-  table for at least ``trust_after`` seconds without interruption, or we once picked it for a
-  round of ours and committed (:class:`Records`; a swarm that starts together has most of
-  these within a few rounds, long before ``trust_after``). Applied within the clip bound; its
-  distance does not enter the history.
-* ``NEWCOMER``: it offered, and it has no record: it is not in our table or joined it less
-  than ``trust_after`` ago, and we never picked it. The exchange runs and commits as any other (the checks, the strikes and the peer's
+* ``MEMBER``: it offered, and it has a record with us: it proved its identity to us (a
+  channel with us completed its handshake, :class:`Proofs`) and has been an alive member of
+  our table for at least ``trust_after`` seconds since, without interruption, or we once
+  picked it for a round of ours and committed (:class:`Records`; a swarm that starts together
+  has most of these within a few rounds, long before ``trust_after``). Applied within the
+  offers' clip bound (one median step: :data:`~gossip.mixing.OFFER_CLIP`); its distance does
+  not enter the history. A record heard in gossip alone is never
+  one: anyone with the key can announce fifty identities in one push-pull, and counted from
+  the announcement they all stood after ``trust_after``; counted from a channel, each costs a
+  handshake with every node it would move, and then the members' budget below.
+* ``NEWCOMER``: it offered, and it has no record: it is not in our table, or proved itself
+  or joined less than ``trust_after`` ago, and we never picked it. The exchange runs and commits as any other (the checks, the strikes and the peer's
   benefit are unchanged: it learns from us), but *we apply nothing*: its state moves us by
   zero. Fresh identities therefore buy no influence at all. An honest newcomer still counts:
   the members that pick it for their own rounds apply its state as ``CHOSEN``, and after
@@ -44,18 +49,27 @@ A newcomer still takes our one exchange slot for the length of an exchange, and 
 cost nothing, so newcomers' offers are also rate-limited *by source host*, across identities
 (:class:`NewcomerBudget`): one token per round this node starts, at most
 :data:`NEWCOMER_BURST` saved, so the newcomers behind one address get at most as many
-exchanges with us as one honest node that picked us every round. A newcomer over the budget
-is answered busy ("later"), not refused. Members are not limited here (the roster's per-peer
-channel rate limit still applies to everyone).
+exchanges with us as one honest node that picked us every round. Members' offers have a
+budget of their own by source host, for the same reason in the other currency: a member's
+state *does* move us (within the clip bound), so the members behind one address could add
+up, offer after offer, to far more than that address's share of the swarm. Each host earns
+:data:`MEMBER_SHARE` over the number of other hosts that take offers (reachable, and proved
+to us) per round of ours (an honest host, which picks one of those, or us, at each of its
+rounds, earns about twice what it spends), at most :data:`MEMBER_BURST` saved. So whatever identities a key holder proves, the offers from its
+addresses move us at most about twice as often as its addresses' share of the table, on
+top of that share of our own rounds. Over the budget, an offer is answered busy ("later"),
+not refused. (``trust_after = 0``, a swarm whose key holders are all trusted, lifts this
+budget with the rest of the newcomers' rule.)
 
 Hosts, not identities, are also what counts where the member table decides (:func:`pick`,
 :func:`step_ceiling`): a peer for our rounds is a host chosen uniformly, then one of its
 members, and the step ceiling is a median over hosts. Identities cost nothing and addresses
 do, so a key holder who fills the table with identities on one address weighs as one host.
-(Addresses and steps in the table are claims, not proofs: a claimed address that is not the
-claimant's leads to exchanges that fail to connect, not to poison, but a claimed step counts
-towards the ceiling until the member is found dead. PROTOCOL.md section 12 says what that
-leaves a liar.)
+Addresses and steps in the table are claims, not proofs: a claimed address that is not the
+claimant's leads to rounds that fail to connect, not to poison, and what counts members
+(the step ceiling, the members' budget, a joiner's shard and download ceiling) counts only
+those that proved themselves to us, by the host they proved it from (:class:`Proofs`), so
+invented members count for nothing there. PROTOCOL.md section 12 says what that leaves a liar.
 """
 
 from __future__ import annotations
@@ -64,7 +78,7 @@ import enum
 import functools
 import random
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from .address import parse_address
 from .member import Member
@@ -72,9 +86,12 @@ from .messages import MAX_COUNT as MAX_STEP
 
 __all__ = ["FOUNDING", "Standing", "standing", "seniority", "Records", "pick", "step_ceiling",
            "PeerSteps", "by_host", "host_of", "step_move", "MOVE_SLACK", "NewcomerBudget",
-           "NEWCOMER_BURST", "MAX_HOSTS", "MAX_RECORDS"]
+           "NEWCOMER_BURST", "MEMBER_SHARE", "MEMBER_BURST", "MAX_HOSTS", "MAX_RECORDS",
+           "Proofs"]
 
 NEWCOMER_BURST = 2  # newcomer exchanges one host may have saved up
+MEMBER_SHARE = 2.0  # x 1/hosts: the member exchanges one host earns per round of ours
+MEMBER_BURST = 2  # member exchanges one host may have saved up
 FOUNDING = 0.5  # x trust_after: a peer we saw this soon after our start started with us
 MAX_HOSTS = 4096  # hosts whose budget is remembered; the one seen longest ago goes first
 MAX_RECORDS = 4096  # peers whose record is remembered; the one recorded longest ago goes first
@@ -95,7 +112,8 @@ def standing(initiated: bool, alive_since: float | None, now: float, trust_after
     Args:
         initiated: we made the offer (to a member we picked).
         alive_since: since when the peer has been alive in our member table without a
-            break, or None if it is not alive there.
+            break *and* proved to us it holds its identity (the later of the two), or None
+            if it is not alive there or never proved itself (:class:`Proofs`).
         now: the current time.
         trust_after: seconds a member must have been alive for its offers to count.
         chosen_before: we once picked the peer for a round and committed with it.
@@ -146,11 +164,49 @@ class Records:
         return peer in self._peers
 
 
-def by_host(members: Iterable[Member]) -> list[list[Member]]:
-    """``members`` grouped by the host part of their address, hosts in first-seen order."""
+class Proofs:
+    """When each peer first proved to us that it holds its identity key: a channel between
+    us completed its handshake, whichever side dialled. Gossip says who exists; only this
+    says who can speak for an identity, so standing (:func:`standing`), the step's estimate
+    and the data shards count from here. Bounded to the :data:`MAX_RECORDS` peers proved
+    most recently (a peer's every channel renews its place, not its time): a flood of fresh
+    identities pushes out the quietest record, and that peer proves itself again with its
+    next channel."""
+
+    def __init__(self, max_peers: int = MAX_RECORDS) -> None:
+        self._max = max_peers
+        self._first: OrderedDict[str, tuple[float, str]] = OrderedDict()  # time, host
+
+    def proved(self, peer: str, now: float, host: str) -> None:
+        """A channel with ``peer``, whose other end was at ``host``, completed its
+        handshake at ``now``."""
+        first, _ = self._first.pop(peer, (now, host))
+        self._first[peer] = (first, host)
+        if len(self._first) > self._max:
+            self._first.popitem(last=False)
+
+    def since(self, peer: str) -> float | None:
+        """When ``peer`` first proved itself, or None if it never did (or was forgotten)."""
+        proof = self._first.get(peer)
+        return None if proof is None else proof[0]
+
+    def host(self, peer: str) -> str | None:
+        """The host ``peer``'s latest proof came from (its channel's other end: not a claim,
+        unlike the address in its record), or None if it never proved itself."""
+        proof = self._first.get(peer)
+        return None if proof is None else proof[1]
+
+    def __contains__(self, peer: object) -> bool:
+        return peer in self._first
+
+
+def by_host(members: Iterable[Member],
+            host: Callable[[Member], str] | None = None) -> list[list[Member]]:
+    """``members`` grouped by host, hosts in first-seen order: the host part of their
+    address, or what ``host`` says (the host a member proved itself from, say)."""
     groups: dict[str, list[Member]] = {}
     for member in members:
-        groups.setdefault(_host(member.address), []).append(member)
+        groups.setdefault(host_of(member) if host is None else host(member), []).append(member)
     return list(groups.values())
 
 
@@ -174,10 +230,11 @@ def pick(members: Sequence[Member], rng: random.Random) -> Member | None:
     return rng.choice(rng.choice(hosts)) if hosts else None
 
 
-def step_ceiling(members: Iterable[Member]) -> int:
+def step_ceiling(members: Iterable[Member], host: Callable[[Member], str] | None = None) -> int:
     """The highest step one exchange or one download may give this node: the lower median,
-    over the hosts of ``members`` (the other alive, ready members), of each host's lower
-    median announced step; 0 if there are none (then the step does not move).
+    over the hosts of ``members`` (the other alive, ready members that proved themselves to
+    us; ``host`` as for :func:`by_host`), of each host's lower median announced step; 0 if
+    there are none (then the step does not move).
 
     A max would let one liar move everyone's learning-rate schedule to its end; the lower
     median cannot pass an honest host's step while at least half of the hosts are honest.
@@ -185,7 +242,8 @@ def step_ceiling(members: Iterable[Member]) -> int:
     it, which raises the median by it again), and the median alone lets a node that lags
     catch up with the majority, which is what lining schedules up needs.
     """
-    return _lower_median([_lower_median([m.step for m in group]) for group in by_host(members)])
+    return _lower_median([_lower_median([m.step for m in group])
+                          for group in by_host(members, host)])
 
 
 MOVE_SLACK = 100_000  # a move up is at most our step plus this (step_move)
@@ -273,7 +331,9 @@ def _lower_median(values: list[int]) -> int:
 
 
 class NewcomerBudget:
-    """Token buckets keyed by source host, refilled by one token per round of ours.
+    """Token buckets keyed by source host, refilled by ``refill`` tokens per round of ours
+    (one for newcomers; :data:`MEMBER_SHARE` over the hosts for members, set by the caller
+    at each round).
 
     Counting in rounds rather than seconds ties the budget to this node's own pace, whatever
     it is (a node that starts no rounds of its own lends newcomers only their first
@@ -286,19 +346,19 @@ class NewcomerBudget:
             raise ValueError("need burst >= 1 and max_hosts >= 1")
         self._burst = burst
         self._max_hosts = max_hosts
-        self._round = 0
-        self._buckets: OrderedDict[str, tuple[int, int]] = OrderedDict()  # tokens, at round
+        self._earned = 0.0  # tokens every host has earned since we started
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # tokens, earned then
 
-    def round(self) -> None:
-        """This node started a round: every host earns a token."""
-        self._round += 1
+    def round(self, refill: float = 1.0) -> None:
+        """This node started a round: every host earns ``refill`` tokens."""
+        self._earned += max(refill, 0.0)
 
     def allow(self, host: str) -> bool:
-        """Whether a newcomer from ``host`` may have an exchange now (spends a token if so)."""
-        tokens, then = self._buckets.pop(host, (self._burst, self._round))
-        tokens = min(self._burst, tokens + self._round - then)
-        allowed = tokens >= 1
-        self._buckets[host] = (tokens - allowed, self._round)
+        """Whether an offer from ``host`` may have an exchange now (spends a token if so)."""
+        tokens, then = self._buckets.pop(host, (float(self._burst), self._earned))
+        tokens = min(float(self._burst), tokens + self._earned - then)
+        allowed = tokens >= 1.0
+        self._buckets[host] = (tokens - allowed, self._earned)
         if len(self._buckets) > self._max_hosts:
             self._buckets.popitem(last=False)
         return allowed

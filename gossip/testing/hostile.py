@@ -38,10 +38,11 @@ from ..errors import GossipError, PeerTimeout
 from ..groups import first_error, one_error
 from ..handshake import MAX_HANDSHAKE_MESSAGE, Swarm
 from ..identity import Identity
-from ..messages import (Accept, Close, Commit, Dead, Left, Message, Offer, Packet, PushPull,
-                        StateHeader, Suspect)
+from ..messages import (Accept, Close, Commit, Dead, Left, MemberState, Message, Offer, Packet,
+                        PushPull, StateHeader, Suspect)
 from ..network import Network, TcpNetwork
 from ..seal import Sealer
+from ..tables import receive_table, send_table
 from ..tensors import StateSchema, TensorSpec, encode_chunks, new_flat, snapshot
 from ..transfer import receive_state, send_state
 from ..wire import FRAME_HEADER, decode, encode, encode_frame
@@ -275,6 +276,7 @@ class HostilePeer(Outsider):
                        else snapshot(model, self.schema))
         self._offer_message = Offer(self.schema.fingerprint, codec, step, 0, weight, correction)
         self.seen: dict[str, torch.Tensor] = {}  # by address: the state it sent us last
+        self.seen_estimate: dict[str, torch.Tensor] = {}  # and its correction's estimate
 
     def renew(self) -> None:
         """Take a fresh identity: no strikes, no quarantine, no standing with anyone."""
@@ -366,6 +368,17 @@ class HostilePeer(Outsider):
         await channel.send_message(PushPull(False, False, ()))
         return await self._until_closed(tap, "replayed record", tap.last)
 
+    async def push_pull(self, address: str, records: list[MemberState]) -> list[MemberState]:
+        """One push-pull announcing ``records`` as our table (our own record, invented
+        members: any peer, address, step or shard, none of it proved), and the table the
+        target answers with."""
+        channel, _ = await self._connect(address)
+        async with channel:
+            await send_table(channel, records, join=False)
+            table = await receive_table(channel, await channel.receive_message())
+            await send_table(channel, records[:1], join=False)
+        return table
+
     def stale_updates(self, peer: str, incarnation: int = 0) -> bytes:
         """A sealed datagram, as captured, saying ``peer`` is suspect, dead and gone at
         ``incarnation``: stale once ``peer`` announced a higher one (0 is, for a ready node)."""
@@ -434,9 +447,11 @@ class HostilePeer(Outsider):
                             _, theirs = await receive_state(channel, self.schema, self.codec,
                                                             parts=parts)
                     self.seen[address] = theirs[:self.schema.numel]
+                    if parts == 2:
+                        self.seen_estimate[address] = theirs[self.schema.numel:]
                     answer = await channel.receive_message()
-                    if isinstance(answer, Commit):
-                        await channel.send_message(Commit())  # an attacker wants it applied
+                    if isinstance(answer, Commit):  # an attacker wants it all applied
+                        await channel.send_message(Commit(correction=1.0 if parts == 2 else 0.0))
                 except GossipError as exc:
                     return Outcome(attack, Reaction.CLOSED, trio.current_time() - started,
                                    detail=f"{type(exc).__name__}: {exc}")

@@ -4,6 +4,8 @@ fewest alive members announce (:func:`daemon.sharding.choose_shard`, seeded by i
 the daemon does) and announces it, so joiners arriving over time cover every shard before any
 shard gets a second member. "Over time" means after the previous joiner's announcement has
 reached the member the next one joins through; joiners arriving together may pick alike.
+Only members that proved their identity to the joiner count (:func:`daemon.sharding.announced`):
+members invented in one push-pull by a key holder steer nobody.
 """
 
 from __future__ import annotations
@@ -14,12 +16,20 @@ from collections import Counter
 import trio
 from trio.testing import MockClock
 
+from daemon import sharding
 from daemon.sharding import choose_shard
 from gossip.config import MembershipConfig
+from gossip.handshake import PROTOCOL_VERSION
+from gossip.identity import Identity
+from gossip.messages import MemberState
+from gossip.tensors import StateSchema, TensorSpec
+from gossip.testing.hostile import HostilePeer
 from tests.sim.swarm import SimNode, SimSwarm, open_sim_swarm
+from tests.util import SWARM
 
 SHARDS = 4
 CONFIG = MembershipConfig()
+SCHEMA = StateSchema((TensorSpec("w", (4,), "float32"),))  # a key holder's; no model is swapped
 
 
 async def join_and_choose(swarm: SimSwarm, node: SimNode, bootstrap: SimNode) -> int:
@@ -28,8 +38,8 @@ async def join_and_choose(swarm: SimSwarm, node: SimNode, bootstrap: SimNode) ->
     roster = node.roster
     assert roster is not None
     await roster.wait_joined()
-    announced = [(m.shard, m.shards) for m in roster.alive()]
-    shard = choose_shard(SHARDS, announced, random.Random(str(node.peer)))
+    counted = await sharding.announced(roster)  # as the daemon counts them
+    shard = choose_shard(SHARDS, counted, random.Random(str(node.peer)))
     roster.set_meta(shard=shard, shards=SHARDS)
     return shard
 
@@ -64,3 +74,27 @@ async def test_joiners_fill_the_least_covered_shards(autojump_clock: MockClock) 
         with trio.fail_after(CONFIG.push_pull_interval + 5 * CONFIG.probe_interval):
             await swarm.wait_until(lambda: announced(swarm, chosen, swarm.running()))
         assert first.roster is not None and first.roster.me.shards == 0
+
+
+async def test_members_invented_in_gossip_steer_no_joiner(autojump_clock: MockClock) -> None:
+    # A key holder announces, in one push-pull with the bootstrap node, seven members that
+    # claim shards 0 to 2 at addresses that are not theirs. Counted, they sent both of the
+    # next two joiners to shard 3, leaving 1 and 2 without a real node; not counted (a
+    # joiner's push-pull to each fails), the joiners spread as they do in an honest swarm.
+    async with open_sim_swarm(1, latency=0.005) as swarm:
+        first = swarm.nodes[0]
+        hostile = HostilePeer(SWARM, SCHEMA, network=swarm.net.host("x"))
+        claims = [MemberState(str(hostile.identity.peer_id), 1, MemberState.ALIVE, "x:7000",
+                              PROTOCOL_VERSION, 0, True)]
+        claims += [MemberState(str(Identity.generate().peer_id), 1, MemberState.ALIVE,
+                               f"ghost{i}:7000", PROTOCOL_VERSION, 0, True, i % 3, SHARDS)
+                   for i in range(7)]
+        await hostile.push_pull(first.address, claims)
+        chosen: dict[SimNode, int] = {}
+        for _ in range(2):
+            node = swarm.add()
+            with trio.fail_after(CONFIG.push_pull_interval + 5 * CONFIG.probe_interval
+                                 + CONFIG.push_pull_timeout):
+                chosen[node] = await join_and_choose(swarm, node, first)
+                await swarm.wait_until(lambda: announced(swarm, chosen, [first]))
+        assert len(set(chosen.values())) == 2, chosen  # one each, not both on shard 3

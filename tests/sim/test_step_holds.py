@@ -25,10 +25,13 @@ import trio
 from trio.testing import MockClock
 
 from gossip.config import AveragingConfig, NodeConfig
-from gossip.messages import MAX_COUNT
+from gossip.handshake import PROTOCOL_VERSION
+from gossip.identity import Identity
+from gossip.messages import MAX_COUNT, MemberState
 from gossip.node import SwarmNode, open_swarm
 from gossip.replica import Counters
 from gossip.simnet import SimNetwork
+from gossip.testing.hostile import HostilePeer
 from tests.util import SWARM
 
 HONEST = 4
@@ -72,3 +75,42 @@ async def test_one_host_that_is_always_free_cannot_take_the_step(
     assert taken > 0  # it was in the swarm's rounds
     for mine, step in zip(own, steps):
         assert step <= 1.1 * mine + 10, (own, steps)
+
+
+async def test_a_joiner_takes_no_step_from_members_invented_on_other_hosts(
+        autojump_clock: MockClock) -> None:
+    # A liar that serves downloads at step 2^53 − 1, and six members it invented in one
+    # push-pull, announcing that step at hosts of their own: with the invented ones counted,
+    # the liar's step was the hosts' median, and a joiner that downloaded from it took it.
+    # Only members proven to the joiner count now: the two honest nodes at step 40 and the
+    # liar, whose step is over their median.
+    net = SimNetwork(seed=11, latency=0.005)
+    quiet = AveragingConfig(start="own", every=None, interval=None)
+    async with AsyncExitStack() as stack:
+        nodes: list[SwarmNode] = []
+        for i, step in enumerate((40, 40, MAX_COUNT)):
+            nodes.append(await stack.enter_async_context(open_swarm(
+                torch.nn.Linear(8, 8), SWARM,
+                NodeConfig(listen=f"n{i}:7000", averaging=quiet,
+                           bootstrap=[nodes[0].address] if nodes else []),
+                network=net.host(f"n{i}"), rng=random.Random(i),
+                counters=Counters(step, 0, 1.0))))
+        hostile = HostilePeer(SWARM, nodes[0].replica.schema, network=net.host("x"))
+        invented = [MemberState(str(Identity.generate().peer_id), 1, MemberState.ALIVE,
+                                f"ghost{k}:7000", PROTOCOL_VERSION, MAX_COUNT, True)
+                    for k in range(6)]
+        with trio.fail_after(30):
+            await hostile.push_pull(nodes[0].address, [
+                MemberState(str(hostile.identity.peer_id), 1, MemberState.ALIVE, "x:7000",
+                            PROTOCOL_VERSION, 0, False)] + invented)
+            while len(nodes[0].roster.alive(ready=True)) < 2 + len(invented):
+                await nodes[0].roster.wait_changed()
+        joiner = await stack.enter_async_context(open_swarm(
+            torch.nn.Linear(8, 8), SWARM,
+            NodeConfig(listen="j:7000", bootstrap=[nodes[0].address],
+                       averaging=AveragingConfig(start="download", every=None, interval=None)),
+            network=net.host("j"), rng=random.Random("j")))
+        with trio.fail_after(60):
+            await joiner.wait_ready()
+        assert joiner.downloaded is not None
+        assert joiner.global_step == 40, joiner.downloaded

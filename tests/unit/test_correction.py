@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from gossip.correction import (CORRECTION_RATE, DEFAULT_LEAK, FADE_LEAK, FULL_SPACING,
-                               GRADIENT_AVERAGE, SCALE_STEPS, STRAY_FLOOR, Stray, check_state,
-                               corrected)
+                               GRADIENT_AVERAGE, REACH, SCALE_STEPS, STRAY_FLOOR, Stray,
+                               check_state, corrected)
 from gossip.identity import Identity, PeerId
 from gossip.member import Member, State
 from gossip.mixing import DeltaHistory, judge
@@ -120,6 +120,24 @@ def test_a_queued_correction_leaks_at_each_commit() -> None:
                       sent_weight=0.0)
     replica.apply_pending()
     assert torch.allclose(replica.correction_state()["a"], torch.full((3,), 0.75**2 + 0.5))
+
+
+def test_an_exchange_never_leaves_the_correction_longer_than_reach_times_the_scale() -> None:
+    # However the estimates' steps add up, c stays within REACH x the node's own gradient
+    # scale, which no peer moves; shorter, it is left alone.
+    model = Pair()
+    replica, optimizer = replica_with(model)
+    step_with_grad(model, optimizer, [2.0, 0.0, 0.0])  # scale 2
+    n, place = replica.schema.numel, replica.schema.places()["a"]
+    for length, kept in ((1.0, 1.0), (100.0, REACH * 2.0)):
+        delta = torch.zeros(2 * n)
+        delta[n:][place] = torch.tensor([length, 0.0, 0.0])
+        replica.leak = 1.0  # forget the last c: this exchange's delta is all of it
+        replica.queue(delta, scale=1e-9, correction=1.0, weight=None, sent_weight=0.0)
+        replica.apply_pending()
+        assert float(torch.linalg.vector_norm(replica.correction_state()["a"])) == (
+            pytest.approx(kept))
+    assert replica.correction.bounded == 1
 
 
 def test_a_checkpointed_correction_must_be_this_models() -> None:

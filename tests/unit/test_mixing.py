@@ -631,3 +631,12 @@ def test_an_estimate_has_its_own_tighter_clip_and_the_state_keeps_the_usual_one(
     assert not verdict.state.clipped and verdict.state.scale == 0.5
     assert verdict.correction is not None and verdict.correction.clipped
     assert math.isclose(verdict.correction.scale * 4.0, 0.5 * 1.2, rel_tol=1e-6)
+
+
+def test_the_bound_takes_the_median_only_up_to_the_reach() -> None:
+    history = DeltaHistory(window=8, min_history=2)
+    for distance in (10.0, 10.0, 10.0):
+        history.add(distance, 1.0)
+    assert history.bound(2.0) == 20.0
+    assert history.bound(2.0, reach=3.0) == 6.0  # a median past the reach counts as the reach
+    assert history.bound(2.0, reach=50.0) == 20.0

@@ -146,10 +146,14 @@ def shard_service(clock: MockClock, tmp_path: Path, announced: list[tuple[int, i
     async def joined() -> None:
         pass
 
+    async def prove(members: list[Any], most: int) -> None:
+        pass
+
     node.said = []  # type: ignore[attr-defined]
     node.peer_id = "a" * 26  # type: ignore[attr-defined]
     node.roster = SimpleNamespace(statistics=lambda: SimpleNamespace(alive=len(members)),
-                                  alive=lambda: members, wait_joined=joined,
+                                  alive=lambda **which: members, wait_joined=joined,
+                                  prove=prove,
                                   set_meta=lambda **meta: node.said.append(meta))  # type: ignore
     return training(clock, config, node, trainer, choose_shard=True), node, trainer
 
@@ -166,8 +170,8 @@ async def test_auto_takes_the_least_covered_shard_keeps_it_and_announces_it(
     assert node.said == [{"shard": 3, "shards": 4}]  # type: ignore[attr-defined]
     assert (tmp_path / "shard").read_text() == "3/4\n"
     assert service.shard == Shard(3, 4)
-    assert "data shard 3 of 4, chosen as the least covered: 5 of 7 alive members announce a " \
-           "shard of 4; members per shard 2 2 1 0" in caplog.text
+    assert "data shard 3 of 4, chosen as the least covered: 5 of 7 members proved to us announce " \
+           "a shard of 4; members per shard 2 2 1 0" in caplog.text
     assert _first_shard(service.config) == (Shard(3, 4), False)  # a restart keeps it
 
 

@@ -14,8 +14,8 @@ from gossip.identity import PeerId
 from gossip.member import Member, State
 from gossip.messages import MAX_COUNT
 from gossip.standing import (
-    MOVE_SLACK, NEWCOMER_BURST, NewcomerBudget, PeerSteps, Records, Standing, pick, seniority,
-    standing, step_ceiling, step_move,
+    MOVE_SLACK, NEWCOMER_BURST, NewcomerBudget, PeerSteps, Proofs, Records, Standing, pick,
+    seniority, standing, step_ceiling, step_move,
 )
 
 def member(i: int, host: str, step: int = 0) -> Member:
@@ -65,6 +65,35 @@ def test_the_budget_table_is_bounded_and_forgets_the_host_seen_longest_ago() -> 
     assert budget.allow("d")  # a fourth host: "b" is forgotten
     assert budget.allow("b")  # forgotten means a full bucket again
     assert not budget.allow("a")
+
+
+def test_a_budget_refilled_by_a_fraction_per_round_allows_one_offer_per_whole_token() -> None:
+    budget = NewcomerBudget(burst=2)
+    assert budget.allow("h") and budget.allow("h") and not budget.allow("h")
+    for _ in range(3):  # a third of a token a round: one offer after three rounds
+        assert not budget.allow("h")
+        budget.round(1 / 3)
+    assert budget.allow("h") and not budget.allow("h")
+
+
+def test_proofs_keep_the_first_time_and_the_latest_host_and_forget_the_quietest() -> None:
+    proofs = Proofs(max_peers=2)
+    proofs.proved("a", 1.0, "10.0.0.1")
+    proofs.proved("b", 2.0, "10.0.0.2")
+    proofs.proved("a", 5.0, "10.0.0.3")  # a's second channel: its time stays, its host moves
+    assert (proofs.since("a"), proofs.host("a")) == (1.0, "10.0.0.3")
+    proofs.proved("c", 6.0, "10.0.0.4")  # b was proved least recently: it goes
+    assert "b" not in proofs and proofs.since("b") is None and proofs.host("b") is None
+    assert "a" in proofs and "c" in proofs
+
+
+def test_the_step_ceiling_counts_the_hosts_a_host_function_says() -> None:
+    # Three identities claiming three hosts, all proved from one: one host, one vote.
+    ms = members([("10.0.0.1", 100), ("10.0.0.2", 100), ("10.0.0.3", 100), ("10.0.0.9", 5),
+                  ("10.0.0.8", 6)])
+    assert step_ceiling(ms) == 100
+    proved_from = {m.peer: "x" if m.step == 100 else m.address for m in ms}
+    assert step_ceiling(ms, lambda m: proved_from[m.peer]) == 6
 
 
 @pytest.mark.parametrize("burst, hosts", [(0, 1), (1, 0)])
