@@ -29,13 +29,13 @@ the same gap at once would all move to it, which is why nothing here does.
 Only members that proved their identity to the chooser count (:func:`announced`): anyone with
 the swarm key can announce invented members in one push-pull, and seven such records claiming
 shards 0 to 2 sent the next two joiners both to shard 3, leaving 1 and 2 without a real node.
-So the chooser first push-pulls with a sample of up to :data:`SAMPLE` of the members it heard
-of (an invented record's address is not its own: that push-pull fails and it stays unproven)
+So the chooser first completes a handshake with a sample of up to :data:`SAMPLE` of the members it heard
+of (an invented record's address is not its own: that handshake fails and it stays unproven)
 and counts those that answered, plus the members it already had a channel with. Members that
 accept no connections prove themselves only when they connect to it, so a joiner does not
 count them; with a larger swarm than the sample, coverage is estimated from the sample.
 
-Choosing costs up to :data:`SAMPLE` push-pulls (several at once, within the push-pull
+Choosing costs up to :data:`SAMPLE` handshakes (several at once, within the push-pull
 deadline) and O(members + shards), once per start.
 """
 
@@ -56,12 +56,12 @@ log = logging.getLogger(__name__)
 CHOICE_FILE = "shard"  # under node.data_dir: "INDEX/COUNT\n", e.g. "3/8\n"
 MAX_CHOICE_FILE = 64  # bytes read from it at most
 SHOWN = 32  # shards listed one by one in describe(); more are summed up
-SAMPLE = 32  # members a chooser proves (a push-pull each) before it counts their shards
+SAMPLE = 32  # members a chooser proves (a handshake each) before it counts their shards
 
 
 async def announced(roster: Roster, most: int = SAMPLE) -> list[tuple[int, int]]:
     """The ``(shard, shards)`` of every alive member that has proved its identity to us,
-    after a push-pull with up to ``most`` of those that had not (see the module docstring)."""
+    after a handshake with up to ``most`` of those that had not (see the module docstring)."""
     await roster.prove(roster.alive(), most=most)
     return [(m.shard, m.shards) for m in roster.alive(proven=True)]
 

@@ -428,7 +428,7 @@ class Training:
     async def choose_shard(self) -> None:
         """``task.shard = "auto"``: choose the shard the fewest members announce, keep
         the choice, announce it, and train on it (:mod:`daemon.sharding`). Only members that
-        proved their identity to this node count (a push-pull with a sample of the others
+        proved their identity to this node count (a handshake with a sample of the others
         first): records invented in gossip would steer every joiner off the shards they
         claim."""
         c, node, trainer = self.config, self.node, self.trainer

@@ -16,7 +16,7 @@ random order), and falls back to the next on any failure; members announcing mor
 candidates' median step (:func:`~gossip.standing.step_ceiling`) come last, so that a liar
 announcing a huge step is not everyone's first server. What arrives is checked (every
 value finite) before the replica takes it, with the sender's step bounded by that same median,
-counted over the candidates that proved their identity to the joiner (a push-pull with a
+counted over the candidates that proved their identity to the joiner (a handshake with a
 sample of them first, :meth:`~gossip.roster.Roster.prove`: records invented in gossip, on
 hosts of their own, would otherwise be the median); only then does the node announce itself
 ready.

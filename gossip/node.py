@@ -154,9 +154,7 @@ class SwarmNode:
                              f" (up to {config.download_wait:g} s, then our own initialization)"
                              if config.start == "auto" else "")
                 if candidates:
-                    if not any(self.roster.proven_since(m.peer) is not None
-                               for m in candidates):  # only proven steps count for the ceiling
-                        await self.roster.prove(candidates)
+                    await self.roster.prove(candidates)  # only proven steps count
                     try:
                         self.downloaded = await averaging.download(candidates, self._task)
                         break

@@ -31,8 +31,9 @@ Who has proved its identity: every channel that completes its handshake, whichev
 dialled, is a proof that the peer holds its identity key (:class:`~gossip.standing.Proofs`);
 a record heard in gossip is only a claim. What counts identities (standing, the step's
 estimate, the data shards) asks :meth:`Roster.alive` for ``proven`` members, and a joiner
-proves a sample of the members it heard of by a push-pull with each (:meth:`Roster.prove`)
-before it counts them.
+proves a sample of the members it heard of by a handshake with each (:meth:`Roster.prove`:
+a channel that carries only a ``Close(0)``, no table, so that nobody learns of the joiner any
+sooner than gossip tells it) before it counts them.
 
 Datagrams that fail to open or decode are dropped and counted; they never stop the roster.
 Every effect's network wait is under a deadline; a deadline missed is a
@@ -75,7 +76,7 @@ log = logging.getLogger(__name__)
 
 PORT_ATTEMPTS = 8  # ports tried for listen port 0 when the stream port is taken
 MAX_PUSH_PULLS = 2  # outgoing push-pulls in flight at once; more are skipped, not queued
-PROVE_SAMPLE = 8  # members a joiner proves by a push-pull each before it counts them
+PROVE_SAMPLE = 8  # members a joiner proves by a handshake each before it counts them
 SEND_TIMEOUT = 0.1  # s one datagram send may take (a host name's lookup included)
 
 # What a channel whose first message is not a PushPull is handed to (averaging, later).
@@ -207,10 +208,11 @@ class Roster:
         return self._proofs.host(member.peer) or host_of(member)
 
     async def prove(self, members: list[Member], most: int = PROVE_SAMPLE) -> None:
-        """Push-pull with up to ``most`` of ``members`` not yet proven (a random sample,
-        :data:`PROVE_SAMPLE` at a time), so that what counts identities can count them; failures are only logged
-        (a record whose address is not its own, say, stays unproven). Returns when every
-        push-pull has ended, within the push-pull deadline."""
+        """Complete a handshake with up to ``most`` of ``members`` not yet proven (a random
+        sample, :data:`PROVE_SAMPLE` at a time; the channel carries only a ``Close(0)``), so
+        that what counts identities can count them. Failures are only logged: a record whose
+        address is not its own, say, stays unproven. Returns when every attempt has ended,
+        each within the push-pull deadline."""
         unproven = [m for m in members if m.peer not in self._proofs and m.reachable]
         sample = unproven if len(unproven) <= most else self._rng.sample(unproven, most)
         limiter = trio.CapacityLimiter(PROVE_SAMPLE)
@@ -218,9 +220,16 @@ class Roster:
         async def one(member: Member) -> None:
             try:
                 async with limiter:
-                    await self._push_pull(member.address, member.peer, join=False)
+                    with phase_deadline(self._config.push_pull_timeout, member.address, "proof"):
+                        channel = await connect(self._network, member.address,
+                                                identity=self._identity, swarm=self._swarm,
+                                                allow=frozenset({member.peer}),
+                                                timeouts=self._timeouts)
+                        self.proved(channel)
+                        async with channel:
+                            await channel.send_closing(Close(Close.NORMAL, "proved"))
             except GossipError as exc:
-                log.debug("push-pull to prove peer=%s failed: %s", member.peer.short, exc)
+                log.debug("channel to prove peer=%s failed: %s", member.peer.short, exc)
 
         async with trio.open_nursery() as nursery:
             for member in sample:
@@ -492,6 +501,8 @@ class Roster:
             first = await channel.receive_message()
         if isinstance(first, DialBack):
             await self._reach.on_dial_back(channel, first, self._m.get(channel.peer))
+            return
+        if isinstance(first, Close):  # a channel only to prove the peer's identity (prove)
             return
         if not isinstance(first, PushPull):
             if self._handler is not None:

@@ -80,7 +80,7 @@ async def test_members_invented_in_gossip_steer_no_joiner(autojump_clock: MockCl
     # A key holder announces, in one push-pull with the bootstrap node, seven members that
     # claim shards 0 to 2 at addresses that are not theirs. Counted, they sent both of the
     # next two joiners to shard 3, leaving 1 and 2 without a real node; not counted (a
-    # joiner's push-pull to each fails), the joiners spread as they do in an honest swarm.
+    # joiner's handshake with each fails), the joiners spread as they do in an honest swarm.
     async with open_sim_swarm(1, latency=0.005) as swarm:
         first = swarm.nodes[0]
         hostile = HostilePeer(SWARM, SCHEMA, network=swarm.net.host("x"))
