@@ -100,10 +100,14 @@ class Metrics:
                                "max_handshakes_per_host (an unproven one evicted), peer_rate",
                                ["limit"], registry=r)
         self.newcomers = Counter("gossip_newcomer_offers", "Offers from newcomers (peers not "
-                                 "members for averaging.trust_after, nor picked by us before): "
+                                 "proved to us and members for averaging.trust_after since, nor "
+                                 "picked by us before): "
                                  "committed (their state moved us by nothing) or limited "
                                  "(answered busy: the newcomers of their host had had their "
                                  "share)", ["outcome"], registry=r)
+        self.members_limited = Counter("gossip_member_offers_limited", "Offers from members "
+                                       "answered busy: the members of their host had had "
+                                       "their share of our rounds", registry=r)
         self.evaluation = Gauge("gossip_eval", "The task's latest evaluation, by metric "
                                 "(task.eval_every, and at exit)", ["metric"], registry=r)
         self.checkpoints = Counter("gossip_checkpoints", "Checkpoints written", registry=r)
@@ -120,6 +124,7 @@ class Metrics:
         for outcome in ("committed", "limited"):
             self.newcomers.labels(outcome)
         self._newcomers_seen = (0, 0)
+        self._members_limited_seen = 0
         self._refused_seen = dict.fromkeys(LIMITS, 0)
         self._chunks: deque[tuple[float, int]] = deque()  # (monotonic end, samples)
         self._last_loss = math.nan
@@ -182,6 +187,8 @@ class Metrics:
         self.newcomers.labels("committed").inc(stats.newcomers - committed)
         self.newcomers.labels("limited").inc(stats.newcomers_limited - limited)
         self._newcomers_seen = (stats.newcomers, stats.newcomers_limited)
+        self.members_limited.inc(stats.members_limited - self._members_limited_seen)
+        self._members_limited_seen = stats.members_limited
         refused = dict(zip(LIMITS, (roster.connections_refused, roster.connections_evicted,
                                     roster.channels_limited)))
         for limit, count in refused.items():

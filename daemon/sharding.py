@@ -29,13 +29,16 @@ the same gap at once would all move to it, which is why nothing here does.
 Only members that proved their identity to the chooser count (:func:`announced`): anyone with
 the swarm key can announce invented members in one push-pull, and seven such records claiming
 shards 0 to 2 sent the next two joiners both to shard 3, leaving 1 and 2 without a real node.
-So the chooser first completes a handshake with a sample of up to :data:`SAMPLE` of the members it heard
-of (an invented record's address is not its own: that handshake fails and it stays unproven)
-and counts those that answered, plus the members it already had a channel with. Members that
-accept no connections prove themselves only when they connect to it, so a joiner does not
-count them; with a larger swarm than the sample, coverage is estimated from the sample.
+So the chooser first completes a handshake with a sample of up to :data:`SAMPLE` of the
+members it heard of (an invented record's address is not its own: that handshake fails and it
+stays unproven) and counts those that answered, plus the members it already had a channel
+with, each shard once per host they proved themselves from (identities are free, addresses
+are not: a key holder's identities on one address add at most one to each shard, which
+steers nobody). Members that accept no connections prove themselves only when they connect
+to it, so a joiner does not count them; with a larger swarm than the sample, coverage is
+estimated from the sample.
 
-Choosing costs up to :data:`SAMPLE` handshakes (several at once, within the push-pull
+Choosing costs up to :data:`SAMPLE` handshakes (eight at once, all within one push-pull
 deadline) and O(members + shards), once per start.
 """
 
@@ -60,10 +63,12 @@ SAMPLE = 32  # members a chooser proves (a handshake each) before it counts thei
 
 
 async def announced(roster: Roster, most: int = SAMPLE) -> list[tuple[int, int]]:
-    """The ``(shard, shards)`` of every alive member that has proved its identity to us,
-    after a handshake with up to ``most`` of those that had not (see the module docstring)."""
+    """The ``(shard, shards)`` of the alive members that have proved their identity to us,
+    after a handshake with up to ``most`` of those that had not, each claim counted once per
+    host the members proved themselves from (see the module docstring)."""
     await roster.prove(roster.alive(), most=most)
-    return [(m.shard, m.shards) for m in roster.alive(proven=True)]
+    seen = {(roster.proven_host(m), m.shard, m.shards) for m in roster.alive(proven=True)}
+    return [(shard, shards) for _, shard, shards in sorted(seen)]
 
 
 def coverage(shards: int, announced: Iterable[tuple[int, int]]) -> list[int]:

@@ -724,15 +724,16 @@ class Averaging:
     def _clip(self, peer: str) -> float:
         """The state's clip for an offer from ``peer``: :data:`~gossip.mixing.OFFER_CLIP`,
         or the configured clip while we are young (our history of rounds is not full yet)
-        and the peer was a member before us (in our table, alive, since no later than
-        :data:`FOUNDING` x ``trust_after`` after our start): a joiner is the one far from the
-        swarm, and the members it joined must be able to pull it in."""
+        and the peer was a member before us (in our table, alive, and proved to us, both
+        since no later than :data:`FOUNDING` x ``trust_after`` after our start): a joiner is
+        the one far from the swarm, and the members it joined must be able to pull it in."""
         clip = self.config.clip
         if not clip or len(self._histories[0]) >= self.config.clip_window:
             return min(clip, OFFER_CLIP) if clip else clip
-        member = self._roster.get(peer)
-        older = (member is not None and member.state is State.ALIVE
-                 and member.since - self._started <= FOUNDING * self.config.trust_after)
+        member, proved = self._roster.get(peer), self._roster.proven_since(peer)
+        founding = self._started + FOUNDING * self.config.trust_after
+        older = (member is not None and member.state is State.ALIVE and member.since <= founding
+                 and proved is not None and proved <= founding)
         return clip if older else min(clip, OFFER_CLIP)
 
     def _my_weight(self, counters: Counters) -> float:

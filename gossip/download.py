@@ -270,9 +270,15 @@ async def download(replica: Replica, candidates: list[Member], network: Network,
     Raises:
         DownloadFailed: every candidate failed (each failure is logged).
     """
-    ceiling = (step_ceiling(candidates) if proven is None else
-               step_ceiling([m for m in candidates if m.peer in proven], lambda m: proven[m.peer]))
-    order = sorted(candidates, key=lambda m: (m.step > ceiling, -m.step, rng.random()))
+    if proven is None:
+        ceiling = first = step_ceiling(candidates)
+    else:
+        counted = [m for m in candidates if m.peer in proven]
+        ceiling = step_ceiling(counted, lambda m: proven[m.peer])
+        # None proven: no step is taken (0), and the order is by everyone's median, so
+        # that a liar's huge claim is still not the first server.
+        first = ceiling if counted else step_ceiling(candidates)
+    order = sorted(candidates, key=lambda m: (m.step > first, -m.step, rng.random()))
     last: BaseException | None = None
     said = said if said is not None else Said()
     for member in order:

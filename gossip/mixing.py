@@ -33,8 +33,8 @@ Trusting a payload (:func:`make_delta`), in order:
    no honest replica of the same model is a hundred times larger than ours, and the
    reference cannot be inflated by first pushing our own norm up;
 3. *self-centred clipping*: the difference is scaled down to at most ``clip ×`` the median
-   of the history (:data:`OFFER_CLIP` x for an offer from a younger peer, below), so one wild
-   peer moves us by a bounded step. A median of 0 (a node that
+   of the history (:data:`OFFER_CLIP` x for an offer, below), so one wild peer moves us by a
+   bounded step. A median of 0 (a node that
    only met identical states, say right after a download) bounds nothing: clipping to it
    would freeze the node;
 4. the exchange's :class:`~gossip.standing.Standing`: a newcomer's state is checked and
@@ -61,17 +61,17 @@ norm from 11 to 280 and its accuracy down 4.7 points, though each push was clipp
 clipped to ``clip`` (5) x the median is five honest steps, and steps in one direction add up
 where honest ones, each a little off in its own direction, mostly cancel. A peer we chose is
 a random member (its share is its hosts' share); an offer comes whenever its sender likes. So
-the offer of a peer that joined after us has its state clipped to :data:`OFFER_CLIP` x the
-median, the size of a typical honest step (the caller passes that ``clip``), and the offers of
-one host are budgeted (:mod:`gossip.standing`): with both, the same attack left the swarm
-within half a point and 3% of its unattacked norm (tests/sim/test_influence.py), and the
-unattacked swarm did not change. Offers from peers that were members before us keep the usual
-clip: a joiner is the one far from the swarm, and clipped, the pulls of the members it joined
-left it far for longer, while its own weight at their nodes grew; their held-out accuracy
-fell to 28% where it had dipped to 53% (tests/sim/test_join.py, 60 steps per exchange). What
-remains is a rate: a younger host's offers move a node by at most one median each, and about
-twice what an honest host sends of them per round of the node's (docs/PROTOCOL.md
-section 12).
+an offer's state is clipped to :data:`OFFER_CLIP` x the median, the size of a typical honest
+step (the caller passes that ``clip``), and the offers of one host are budgeted
+(:mod:`gossip.standing`): with both, the same attack left the swarm within half a point and
+3% of its unattacked norm (tests/sim/test_influence.py), and the unattacked swarm did not
+change. A young node (its history not yet full) keeps the usual clip for the offers of peers
+that were members, and proved to it, before it started: a joiner is the one far from the
+swarm, and clipped, the pulls of the members it joined left it far for longer, while its own
+weight at their nodes grew; their held-out accuracy fell to 28% where it had dipped to 53%
+(tests/sim/test_join.py, 60 steps per exchange). What remains is a rate: a host's offers move
+a node by at most one median each, and about twice what an honest host sends of them per
+round of the node's (docs/PROTOCOL.md section 12).
 
 Refusals are strikes against the sender (:class:`Quarantine`); enough strikes in a row put it
 in quarantine for a while. Nothing here imports trio or does I/O; time is passed in.

@@ -205,17 +205,19 @@ class Roster:
     def proven_host(self, member: Member) -> str:
         """The host ``member`` last proved itself from, or its address's if it never did:
         what counts once, whatever addresses its identities claim."""
-        return self._proofs.host(member.peer) or host_of(member)
+        host = self._proofs.host(member.peer)
+        return host_of(member) if host is None else host
 
     async def prove(self, members: list[Member], most: int = PROVE_SAMPLE) -> None:
         """Complete a handshake with up to ``most`` of ``members`` not yet proven (a random
         sample, :data:`PROVE_SAMPLE` at a time; the channel carries only a ``Close(0)``), so
         that what counts identities can count them. Failures are only logged: a record whose
         address is not its own, say, stays unproven. Returns when every attempt has ended,
-        each within the push-pull deadline."""
+        all within one push-pull deadline."""
         unproven = [m for m in members if m.peer not in self._proofs and m.reachable]
         sample = unproven if len(unproven) <= most else self._rng.sample(unproven, most)
         limiter = trio.CapacityLimiter(PROVE_SAMPLE)
+        deadline = trio.current_time() + self._config.push_pull_timeout  # all of them
 
         async def one(member: Member) -> None:
             try:
@@ -231,9 +233,10 @@ class Roster:
             except GossipError as exc:
                 log.debug("channel to prove peer=%s failed: %s", member.peer.short, exc)
 
-        async with trio.open_nursery() as nursery:
-            for member in sample:
-                nursery.start_soon(one, member)
+        with trio.move_on_at(deadline):
+            async with trio.open_nursery() as nursery:
+                for member in sample:
+                    nursery.start_soon(one, member)
 
     def random_alive(self, *, ready: bool | None = None, reachable: bool | None = None,
                      rng: random.Random | None = None) -> Member | None:

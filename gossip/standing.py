@@ -87,7 +87,7 @@ from .messages import MAX_COUNT as MAX_STEP
 __all__ = ["FOUNDING", "Standing", "standing", "seniority", "Records", "pick", "step_ceiling",
            "PeerSteps", "by_host", "host_of", "step_move", "MOVE_SLACK", "NewcomerBudget",
            "NEWCOMER_BURST", "MEMBER_SHARE", "MEMBER_BURST", "MAX_HOSTS", "MAX_RECORDS",
-           "Proofs"]
+           "PROOFS_PER_HOST", "Proofs"]
 
 NEWCOMER_BURST = 2  # newcomer exchanges one host may have saved up
 MEMBER_SHARE = 2.0  # x 1/hosts: the member exchanges one host earns per round of ours
@@ -95,6 +95,7 @@ MEMBER_BURST = 2  # member exchanges one host may have saved up
 FOUNDING = 0.5  # x trust_after: a peer we saw this soon after our start started with us
 MAX_HOSTS = 4096  # hosts whose budget is remembered; the one seen longest ago goes first
 MAX_RECORDS = 4096  # peers whose record is remembered; the one recorded longest ago goes first
+PROOFS_PER_HOST = 16  # proofs remembered per host; that host's quietest goes first
 
 
 class Standing(enum.Enum):
@@ -169,21 +170,40 @@ class Proofs:
     us completed its handshake, whichever side dialled. Gossip says who exists; only this
     says who can speak for an identity, so standing (:func:`standing`), the step's estimate
     and the data shards count from here. Bounded to the :data:`MAX_RECORDS` peers proved
-    most recently (a peer's every channel renews its place, not its time): a flood of fresh
-    identities pushes out the quietest record, and that peer proves itself again with its
-    next channel."""
+    most recently (a peer's every channel renews its place, not its time), and to
+    :data:`PROOFS_PER_HOST` per host: a flood of fresh identities from one address pushes
+    out that address's own quietest records, never another host's."""
 
-    def __init__(self, max_peers: int = MAX_RECORDS) -> None:
-        self._max = max_peers
+    def __init__(self, max_peers: int = MAX_RECORDS, per_host: int = PROOFS_PER_HOST) -> None:
+        self._max, self._per_host = max_peers, per_host
         self._first: OrderedDict[str, tuple[float, str]] = OrderedDict()  # time, host
+        self._hosts: dict[str, OrderedDict[str, None]] = {}  # host: its peers, quietest first
 
     def proved(self, peer: str, now: float, host: str) -> None:
-        """A channel with ``peer``, whose other end was at ``host``, completed its
-        handshake at ``now``."""
-        first, _ = self._first.pop(peer, (now, host))
+        """A channel with ``peer``, whose other end was at ``host`` (empty if unknown: then
+        the host it proved itself from before, if any), completed its handshake at ``now``."""
+        first, before = self._first.pop(peer, (now, None))
+        host = host or before or ""
+        if before is not None:
+            self._drop_from(before, peer)
         self._first[peer] = (first, host)
+        peers = self._hosts.setdefault(host, OrderedDict())
+        peers[peer] = None
+        if len(peers) > self._per_host:
+            self._forget(next(iter(peers)))
         if len(self._first) > self._max:
-            self._first.popitem(last=False)
+            self._forget(next(iter(self._first)))
+
+    def _forget(self, peer: str) -> None:
+        _, host = self._first.pop(peer)
+        self._drop_from(host, peer)
+
+    def _drop_from(self, host: str, peer: str) -> None:
+        peers = self._hosts.get(host)
+        if peers is not None:
+            peers.pop(peer, None)
+            if not peers:
+                del self._hosts[host]
 
     def since(self, peer: str) -> float | None:
         """When ``peer`` first proved itself, or None if it never did (or was forgotten)."""
@@ -357,7 +377,7 @@ class NewcomerBudget:
         """Whether an offer from ``host`` may have an exchange now (spends a token if so)."""
         tokens, then = self._buckets.pop(host, (float(self._burst), self._earned))
         tokens = min(float(self._burst), tokens + self._earned - then)
-        allowed = tokens >= 1.0
+        allowed = tokens >= 1.0 - 1e-9  # a sum of fractions may fall a rounding short of 1
         self._buckets[host] = (tokens - allowed, self._earned)
         if len(self._buckets) > self._max_hosts:
             self._buckets.popitem(last=False)

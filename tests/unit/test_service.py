@@ -153,7 +153,7 @@ def shard_service(clock: MockClock, tmp_path: Path, announced: list[tuple[int, i
     node.peer_id = "a" * 26  # type: ignore[attr-defined]
     node.roster = SimpleNamespace(statistics=lambda: SimpleNamespace(alive=len(members)),
                                   alive=lambda **which: members, wait_joined=joined,
-                                  prove=prove,
+                                  prove=prove, proven_host=lambda m: str(id(m)),
                                   set_meta=lambda **meta: node.said.append(meta))  # type: ignore
     return training(clock, config, node, trainer, choose_shard=True), node, trainer
 

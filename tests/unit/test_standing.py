@@ -87,6 +87,24 @@ def test_proofs_keep_the_first_time_and_the_latest_host_and_forget_the_quietest(
     assert "a" in proofs and "c" in proofs
 
 
+def test_a_flood_of_identities_from_one_host_pushes_out_only_that_hosts_proofs() -> None:
+    proofs = Proofs(max_peers=100, per_host=3)
+    proofs.proved("honest", 0.0, "10.0.0.1")
+    for i in range(1000):
+        proofs.proved(f"fresh{i}", 1.0 + i, "10.0.0.66")
+    assert "honest" in proofs
+    assert [f"fresh{i}" in proofs for i in range(996, 1000)] == [False, True, True, True]
+
+
+def test_a_proof_from_an_unknown_address_keeps_the_host_proved_before() -> None:
+    proofs = Proofs()
+    proofs.proved("a", 1.0, "10.0.0.1")
+    proofs.proved("a", 2.0, "")  # the socket could not say where it came from
+    assert proofs.host("a") == "10.0.0.1"
+    proofs.proved("b", 3.0, "")
+    assert proofs.host("b") == ""  # a host of its own, not the address its record claims
+
+
 def test_the_step_ceiling_counts_the_hosts_a_host_function_says() -> None:
     # Three identities claiming three hosts, all proved from one: one host, one vote.
     ms = members([("10.0.0.1", 100), ("10.0.0.2", 100), ("10.0.0.3", 100), ("10.0.0.9", 5),
