@@ -34,9 +34,10 @@ members it heard of (an invented record's address is not its own: that handshake
 stays unproven) and counts those that answered, plus the members it already had a channel
 with, each shard once per host they proved themselves from (identities are free, addresses
 are not: a key holder's identities on one address add at most one to each shard, which
-steers nobody). Members that accept no connections prove themselves only when they connect
-to it, so a joiner does not count them; with a larger swarm than the sample, coverage is
-estimated from the sample.
+steers nobody). Members that announce they accept no connections are dialled too, after the
+others (one whose dial-back check has not run yet announces so); one behind a NAT counts once
+it has connected to the chooser. With a larger swarm than the sample, coverage is estimated
+from the sample.
 
 Choosing costs up to :data:`SAMPLE` handshakes (eight at once, all within one push-pull
 deadline) and O(members + shards), once per start.

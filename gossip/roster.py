@@ -46,6 +46,7 @@ from __future__ import annotations
 import errno
 import logging
 import random
+from collections import OrderedDict
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable
@@ -77,6 +78,7 @@ log = logging.getLogger(__name__)
 PORT_ATTEMPTS = 8  # ports tried for listen port 0 when the stream port is taken
 MAX_PUSH_PULLS = 2  # outgoing push-pulls in flight at once; more are skipped, not queued
 PROVE_SAMPLE = 8  # members a joiner proves by a handshake each before it counts them
+MAX_UNPROVABLE = 4096  # members whose failed proof is remembered (not retried for a while)
 SEND_TIMEOUT = 0.1  # s one datagram send may take (a host name's lookup included)
 
 # What a channel whose first message is not a PushPull is handed to (averaging, later).
@@ -150,6 +152,7 @@ class Roster:
         self._over_limit = {"max_connections": 0, "max_handshakes_per_host": 0}  # by serve
         self._channels_limited = 0
         self._proofs = Proofs()
+        self._unprovable: OrderedDict[str, float] = OrderedDict()  # peer: not before then
         # The checks beside the machine, each given what it needs (the machine itself only
         # exists once run() has bound the port: hence the lambdas).
         self._clash = ClashWatch(network, identity, swarm, config,
@@ -213,13 +216,26 @@ class Roster:
         sample, :data:`PROVE_SAMPLE` at a time; the channel carries only a ``Close(0)``), so
         that what counts identities can count them. Failures are only logged: a record whose
         address is not its own, say, stays unproven. Returns when every attempt has ended,
-        all within one push-pull deadline."""
-        unproven = [m for m in members if m.peer not in self._proofs and m.reachable]
-        sample = unproven if len(unproven) <= most else self._rng.sample(unproven, most)
+        all within one push-pull deadline. Members that announce they take no connections
+        are tried too, after the others (a member whose dial-back check has not run yet
+        announces so). A member whose attempt failed is not tried again
+        for ``push_pull_interval`` (a joiner retrying its download every second would
+        otherwise wait on the same dead or invented members each time)."""
+        now = trio.current_time()
+        sample: list[Member] = []
+        for reachable in (True, False):  # those that say they take connections first
+            unproven = [m for m in members if m.peer not in self._proofs
+                        and m.reachable == reachable and self._unprovable.get(m.peer, now) <= now]
+            room = most - len(sample)
+            sample += unproven if len(unproven) <= room else self._rng.sample(unproven, room)
         limiter = trio.CapacityLimiter(PROVE_SAMPLE)
-        deadline = trio.current_time() + self._config.push_pull_timeout  # all of them
+        deadline = now + self._config.push_pull_timeout  # all of them
 
         async def one(member: Member) -> None:
+            self._unprovable.pop(member.peer, None)
+            self._unprovable[member.peer] = now + self._config.push_pull_interval
+            if len(self._unprovable) > MAX_UNPROVABLE:
+                self._unprovable.popitem(last=False)
             try:
                 async with limiter:
                     with phase_deadline(self._config.push_pull_timeout, member.address, "proof"):
