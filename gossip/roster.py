@@ -153,6 +153,7 @@ class Roster:
         self._channels_limited = 0
         self._proofs = Proofs()
         self._unprovable: OrderedDict[str, float] = OrderedDict()  # peer: not before then
+        self._proving: dict[str, trio.Event] = {}  # peer: its proof in flight, set when ended
         # The checks beside the machine, each given what it needs (the machine itself only
         # exists once run() has bound the port: hence the lambdas).
         self._clash = ClashWatch(network, identity, swarm, config,
@@ -223,15 +224,21 @@ class Roster:
         otherwise wait on the same dead or invented members each time)."""
         now = trio.current_time()
         sample: list[Member] = []
+        # Another caller's attempts in flight (the download's and the shard choice's run at
+        # once after a join): wait for those rather than skip them as failed.
+        pending = [self._proving[m.peer] for m in members if m.peer in self._proving]
         for reachable in (True, False):  # those that say they take connections first
             unproven = [m for m in members if m.peer not in self._proofs
-                        and m.reachable == reachable and self._unprovable.get(m.peer, now) <= now]
+                        and m.peer not in self._proving and m.reachable == reachable
+                        and self._unprovable.get(m.peer, now) <= now]
             room = most - len(sample)
             sample += unproven if len(unproven) <= room else self._rng.sample(unproven, room)
         limiter = trio.CapacityLimiter(PROVE_SAMPLE)
         deadline = now + self._config.push_pull_timeout  # all of them
 
-        async def one(member: Member) -> None:
+        async def one(member: Member, done: trio.Event) -> None:
+            # Marked unprovable until it succeeds, so that an attempt cut by the deadline
+            # counts as failed too.
             self._unprovable.pop(member.peer, None)
             self._unprovable[member.peer] = now + self._config.push_pull_interval
             if len(self._unprovable) > MAX_UNPROVABLE:
@@ -244,15 +251,23 @@ class Roster:
                                                 allow=frozenset({member.peer}),
                                                 timeouts=self._timeouts)
                         self.proved(channel)
+                        self._unprovable.pop(member.peer, None)
                         async with channel:
                             await channel.send_closing(Close(Close.NORMAL, "proved"))
             except GossipError as exc:
                 log.debug("channel to prove peer=%s failed: %s", member.peer.short, exc)
+            finally:
+                if self._proving.get(member.peer) is done:
+                    del self._proving[member.peer]
+                done.set()
 
         with trio.move_on_at(deadline):
             async with trio.open_nursery() as nursery:
                 for member in sample:
-                    nursery.start_soon(one, member)
+                    self._proving[member.peer] = done = trio.Event()
+                    nursery.start_soon(one, member, done)
+                for event in pending:
+                    nursery.start_soon(event.wait)
 
     def random_alive(self, *, ready: bool | None = None, reachable: bool | None = None,
                      rng: random.Random | None = None) -> Member | None:

@@ -152,3 +152,40 @@ async def test_identities_heard_in_gossip_stand_only_after_proving_themselves(
         assert after.newcomers == before.newcomers  # they do stand now
         assert hosts == 1 and 0 < members <= most
         assert after.members_limited - before.members_limited > 10 * members  # answered busy
+
+
+async def test_a_proof_in_flight_is_waited_for_by_a_second_caller(
+        autojump_clock: MockClock) -> None:
+    # A joiner proves members for its download and for its shard choice at once. The second
+    # caller used to skip the members whose proof the first had in flight (marked as not to
+    # be tried again), counted them unproven, and a daemon took the shard of the node it was
+    # downloading from.
+    net = SimNetwork(seed=4, latency=0.05)
+    config = AveragingConfig(every=None, interval=None, start="own")
+    async with AsyncExitStack() as stack:
+        nodes: list[SwarmNode] = []
+        for i in range(3):
+            nodes.append(await stack.enter_async_context(open_swarm(
+                model(i), SWARM, NodeConfig(listen=f"n{i}:7000", averaging=config,
+                                            bootstrap=[nodes[0].address] if nodes else []),
+                network=net.host(f"n{i}"), rng=random.Random(i))))
+        first, _, last = nodes
+        with trio.fail_after(30):
+            while len(first.roster.alive()) < 2 or len(last.roster.alive()) < 2:
+                await last.roster.wait_changed()
+        (other,) = [m for m in last.roster.alive() if m.peer == nodes[1].peer_id]
+        def proven() -> bool:
+            return other.peer in {m.peer for m in last.roster.alive(proven=True)}
+
+        assert not proven()
+        seen: list[bool] = []
+
+        async def prove() -> None:
+            await last.roster.prove([other])
+            seen.append(proven())
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(prove)
+            await trio.sleep(0.01)  # the first caller's handshake is under way
+            nursery.start_soon(prove)
+        assert seen == [True, True]
