@@ -26,7 +26,7 @@ from gossip.testing import ProxyClient
 
 SEED = 6
 NODES = 6
-CHAOS = 90.0  # s of kills, restarts and faults
+CHAOS = 60.0  # s of kills (about 13), restarts and faults, the partition among them
 KILL_EVERY = (3.0, 6.0)  # s between kills, uniform
 MAX_DOWN = 3  # nodes down or restarting at once: a restart takes 10-30 s on two busy cores
 PARTITION_AT, PARTITION_FOR = 15.0, 20.0  # s into the chaos, s
