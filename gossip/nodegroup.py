@@ -81,9 +81,34 @@ SYNC_SPACING = 9.0  # a broadcast waits 9x as long as the last one took: <= 10% 
 
 # A header's flags: what follows it.
 _STATE, _CHECK, _STOP = 1, 2, 4  # the speaker's state; a bit-identity check; nothing, ever
-# flags, step, since, spacing (its float64 bits), parts, resumed step (+1; 0: none), and the
-# elements of the state a broadcast carries (each process checks its own has as many)
-_HEADER = 7
+
+
+@dataclass(frozen=True)
+class _Header:
+    """What the speaker broadcasts at every step boundary, as seven int64 slots: ``flags``,
+    ``step``, ``since``, ``spacing`` (its float64 bits), ``parts``, ``resumed`` (+1; 0:
+    none), and the ``elements`` of the state a broadcast carries (each process checks its
+    own has as many). A follower sends zeros (:data:`EMPTY`) and reads the speaker's."""
+
+    flags: int = 0
+    step: int = 0
+    since: int = 0
+    spacing: float = 0.0
+    parts: int = 0
+    resumed: int | None = None
+    elements: int = 0
+
+    def encode(self) -> torch.Tensor:
+        spacing = torch.tensor([self.spacing], dtype=torch.float64).view(torch.int64)[0]
+        return torch.tensor([self.flags, self.step, self.since, int(spacing), self.parts,
+                             0 if self.resumed is None else self.resumed + 1, self.elements],
+                            dtype=torch.int64)
+
+    @classmethod
+    def decode(cls, slots: torch.Tensor) -> _Header:
+        flags, step, since, spacing, parts, resumed, elements = (int(x) for x in slots)
+        return cls(flags, step, since, float(slots[3:4].clone().view(torch.float64)[0]), parts,
+                   None if resumed == 0 else resumed - 1, elements)
 
 
 @dataclass(frozen=True)
@@ -190,18 +215,17 @@ class NodeGroup:
         """
         self._replica = replica
         header = self._header(_STATE, resumed)
-        if int(header[0]) & _STOP:  # the speaker finished before it started (a signal)
+        if header.flags & _STOP:  # the speaker finished before it started (a signal)
             self.stopped = True
             return
         self.started = True
         if not self.speaker:
-            theirs = int(header[5]) - 1
-            if (theirs if theirs >= 0 else None) != resumed:
+            if header.resumed != resumed:
                 raise GossipError(
                     f"process {self.rank} resumed checkpoint step {resumed}, the speaking "
-                    f"process step {theirs if theirs >= 0 else None}: each must read the same "
-                    f"checkpoint directory")
-            if int(header[4]) != replica.parts:
+                    f"process step {header.resumed}: each must read the same checkpoint "
+                    f"directory")
+            if header.parts != replica.parts:
                 raise GossipError(f"process {self.rank} keeps no drift correction where the "
                                   f"speaking process does (or the reverse): give every "
                                   f"process the same optimizer and averaging settings")
@@ -231,7 +255,7 @@ class NodeGroup:
             due = self.check_every and (self._boundaries + 1) % self.check_every == 0
             flags = (_STATE if replica.revision != self._sent else 0) | (_CHECK if due else 0)
         header = self._header(flags, None)
-        flags = int(header[0])
+        flags = header.flags
         if flags & _STOP:
             self.stopped = True
             return 0
@@ -263,9 +287,19 @@ class NodeGroup:
         return int(tensor[0])
 
     def close(self) -> None:
-        """Stop averaging gradients (the training is over)."""
+        """Stop averaging gradients (the training is over) and destroy the gloo group the
+        headers used, if this group made one. Idempotent; the group given stays the caller's."""
         if self._sync is not None:
-            self._sync.close()
+            self._sync.close()  # idempotent; its counts stay for statistics()
+        if self.control is not self.group:
+            dist.destroy_process_group(self.control)
+            self.control = self.group
+
+    def __enter__(self) -> NodeGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def statistics(self) -> NodeGroupStatistics:
         sync = self._sync
@@ -284,32 +318,28 @@ class NodeGroup:
         of the node's time however large the model and however often exchanges commit."""
         return time.perf_counter() - self._synced_at >= SYNC_SPACING * self._sync_took
 
-    def _header(self, flags: int, resumed: int | None) -> torch.Tensor:
-        """The speaker's header, broadcast: ``[flags, step, since, spacing's float64 bits,
-        parts, resumed step + 1 (0: none), elements of the state when one follows]``; a
-        follower's ``flags`` are ignored."""
+    def _header(self, flags: int, resumed: int | None) -> _Header:
+        """The speaker's header (see :class:`_Header`), broadcast; a follower's ``flags``
+        are ignored."""
         started = time.perf_counter()
-        header = torch.zeros(_HEADER, dtype=torch.int64)
+        header = _Header()
         replica = self._replica
         if self.speaker and replica is not None:
             since, spacing = replica.correction_timing()
-            header[0] = flags
-            header[1] = replica.counters().step
-            header[2] = since
-            header[3] = torch.tensor([spacing], dtype=torch.float64).view(torch.int64)[0]
-            header[4] = replica.parts
-            header[5] = 0 if resumed is None else resumed + 1
-            if flags & _STATE:
-                header[6] = sum(t.numel() for t in self._state_tensors())
+            elements = sum(t.numel() for t in self._state_tensors()) if flags & _STATE else 0
+            header = _Header(flags, replica.counters().step, since, spacing, replica.parts,
+                             resumed, elements)
         elif self.speaker:
-            header[0] = flags
+            header = _Header(flags)
+        slots = header.encode()
         with _collective("a step boundary"):
-            dist.broadcast(header, src=self._src(), group=self.control)
+            dist.broadcast(slots, src=self._src(), group=self.control)
         self._header_seconds += time.perf_counter() - started
-        self.global_step = int(header[1])
+        header = _Header.decode(slots)
+        self.global_step = header.step
         return header
 
-    def _broadcast_state(self, header: torch.Tensor) -> None:
+    def _broadcast_state(self, header: _Header) -> None:
         """The speaker's parameters, persistent buffers and correction, into every
         follower's. No lock: once the node is ready the speaker's trainer (this thread) is the
         only writer of its model and correction, and the network side only reads them."""
@@ -318,18 +348,17 @@ class NodeGroup:
         started = time.perf_counter()
         tensors = self._state_tensors()
         elements = sum(t.numel() for t in tensors)
-        if elements != int(header[6]):  # before any bulk collective, in every process
+        if elements != header.elements:  # before any bulk collective, in every process
             raise GossipError(
                 f"process {self.rank}'s model state has {elements} elements where the "
-                f"speaking process's has {int(header[6])}: a buffer whose size depends on the "
+                f"speaking process's has {header.elements}: a buffer whose size depends on the "
                 f"input (a cache?) must not be persistent, or the processes build different "
                 f"models")
         self._syncs += 1
         self._sync_bytes += sum(t.numel() * t.element_size() for t in tensors)
         self._broadcast(tensors)
         if not self.speaker:
-            spacing = header[3:4].clone().view(torch.float64)
-            replica.set_correction_timing(int(header[2]), float(spacing[0]))
+            replica.set_correction_timing(header.since, header.spacing)
         self._sent = replica.revision
         self._synced_at = time.perf_counter()
         self._sync_took = self._synced_at - started

@@ -224,3 +224,15 @@ def test_a_killed_follower_fails_the_speakers_next_collective(tmp_path: Path) ->
         finish(procs)
     assert speaker.returncode == 0, out
     assert "lost: " in out and "another process of this node is gone" in out, out
+
+
+@pytest.mark.parametrize("resumed", [None, 0, 12345])
+def test_the_step_boundary_header_travels_as_seven_integers_and_back(resumed: int | None) -> None:
+    from gossip.nodegroup import _Header
+
+    header = _Header(flags=3, step=2**40 + 7, since=17, spacing=0.1 + 2**-30, parts=2,
+                     resumed=resumed, elements=123_456_789)
+    slots = header.encode()
+    assert slots.dtype == torch.int64 and slots.shape == (7,)
+    assert _Header.decode(slots) == header  # the spacing's float64 bits exactly
+    assert _Header.decode(torch.zeros(7, dtype=torch.int64)) == _Header()  # a follower's
