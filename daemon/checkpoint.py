@@ -20,19 +20,19 @@ the payload is still read only with ``torch.load(weights_only=True, map_location
 which refuses pickles that name arbitrary classes or functions.
 
 Writing (:func:`save`) streams: ``torch.save`` writes through :class:`_HashingWriter`, which
-hashes each chunk on its way to the file, so the payload is never held in memory. The file is
-a temp file in the same directory (``.checkpoint-<step>.ckpt.<random>.tmp``, which
+hashes each chunk on its way to the file, so the payload is never held in memory. The file is a
+temp file in the same directory (``.checkpoint-<step>.ckpt.<random>.tmp``, which
 :func:`checkpoints` ignores), flushed, fsynced, renamed over the final name with
-``os.replace``, and the directory fsynced. Until the rename the previous checkpoint is
-untouched, so a crash at any instant leaves the last completed checkpoint on disk, plus at
-most a temp file, which the next save removes. After the rename, all but the newest ``keep``
-checkpoints are deleted, never the new one. A save whose step is more than twice the newest
-checkpoint's plus :data:`JUMP_SLACK` first sets that one aside as ``<name>.before-jump``, out
-of the pruning's reach: names follow the step, so a step taken from a lying peer would
-otherwise prune every checkpoint from before it (the newest ``keep`` of those are kept, and
-:func:`load_latest` does not read them: resuming from one is the operator's choice). One
-process writes a directory at a time (the
-daemon's trainer): a second writer's temp file would be taken for a stale one.
+``os.replace``, and the directory fsynced (:func:`daemon.files.atomic_write`). Until the rename
+the previous checkpoint is untouched, so a crash at any instant leaves the last completed
+checkpoint on disk, plus at most a temp file, which the next save removes. After the rename,
+all but the newest ``keep`` checkpoints are deleted, never the new one. A save whose step is
+more than twice the newest checkpoint's plus :data:`JUMP_SLACK` first sets that one aside as
+``<name>.before-jump``, out of the pruning's reach: names follow the step, so a step taken from
+a lying peer would otherwise prune every checkpoint from before it (the newest ``keep`` of
+those are kept, and :func:`load_latest` does not read them: resuming from one is the operator's
+choice). One process writes a directory at a time (the daemon's trainer): a second writer's
+temp file would be taken for a stale one.
 
 Reading (:func:`load`) reads the file once, verifies it, and only then unpickles.
 :func:`load_latest` walks back from the newest checkpoint, logging and skipping each that
@@ -55,7 +55,6 @@ import os
 import random
 import re
 import struct
-import tempfile
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -66,11 +65,12 @@ import trio
 
 from gossip import MAX_COUNT
 
+from .files import TEMP_SUFFIX, atomic_write
 from .logs import RUN
 
 __all__ = [
     "CheckpointError", "Checkpointer", "FORMAT", "MAGIC", "VERSION", "END_MAGIC", "MAX_STEP",
-    "save", "load", "load_latest", "checkpoints", "capture_rng", "restore_rng", "atomic_write",
+    "save", "load", "load_latest", "checkpoints", "capture_rng", "restore_rng",
     "torch_load_reason",
 ]
 
@@ -84,7 +84,7 @@ END_MAGIC = b"GOSSIPND"
 _TRAILER = struct.Struct("<Q32s8s")  # payload length, SHA-256(header + payload), END_MAGIC
 MAX_STEP = MAX_COUNT  # the protocol's counter range: any step a peer can give us
 _NAME = re.compile(r"checkpoint-(\d{12,16})\.ckpt")
-_TEMP_PREFIX, _TEMP_SUFFIX = ".checkpoint-", ".tmp"
+_TEMP_PREFIX = ".checkpoint-"  # and files.TEMP_SUFFIX: the temp file of a save
 # A save more than twice the newest checkpoint's step, plus this, is a jump: more than one
 # exchange may move a step (gossip.standing.step_move caps a move up at the step plus the same
 # slack, MOVE_SLACK, which is not public API: the daemon keeps its own copy of the number). Honestly a restart far behind the swarm; a peer's lie otherwise: the checkpoint
@@ -130,44 +130,6 @@ class _HashingWriter:
         self._f.flush()
 
 
-def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
-    """Create or replace ``path`` so that readers see the old file or the whole new one.
-
-    ``write(f)`` fills a temp file ``.<name>.<random>.tmp`` (mode 0600) beside ``path``; it is
-    then flushed, fsynced, renamed over ``path`` and the directory fsynced. On any error,
-    cancellation included, the temp file is removed and the error propagates.
-
-    Args:
-        path: the final file; its directory must exist.
-        write: writes the content to the binary file it is given.
-
-    Raises:
-        OSError: creating, writing, syncing or renaming failed; ``path`` is unchanged.
-    """
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=_TEMP_SUFFIX, dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    _fsync_directory(path.parent)
-
-
-def _fsync_directory(directory: Path) -> None:
-    # Makes the rename itself durable; without it a power cut may bring back the old name.
-    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _check_int(name: str, value: object, low: int, high: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise ValueError(f"{name} must be an int in [{low}, {high}], got {value!r}")
@@ -202,7 +164,7 @@ def save(directory: Path, state: Mapping[str, Any], *, step: int, keep: int) -> 
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     for name in os.listdir(directory):
         stale = directory / name
-        if name.startswith(_TEMP_PREFIX) and name.endswith(_TEMP_SUFFIX) and stale.is_file():
+        if name.startswith(_TEMP_PREFIX) and name.endswith(TEMP_SUFFIX) and stale.is_file():
             log.warning("checkpoint stale temp removed path=%s", stale)
             with contextlib.suppress(FileNotFoundError):
                 stale.unlink()

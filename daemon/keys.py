@@ -46,6 +46,7 @@ from urllib.parse import parse_qs, quote, unquote
 from gossip import DEFAULT_CIPHER, MAX_SHARDS, Swarm, parse_address
 
 from .config import WILDCARDS, AveragingSection, Config, ConfigError, SwarmSection
+from .files import atomic_write
 
 __all__ = ["KeyFileError", "JoinLine", "read_swarm_key", "write_swarm_key", "write_new",
            "replace_swarm_key", "same_owner", "load_swarm", "encode_options", "decode_options",
@@ -103,22 +104,19 @@ def read_swarm_key(path: Path) -> bytes:
 
 
 def write_new(path: Path, data: bytes) -> None:
-    """Create ``path`` with mode 0600 holding ``data``; never overwrite.
+    """Create ``path`` with mode 0600 holding ``data``, fsynced with its directory; never
+    overwrite.
 
     Raises:
         KeyFileError: the file exists, or cannot be written.
     """
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        atomic_write(path, data, exclusive=True)
     except FileExistsError:
         raise KeyFileError(f"{path} exists; not overwriting it") from None
     except OSError as exc:
         raise KeyFileError(f"cannot create {path}: {exc.strerror}") from None
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def write_swarm_key(path: Path, key: bytes) -> None:
@@ -129,23 +127,18 @@ def write_swarm_key(path: Path, key: bytes) -> None:
 
 
 def replace_swarm_key(path: Path, key: bytes) -> None:
-    """Put ``key`` in the swarm key file ``path`` (0600) in place of what it holds: written to
-    a temporary file beside it, fsynced, then renamed over it, so that a crash leaves either
-    key whole, never a torn file.
+    """Put ``key`` in the swarm key file ``path`` (0600, and for root the owner of the file it
+    replaces) in place of what it holds, atomically (:func:`daemon.files.atomic_write`), so
+    that a crash leaves either key whole, never a torn file.
 
     Raises:
         KeyFileError: it cannot be written.
     """
     if len(key) != 32:
         raise ValueError("a swarm key is 32 bytes")
-    temporary = path.with_name(path.name + ".new")
-    temporary.unlink(missing_ok=True)  # left by a crash here: never a key anyone uses
-    write_new(temporary, key.hex().encode() + b"\n")
-    if path.exists():
-        same_owner(temporary, path)
+    path.with_name(path.name + ".new").unlink(missing_ok=True)  # an older version's temp file
     try:
-        os.replace(temporary, path)
-        _fsync_directory(path.parent)
+        atomic_write(path, key.hex().encode() + b"\n", owner_like=path if path.exists() else None)
     except OSError as exc:
         raise KeyFileError(f"cannot replace {path}: {exc.strerror}") from None
 
@@ -164,15 +157,6 @@ def same_owner(path: Path, like: Path) -> None:
         os.chown(path, st.st_uid, st.st_gid)
     except OSError as exc:
         raise KeyFileError(f"cannot give {path} the owner of {like}: {exc.strerror}") from None
-
-
-def _fsync_directory(directory: Path) -> None:
-    """Make a rename in ``directory`` durable."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def load_swarm(name: str, key_path: Path, previous_path: Path | None = None,

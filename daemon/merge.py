@@ -23,8 +23,9 @@ and a difference is logged. Non-finite values are not refused: a buffer may hold
 purpose (an attention mask); NaN in an input gives NaN in the output.
 
 The output is a plain ``torch.save``'d state dict in key order, written atomically (temp
-file, fsync, ``os.replace``) with mode 0600, and never over one of the inputs. Memory: every
-input is held at once, plus one float64 accumulator for the largest entry.
+file, fsync, ``os.replace``: :func:`daemon.files.atomic_write`) with mode 0600, and never over
+one of the inputs. Memory: every input is held at once, plus one float64 accumulator for the
+largest entry.
 
 A checkpoint is not a ``torch.save`` file (a header and a trailer frame the payload:
 :mod:`daemon.checkpoint`) and holds the optimizer, counters and RNG states besides the model.
@@ -46,6 +47,7 @@ from typing import Any, BinaryIO
 import torch
 
 from . import checkpoint
+from .files import atomic_write
 
 __all__ = ["MergeError", "read_state_dict", "average", "average_files", "export_file"]
 
@@ -299,6 +301,6 @@ def _write(out: Path, state: Mapping[str, torch.Tensor]) -> None:
         torch.save(state, f)
 
     try:
-        checkpoint.atomic_write(out, write)
+        atomic_write(out, write)
     except OSError as exc:
         raise MergeError(f"{out}: cannot write: {exc.strerror or exc}") from exc

@@ -52,6 +52,8 @@ from pathlib import Path
 
 from gossip import MAX_SHARDS, Roster
 
+from .files import atomic_write
+
 __all__ = ["CHOICE_FILE", "SAMPLE", "announced", "coverage", "choose_shard", "describe",
            "read_choice", "write_choice"]
 
@@ -147,12 +149,10 @@ def read_choice(path: Path, shards: int) -> int | None:
 
 
 def write_choice(path: Path, shard: int, shards: int) -> None:
-    """Keep the choice for the next run, as checkpoints are written (a temp file, fsynced,
-    renamed over ``path``, the directory fsynced): a crash leaves the old choice or the new.
+    """Keep the choice for the next run, written atomically (:func:`daemon.files.atomic_write`):
+    a crash leaves the old choice or the new.
 
     Raises:
         OSError: it cannot be written.
     """
-    from .checkpoint import atomic_write  # torch, which this module does not otherwise need
-
-    atomic_write(path, lambda f: f.write(f"{shard}/{shards}\n".encode("ascii")))
+    atomic_write(path, f"{shard}/{shards}\n".encode("ascii"))

@@ -2,7 +2,8 @@
 
 Pure: no trio, no sockets. :class:`NoiseHandshake` is the Noise state machine (Noise spec
 revision 34, §5 and §9); the identity layer on top (:func:`make_hello`, :func:`check_hello`)
-is this protocol's own. :mod:`gossip.channel` drives both over a stream.
+is this protocol's own. :mod:`gossip.endpoints` drives both over a stream, and
+:mod:`gossip.channel` carries the records that follow.
 
 Theory of operation
 -------------------
@@ -34,7 +35,7 @@ Rotating the swarm key: a :class:`Swarm` may hold a second, ``previous`` key for
 of a rotation. Message 1 is the only message the PSK alone decides, so the responder reads it
 under the swarm key and then under the previous one (:func:`read_first_message`) and goes on
 under whichever authenticated it; a dialer initiates under the swarm key and dials again
-under the previous one if the responder closes after message 1 (:func:`gossip.channel.connect`,
+under the previous one if the responder closes after message 1 (:func:`gossip.endpoints.connect`,
 with the memory of :mod:`gossip.rotation`). Until the rotation finishes, a holder of the
 previous key is as much a member as a holder of the new one: a rotation that shuts someone
 out takes effect when the last node drops the previous key.

@@ -55,7 +55,7 @@ are the values, without copying either. Decoding a record is then two vectorized
 its output (widen the bytes into it, multiply by the scales in place) and encoding one is
 six (absolute values, block maxima, divide, round, clamp, narrow to bytes), on scratch buffers
 made once per payload: no Python loop per block, no allocation the size of a record. Nothing here does
-I/O; :mod:`gossip.tensors` streams records and checks their sizes.
+I/O; :mod:`gossip.codec` streams records and checks their sizes.
 """
 
 from __future__ import annotations

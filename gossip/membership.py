@@ -3,21 +3,17 @@
 Theory of operation
 -------------------
 Each node keeps a table of members, each ALIVE, SUSPECT, DEAD or LEFT at an incarnation
-number, and runs three timers (all times are passed in; nothing here does I/O):
+number, and runs these timers (all times are passed in; nothing here does I/O):
 
-* **Probe**, once per protocol period. Pick the next member of a shuffled round-robin list
-  and send it ``Ping``. No ``Ack`` within the probe timeout: ask ``indirect_checks`` other
-  members to probe it for us (``PingReq``); each either forwards the target's ``Ack`` or,
-  after its own probe timeout, answers ``Nack``. Still no ``Ack`` at the end of the period:
-  *suspect* the member. A suspicion not refuted before its Lifeguard timeout
+* **Probe**, once per protocol period: ``Ping`` the next member of a shuffled round-robin
+  list, then ask ``indirect_checks`` others to (``PingReq``); no ``Ack`` by the end of the
+  period: *suspect* the member. A suspicion not refuted before its Lifeguard timeout
   (:mod:`gossip.suspicion`) makes the member *dead*.
 * **Verification**, every period while we hold a suspicion, starting 1 to 2 periods after it
-  began: ping the suspect outside the probe cycle, with the suspicion attached. A live suspect refutes and answers the teller with its
-  current Alive directly, so a member that missed a refutation gets it anyway; an Ack restarts
-  our timer (a suspicion stands only while the suspect is silent); a ping left unanswered for
-  a period is our own confirmation. Without this, a member that happened to miss a refutation
-  declared a live node dead (SWIM's gossip reaches each member with high probability, not
-  certainty), and one that missed the verdict waited out a long unconfirmed timer.
+  began: ping the suspect with the suspicion attached. A live suspect refutes and answers the
+  teller with its current Alive directly, so a member that missed a refutation gets it
+  anyway; an Ack restarts our timer (a suspicion stands only while the suspect is silent); a
+  ping left unanswered for a period is our own confirmation (:mod:`gossip.probing` says why).
 * **Gossip**, every ``gossip_interval`` while updates are queued: send them to
   ``gossip_nodes`` random members (recently dead ones included, so they can refute).
 * **Push-pull**, every ``push_pull_interval`` (scaled up above 32 members), and once more a
@@ -34,18 +30,24 @@ self). Two processes with one identity at two addresses refute each other for ev
 announcement out-bidding the other's; a restarted node refutes its old self once or twice at
 most. So :data:`CLASH_CLAIMS` claims to be us from an address that is not ours, each at or
 above our incarnation, suggest an identity clash (:meth:`Membership.take_clash`); gossip is
-not signed by the member it is about, so the driver checks the address before it believes it. Full tables are merged as memberlist does: a remote DEAD becomes a local *suspicion*
-(the sender's view may be stale; the member can still refute), a remote LEFT is final.
+not signed by the member it is about, so the driver checks the address before it believes
+it. Full tables are merged as memberlist does: a remote DEAD becomes a local *suspicion* (the
+sender's view may be stale; the member can still refute), a remote LEFT is final.
 
-Lifeguard's local health: a score in ``0..awareness_max`` rises when our probes fail without
+Lifeguard's local health, a score in ``0..awareness_max``, rises when our probes fail without
 the helpers' Nacks that would show our own network is fine, and when we must refute a
-suspicion about ourselves; it falls with each successful probe. Probe interval and timeout
-are multiplied by ``score + 1``, so a node that is itself slow probes less aggressively and
-waits longer before it accuses anyone.
+suspicion about ourselves; probe interval and timeout are multiplied by ``score + 1``, so a
+node that is itself slow probes less aggressively and waits longer before it accuses anyone.
+
+Probing (the probe cycle, verification, the helper's side of a ``PingReq``, the local
+health) is a :class:`~gossip.probing.Prober` that the membership owns: it keeps the probe
+state and returns effects (datagrams to send, our own suspicions) for the membership to
+carry out; suspicions and the member table are the membership's alone.
 
 The driver (:mod:`gossip.roster`) feeds :meth:`Membership.receive` with datagram plaintext
 and :meth:`Membership.merge` with push-pull tables, calls :meth:`Membership.tick` no later
-than :meth:`Membership.next_deadline`, and carries out the returned effects.
+than :meth:`Membership.next_deadline`, and carries out the returned effects
+(:mod:`gossip.effects`).
 
 Transitions of a member record (``inc`` the record's incarnation, ``i`` the message's)::
 
@@ -67,87 +69,33 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
-from typing import Iterable, Union
+from typing import Iterable
 
 from .broadcast import PART_OVERHEAD, BroadcastQueue, retransmit_limit
 from .config import MembershipConfig
+from .effects import Changed, Effect, PushPullWith, Send
 from .errors import WireError
 from .identity import PeerId
 from .member import Member, PeerPool, State, _Counters, _Record
-from .messages import (
-    MAX_PARTS,
-    MAX_SEQUENCE,
-    MAX_SHARDS,
-    MAX_COUNT,
-    Ack,
-    Alive,
-    Dead,
-    Left,
-    MemberState,
-    Message,
-    Nack,
-    Packet,
-    Ping,
-    PingReq,
-    Suspect,
-)
-from .probing import Probing, _Helping, _Probe, helper_wait  # noqa: F401 - helper_wait is public here too
+from .messages import (MAX_COUNT, MAX_PARTS, MAX_SHARDS, Ack, Alive, Dead, Left, MemberState,
+                       Message, Nack, Packet, Ping, PingReq, Suspect)
+from .probing import Answered, Datagram, Prober, ProbeEffect, Silent, Suspected
+from .probing import OVERDUE_HEARTBEATS, helper_wait  # noqa: F401 - imported from here too
 from .seal import SEAL_OVERHEAD
 from .suspicion import Suspicion, suspicion_bounds
 from .wire import MAX_DATAGRAM, decode, encode
 
-__all__ = [
-    "MembershipConfig",
-    "Membership",
-    "Member",
-    "State",
-    "Send",
-    "PushPullWith",
-    "Changed",
-    "Effect",
-    "MAX_MEMBERS",
-    "MAX_PACKET",
-]
+__all__ = ["MembershipConfig", "Membership", "Member", "State", "Send", "PushPullWith", "Changed",
+           "Effect", "MAX_MEMBERS", "MAX_PACKET"]
 
 MAX_MEMBERS = 16384  # members a table holds; news of more is ignored until some are reaped
 JOIN_CATCH_UP = 5  # periods after a join until a second push-pull
 CLASH_CLAIMS = 3  # claims to be us, from other addresses, that mark an identity clash
-# meta_intervals without news of an outbound-only member before a reachable node suspects it
-# (it announces itself every meta_interval: up to two may be lost or late)
-OVERDUE_HEARTBEATS = 3
 MAX_PACKET = MAX_DATAGRAM - SEAL_OVERHEAD  # plaintext bytes of one datagram
 _PACKET_OVERHEAD = 40  # Packet's array, tag and sender id around its parts
 
 
-@dataclass(frozen=True)
-class Send:
-    """Effect: seal ``data`` and send it as one datagram to ``address``."""
-
-    address: str
-    data: bytes
-
-
-@dataclass(frozen=True)
-class PushPullWith:
-    """Effect: swap full tables with ``peer`` at ``address`` over a secure channel, then
-    :meth:`Membership.merge` what it sent. ``peer`` None: a bootstrap address, anyone."""
-
-    address: str
-    peer: PeerId | None
-
-
-@dataclass(frozen=True)
-class Changed:
-    """Effect: ``member``'s state, address or metadata changed (or it is new)."""
-
-    member: Member
-
-
-Effect = Union[Send, PushPullWith, Changed]
-
-
-class Membership(Probing):
+class Membership:
     """The membership state of one node. See the module docstring.
 
     Args:
@@ -159,19 +107,10 @@ class Membership(Probing):
         version, step, ready: our metadata.
     """
 
-    def __init__(
-        self,
-        me: PeerId,
-        address: str,
-        now: float,
-        config: MembershipConfig = MembershipConfig(),
-        rng: random.Random | None = None,
-        *,
-        version: int = 1,
-        step: int = 0,
-        ready: bool = False,
-        reachable: bool = True,
-    ) -> None:
+    def __init__(self, me: PeerId, address: str, now: float,
+                 config: MembershipConfig = MembershipConfig(), rng: random.Random | None = None,
+                 *, version: int = 1, step: int = 0, ready: bool = False,
+                 reachable: bool = True) -> None:
         self.me = PeerId(me)
         self.config = config
         self.rng = rng or random.Random()
@@ -186,30 +125,16 @@ class Membership(Probing):
         self._up = PeerPool()  # members ALIVE or SUSPECT
         self._recently_dead: list[PeerId] = []  # declared dead within gossip_to_the_dead
         self._answered: set[str] = set()  # sources answered with our announcement, per datagram
-        self._probe_order: list[PeerId] = []
-        self._probe_index = 0
-        self._probe: _Probe | None = None
-        # Members to probe before the next round-robin one, oldest first: those the
-        # averager reported (report_failure).
-        self._urgent: dict[PeerId, None] = {}
-        self._helping: dict[int, _Helping] = {}
-        # Suspects we hold -> when to ping them next (Lifeguard's buddy system, repeated
-        # every period while the suspicion stands), and those pings' seq -> suspect.
-        self._verify: dict[PeerId, float] = {}
-        self._verifying: dict[int, PeerId] = {}
-        self._unanswered: set[PeerId] = set()  # suspects whose last verification got no Ack
-        self._seq = self.rng.randrange(MAX_SEQUENCE)
-        self._awareness = 0
+        self._prober = Prober(self.me, now, config, self.rng, self._members, self._up,
+                              self.counters, self._reap)
         self._suspicions: dict[PeerId, Suspicion] = {}
         self._broadcasts = BroadcastQueue(config.retransmit_mult)
         self._effects: list[Effect] = []
         # Spread the first timers over one interval so that nodes started together do not
-        # probe, gossip and push-pull in lockstep.
-        self._next_probe = now + self.rng.random() * config.probe_interval
+        # gossip and push-pull in lockstep (the prober does the same with its probes).
         self._next_gossip = now
         self._next_push_pull = now + self.rng.random() * config.push_pull_interval
         self._next_reconnect = now + self.rng.random() * config.reconnect_interval
-        self._next_overdue = now + config.probe_interval
         self._broadcast_self()
 
     # ---- queries ----------------------------------------------------------------------
@@ -221,7 +146,7 @@ class Membership(Probing):
     @property
     def awareness(self) -> int:
         """Lifeguard's local health score: 0 healthy, up to ``awareness_max``."""
-        return self._awareness
+        return self._prober.awareness
 
     @property
     def pending_broadcasts(self) -> int:
@@ -267,21 +192,14 @@ class Membership(Probing):
 
     def next_deadline(self) -> float:
         """The latest time :meth:`tick` must be called again."""
-        deadlines = [self._next_push_pull, self._next_reconnect]
+        deadlines = [self._next_push_pull, self._next_reconnect,
+                     *self._prober.deadlines(overdue=not self.leaving and self._self.reachable)]
         if not self.leaving:
-            deadlines.append(self._next_probe)
-            if self._self.reachable:
-                deadlines.append(self._next_overdue)
-            elif self._self.incarnation < MAX_COUNT:  # else no heartbeat can be sent
-                deadlines.append(self._announced + self.config.meta_interval)
-        if self._probe is not None:
-            deadlines.append(self._probe.end)
-            if not self._probe.helpers_asked:
-                deadlines.append(self._probe.direct_deadline)
+            deadlines.append(self._prober.next_probe)
+            if not self._self.reachable and self._self.incarnation < MAX_COUNT:
+                deadlines.append(self._announced + self.config.meta_interval)  # a heartbeat
         if self._broadcasts:
             deadlines.append(self._next_gossip)
-        deadlines.extend(h.deadline for h in self._helping.values())
-        deadlines.extend(self._verify.values())
         deadlines.extend(s.deadline for s in self._suspicions.values())
         return min(deadlines)
 
@@ -289,23 +207,16 @@ class Membership(Probing):
 
     def tick(self, now: float) -> list[Effect]:
         """Run every timer that is due."""
-        for seq in [s for s, h in self._helping.items() if h.deadline <= now]:
-            helping = self._helping.pop(seq)
-            self._send(helping.requester, [encode(Nack(helping.seq))])
+        self._carry_out(now, self._prober.expire(now))
         for peer in [p for p, s in self._suspicions.items() if s.deadline <= now]:
             record = self._members[peer]
             self.counters.deaths += 1
             self._on_dead(now, Dead(peer, record.incarnation, self.me))
-        probe = self._probe
-        if probe is not None and now >= probe.end:
-            self._probe_failed(now, probe)
-        elif probe is not None and not probe.helpers_asked and now >= probe.direct_deadline:
-            self._ask_helpers(now, probe)
-        if not self.leaving and now >= self._next_probe and self._probe is None:
-            self._start_probe(now)
+        self._carry_out(now, self._prober.tick(now))
+        if not self.leaving:
+            self._carry_out(now, self._prober.start(now))
         # After the probe: a probe that just failed starts a suspicion due for verification now.
-        for peer in [p for p, t in self._verify.items() if t <= now]:
-            self._send_verification(now, peer)
+        self._carry_out(now, self._prober.verify(now))
         if not self.leaving:
             self._keep_alive(now)
         if now >= self._next_gossip and self._broadcasts:
@@ -373,7 +284,7 @@ class Membership(Probing):
         """Announce that we leave for good. We stop probing, and never refute again."""
         if not self.leaving:
             self.leaving = True
-            self._probe = None
+            self._prober.abandon()
             self._broadcasts.enqueue(self.me, encode(Left(self.me, self.incarnation)))
             self._next_gossip = now
             self._gossip(now)
@@ -386,11 +297,7 @@ class Membership(Probing):
         record = self._members.get(peer)  # type: ignore[call-overload]
         if record is None or record.state > State.SUSPECT or self.leaving or not record.reachable:
             return []
-        if self._probe is not None and self._probe.target == peer:
-            return []
-        self._probe_soon(record.peer)
-        if self._probe is None:
-            self._next_probe = min(self._next_probe, now)
+        self._prober.probe_soon(now, record.peer)
         return self._drain()
 
     def set_meta(self, now: float, *, step: int | None = None, ready: bool | None = None,
@@ -444,14 +351,13 @@ class Membership(Probing):
                 self._send(source, [encode(self._announcement)])
         elif isinstance(message, Ping):
             if message.target == self.me:
-                self._send(source, [encode(Ack(message.seq)), *self._verdict_for(now, sender)])
+                self._carry_out(now, self._prober.answer(now, source, message, sender))
         elif isinstance(message, Ack):
-            self._on_ack(now, message.seq)
+            self._carry_out(now, self._prober.on_ack(message.seq))
         elif isinstance(message, Nack):
-            if self._probe is not None and message.seq == self._probe.seq:
-                self._probe.nacks += 1
+            self._prober.on_nack(message.seq)
         elif isinstance(message, PingReq):
-            self._help(now, source, message)
+            self._carry_out(now, self._prober.help(now, source, message))
         elif isinstance(message, Alive):
             self._on_alive(now, message)
         elif isinstance(message, Suspect):
@@ -485,10 +391,7 @@ class Membership(Probing):
                              m.ready, now, now, m.shard, m.shards, m.reachable)
             self._members[peer] = record
             self._up.add(peer)
-            # A newcomer goes to a random place in the probe order, so it is probed this round.
-            # Never before the current position, or it would wait a whole round.
-            position = self.rng.randint(self._probe_index, len(self._probe_order))
-            self._probe_order.insert(position, peer)
+            self._prober.add(peer)  # probed this round
         elif m.incarnation > record.incarnation:
             if record.state != State.ALIVE:
                 record.since = now
@@ -537,11 +440,10 @@ class Membership(Probing):
         low, high = suspicion_bounds(n, self.config.probe_interval, self.config.suspicion_mult,
                                      self.config.suspicion_max_mult)
         self._suspicions[record.peer] = Suspicion(now, m.by, expected, low, high)
-        # See for ourselves, a little later: by then a live suspect's refutation has usually
-        # reached us and no ping is needed; only members that missed it (or a silent suspect)
-        # verify, so a suspect is not met by a ping from every member at once.
-        if record.reachable:  # an outbound-only suspect cannot be pinged: see _verdict_for
-            self._verify[record.peer] = now + self.config.probe_interval * (1 + self.rng.random())
+        # See for ourselves, a little later (an outbound-only suspect cannot be pinged: it
+        # hears our verdict in the answer to its own ping, Prober.answer).
+        if record.reachable:
+            self._prober.verify_later(now, record.peer)
         self._broadcasts.enqueue(record.peer, encode(m))
         self._effects.append(Changed(record.view()))
 
@@ -564,7 +466,7 @@ class Membership(Probing):
         record.state, record.incarnation, record.since = state, incarnation, now
         self._up.discard(record.peer)
         self._forget_suspicion(record.peer)
-        self._urgent.pop(record.peer, None)
+        self._prober.forget(record.peer)
         self._effects.append(Changed(record.view()))
 
     def _refute(self, incarnation: int, *, counts_against_health: bool) -> None:
@@ -575,18 +477,45 @@ class Membership(Probing):
         self.counters.refutations += 1
         self._self.incarnation = max(incarnation, self._self.incarnation) + 1
         if counts_against_health:
-            self._adjust_awareness(+1)  # being suspected hints that we are the slow one
+            self._prober.adjust_awareness(+1)  # being suspected hints that we are the slow one
         self._broadcast_self()
 
-    # ---- outbound-only members -------------------------------------------------------
+    # ---- the prober's effects, and outbound-only members -----------------------------
+
+    def _carry_out(self, now: float, effects: list[ProbeEffect]) -> None:
+        """Do what the prober decided, in order."""
+        for effect in effects:
+            if isinstance(effect, Datagram):
+                self._send(effect.address, list(effect.parts))
+            elif isinstance(effect, Suspected):
+                self._on_suspect(now, effect.message)
+            elif isinstance(effect, Answered):
+                # A suspect answered: it is up but has not refuted (it may not know yet, or we
+                # missed its refutation). Our timer starts over; the next verification ping
+                # carries the suspicion to it, and its reply brings its refutation to us. A
+                # suspicion can only run out while the suspect stays silent.
+                suspicion = self._suspicions.get(effect.peer)
+                if suspicion is not None:
+                    suspicion.restart(now)
+            else:  # Silent: our own confirmation, counted once
+                suspicion = self._suspicions.get(effect.message.peer)
+                if suspicion is None:
+                    self._on_suspect(now, effect.message)
+                elif suspicion.confirm_silence(self.me):
+                    self._broadcasts.enqueue(effect.message.peer, encode(effect.message))
+
+    def _forget_suspicion(self, peer: PeerId) -> None:
+        self._suspicions.pop(peer, None)
+        self._prober.unsuspect(peer)
 
     def _keep_alive(self, now: float) -> None:
         """Liveness without probes. An outbound-only node re-announces itself every
         ``meta_interval`` (a heartbeat: a training node does so anyway, with its step). A
         reachable node suspects an outbound-only member whose latest announcement is
-        :data:`OVERDUE_HEARTBEATS` intervals old; the suspicion then runs its course as any
-        other, and the member's next heartbeat refutes it. Outbound-only nodes judge only
-        the members they can probe: they hear of the others second-hand."""
+        :data:`~gossip.probing.OVERDUE_HEARTBEATS` intervals old (:meth:`Prober.overdue
+        <gossip.probing.Prober.overdue>`); the suspicion then runs its course as any other,
+        and the member's next heartbeat refutes it. Outbound-only nodes judge only the
+        members they can probe: they hear of the others second-hand."""
         me = self._self
         if not me.reachable:
             # Compared as next_deadline computes it, or rounding could leave it due for ever.
@@ -595,26 +524,7 @@ class Membership(Probing):
                 self._announced = now
                 self._broadcast_self()
             return
-        if now < self._next_overdue:
-            return
-        self._next_overdue = now + self.config.probe_interval
-        horizon = now - OVERDUE_HEARTBEATS * self.config.meta_interval
-        for record in list(self._members.values()):
-            if not record.reachable and record.state == State.ALIVE and record.heard < horizon:
-                self._on_suspect(now, Suspect(record.peer, record.incarnation, self.me))
-
-    def _verdict_for(self, now: float, sender: str) -> list[bytes]:
-        """What to attach to our Ack to ``sender``: an outbound-only member that we suspect
-        or hold dead cannot be pinged with the news, so it gets it in the answer to its own
-        ping, and refutes. Its ping is also a sign of life: our suspicion starts over."""
-        record = self._members.get(sender)  # type: ignore[call-overload]
-        if record is None or record.reachable or record.state not in (State.SUSPECT, State.DEAD):
-            return []
-        suspicion = self._suspicions.get(record.peer)
-        if suspicion is not None:
-            suspicion.restart(now)
-        verdict = Suspect if record.state == State.SUSPECT else Dead
-        return [encode(verdict(record.peer, record.incarnation, self.me))]
+        self._carry_out(now, self._prober.overdue(now))
 
     # ---- sending ----------------------------------------------------------------------
 
@@ -668,10 +578,6 @@ class Membership(Probing):
         if n <= 32:
             return self.config.push_pull_interval
         return self.config.push_pull_interval * (math.ceil(math.log2(n) - math.log2(32)) + 1)
-
-    def _next_seq(self) -> int:
-        self._seq = (self._seq + 1) & MAX_SEQUENCE
-        return self._seq
 
     def _drain(self) -> list[Effect]:
         effects, self._effects = self._effects, []

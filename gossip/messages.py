@@ -21,34 +21,10 @@ from typing import ClassVar
 from .address import parse_address
 
 __all__ = [
-    "Message",
-    "Hello",
-    "Close",
-    "StateRequest",
-    "StateHeader",
-    "Packet",
-    "Ping",
-    "PingReq",
-    "Ack",
-    "Nack",
-    "Alive",
-    "Suspect",
-    "Dead",
-    "Left",
-    "MemberState",
-    "PushPull",
-    "Offer",
-    "Accept",
-    "Commit",
-    "StateInfo",
-    "SchemaInfo",
-    "DialBack",
-    "TAGS",
-    "MAX_TEXT",
-    "MAX_COUNT",
-    "MAX_WEIGHT",
-    "MAX_SHARDS",
-    "DIAL_BACK_NONCE",
+    "Message", "Hello", "Close", "StateRequest", "StateHeader", "Packet", "Ping",
+    "PingReq", "Ack", "Nack", "Alive", "Suspect", "Dead", "Left", "MemberState",
+    "PushPull", "Offer", "Accept", "Commit", "StateInfo", "SchemaInfo", "DialBack", "TAGS",
+    "MAX_TEXT", "MAX_COUNT", "MAX_WEIGHT", "MAX_SHARDS", "DIAL_BACK_NONCE",
 ]
 
 # Limits shared by every message. Anything larger is a protocol violation.

@@ -28,7 +28,7 @@ refusing a table no honest sender sends, is pure protocol logic in :mod:`gossip.
 (sent and read by :mod:`gossip.tables`).
 
 Who has proved its identity: every channel that completes its handshake, whichever side
-dialled, is a proof that the peer holds its identity key (:class:`~gossip.standing.Proofs`);
+dialled, is a proof that the peer holds its identity key (:mod:`gossip.proving` keeps them);
 a record heard in gossip is only a claim. What counts identities (standing, the step's
 estimate, the data shards) asks :meth:`Roster.alive` for ``proven`` members, and a joiner
 proves a sample of the members it heard of by a handshake with each (:meth:`Roster.prove`:
@@ -46,7 +46,6 @@ from __future__ import annotations
 import errno
 import logging
 import random
-from collections import OrderedDict
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable
@@ -55,20 +54,22 @@ import trio
 
 from .address import parse_address
 from .bootstrap import Joiner, JoinTrouble
-from .channel import SecureChannel, connect, serve
+from .channel import SecureChannel
 from .clash import ClashWatch
 from .config import NodeConfig
+from .effects import Changed, Effect, PushPullWith, Send
+from .endpoints import connect, serve
 from .errors import GossipError
 from .groups import one_error, phase_deadline
 from .handshake import PROTOCOL_VERSION, Swarm
 from .identity import Identity, PeerId
 from .limits import RateLimit
-from .membership import Changed, Effect, Member, Membership, PushPullWith, Send, State
+from .membership import Member, Membership, State
 from .messages import Close, DialBack, Message, PushPull
 from .network import DatagramEndpoint, Network
+from .proving import PROVE_SAMPLE, Proving
 from .reachability import Reachability, ReachabilityCheck
 from .seal import Sealer
-from .standing import Proofs, host_of
 from .tables import receive_table, send_table
 
 __all__ = ["JoinTrouble", "Roster", "RosterStatistics", "open_roster", "MAX_PUSH_PULLS"]
@@ -77,8 +78,6 @@ log = logging.getLogger(__name__)
 
 PORT_ATTEMPTS = 8  # ports tried for listen port 0 when the stream port is taken
 MAX_PUSH_PULLS = 2  # outgoing push-pulls in flight at once; more are skipped, not queued
-PROVE_SAMPLE = 8  # members a joiner proves by a handshake each before it counts them
-MAX_UNPROVABLE = 4096  # members whose failed proof is remembered (not retried for a while)
 SEND_TIMEOUT = 0.1  # s one datagram send may take (a host name's lookup included)
 
 # What a channel whose first message is not a PushPull is handed to (averaging, later).
@@ -151,9 +150,7 @@ class Roster:
         self._rate = RateLimit(config.limits.peer_rate, config.limits.peer_burst)
         self._over_limit = {"max_connections": 0, "max_handshakes_per_host": 0}  # by serve
         self._channels_limited = 0
-        self._proofs = Proofs()
-        self._unprovable: OrderedDict[str, float] = OrderedDict()  # peer: not before then
-        self._proving: dict[str, trio.Event] = {}  # peer: its proof in flight, set when ended
+        self._proving = Proving(network, identity, swarm, config, self._rng)
         # The checks beside the machine, each given what it needs (the machine itself only
         # exists once run() has bound the port: hence the lambdas).
         self._clash = ClashWatch(network, identity, swarm, config,
@@ -194,80 +191,27 @@ class Roster:
         return [m for m in self._m.members()
                 if m.state == State.ALIVE and (ready is None or m.ready == ready)
                 and (reachable is None or m.reachable == reachable)
-                and (proven is None or (m.peer in self._proofs) == proven)]
+                and (proven is None or (m.peer in self._proving) == proven)]
 
     def proved(self, channel: SecureChannel) -> None:
         """``channel`` completed its handshake: its peer proved its identity (the roster
         records its own channels; the averager reports those it dials)."""
-        if channel.peer != self._identity.peer_id:
-            self._proofs.proved(channel.peer, trio.current_time(), channel.host)
+        self._proving.proved(channel)
 
     def proven_since(self, peer: str) -> float | None:
         """When ``peer`` first proved its identity to us, or None if it has not."""
-        return self._proofs.since(peer)
+        return self._proving.since(peer)
 
     def proven_host(self, member: Member) -> str:
         """The host ``member`` last proved itself from, or its address's if it never did:
         what counts once, whatever addresses its identities claim."""
-        host = self._proofs.host(member.peer)
-        return host_of(member) if host is None else host
+        return self._proving.host(member)
 
     async def prove(self, members: list[Member], most: int = PROVE_SAMPLE) -> None:
-        """Complete a handshake with up to ``most`` of ``members`` not yet proven (a random
-        sample, :data:`PROVE_SAMPLE` at a time; the channel carries only a ``Close(0)``), so
-        that what counts identities can count them. Failures are only logged: a record whose
-        address is not its own, say, stays unproven. Returns when every attempt has ended,
-        all within one push-pull deadline. Members that announce they take no connections
-        are tried too, after the others (a member whose dial-back check has not run yet
-        announces so). A member whose attempt failed is not tried again
-        for ``push_pull_interval`` (a joiner retrying its download every second would
-        otherwise wait on the same dead or invented members each time)."""
-        now = trio.current_time()
-        sample: list[Member] = []
-        # Another caller's attempts in flight (the download's and the shard choice's run at
-        # once after a join): wait for those rather than skip them as failed.
-        pending = [self._proving[m.peer] for m in members if m.peer in self._proving]
-        for reachable in (True, False):  # those that say they take connections first
-            unproven = [m for m in members if m.peer not in self._proofs
-                        and m.peer not in self._proving and m.reachable == reachable
-                        and self._unprovable.get(m.peer, now) <= now]
-            room = most - len(sample)
-            sample += unproven if len(unproven) <= room else self._rng.sample(unproven, room)
-        limiter = trio.CapacityLimiter(PROVE_SAMPLE)
-        deadline = now + self._config.push_pull_timeout  # all of them
-
-        async def one(member: Member, done: trio.Event) -> None:
-            # Marked unprovable until it succeeds, so that an attempt cut by the deadline
-            # counts as failed too.
-            self._unprovable.pop(member.peer, None)
-            self._unprovable[member.peer] = now + self._config.push_pull_interval
-            if len(self._unprovable) > MAX_UNPROVABLE:
-                self._unprovable.popitem(last=False)
-            try:
-                async with limiter:
-                    with phase_deadline(self._config.push_pull_timeout, member.address, "proof"):
-                        channel = await connect(self._network, member.address,
-                                                identity=self._identity, swarm=self._swarm,
-                                                allow=frozenset({member.peer}),
-                                                timeouts=self._timeouts)
-                        self.proved(channel)
-                        self._unprovable.pop(member.peer, None)
-                        async with channel:
-                            await channel.send_closing(Close(Close.NORMAL, "proved"))
-            except GossipError as exc:
-                log.debug("channel to prove peer=%s failed: %s", member.peer.short, exc)
-            finally:
-                if self._proving.get(member.peer) is done:
-                    del self._proving[member.peer]
-                done.set()
-
-        with trio.move_on_at(deadline):
-            async with trio.open_nursery() as nursery:
-                for member in sample:
-                    self._proving[member.peer] = done = trio.Event()
-                    nursery.start_soon(one, member, done)
-                for event in pending:
-                    nursery.start_soon(event.wait)
+        """Complete a handshake with up to ``most`` of ``members`` not yet proven, so that what
+        counts identities can count them; returns when every attempt has ended, all within
+        one push-pull deadline (:meth:`gossip.proving.Proving.prove`)."""
+        await self._proving.prove(members, most)
 
     def random_alive(self, *, ready: bool | None = None, reachable: bool | None = None,
                      rng: random.Random | None = None) -> Member | None:

@@ -26,6 +26,9 @@ and checkpoints too. ``pause`` freezes the host: its links carry nothing
 pause outlives a crash and composes with partitions. ``nat`` puts the host behind a NAT
 (:meth:`SimNetwork.nat`): it dials out, nobody dials in. Everything else is the network's.
 
+Each node's bookkeeping (:class:`SimNode`, the checkpoint a crash keeps, :class:`SimExchange`)
+is in :mod:`gossip.testing.simnode`.
+
 Joiners: the nodes named in ``late`` are not started with the others; ``join`` starts one
 later, through the running nodes, and it downloads their state before it trains, as a
 volunteer joining a swarm that has trained for a while does.
@@ -50,14 +53,13 @@ import math
 import random
 import sys
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Collection, Iterable, Sequence, Union
 
 import torch
 import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from ..averaging import Exchange, Result
+from ..averaging import Exchange
 from ..config import NodeConfig
 from ..errors import PeerGone
 from ..groups import leaves, one_error
@@ -68,89 +70,12 @@ from ..node import SwarmNode, open_swarm
 from ..replica import Counters
 from ..simnet import SimNetwork
 from ..tensors import StateSchema, snapshot
+from .simnode import SimExchange, SimNode, capture
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
 
 __all__ = ["open_sim_swarm", "SimSwarm", "SimNode", "SimExchange"]
-
-PORT = 7000
-
-
-@dataclass(frozen=True)
-class SimExchange:
-    """One exchange as it ended at one node (what ``on_exchange`` reported)."""
-
-    time: float  # when it ended, virtual seconds
-    started: float  # when it began at this node
-    node: SimNode  # where it was reported
-    peer: SimNode | None  # the other side (None: not a node of this swarm)
-    initiated: bool  # ``node`` made the offer
-    result: Result
-    distance: float | None  # ||peer - own|| when committed
-
-
-@dataclass(frozen=True)
-class _Checkpoint:
-    state: dict[str, torch.Tensor]
-    counters: Counters
-    steps: int
-    correction: dict[str, torch.Tensor] | None
-    outer: dict[str, torch.Tensor] | None
-
-
-class SimNode:
-    """One node of a :class:`SimSwarm`, running or down.
-
-    Attributes:
-        name: its host's name, ``n<index>``.
-        index: its position in :attr:`SimSwarm.nodes`.
-        model: its live model, the same object across restarts.
-        optimizer: its optimizer (the same across restarts), or None.
-        identity: its key; a restart keeps it.
-        node: the :class:`~gossip.SwarmNode` while it runs, else None.
-        loss: what ``train`` returned at its latest step (None before the first).
-        steps: training steps taken over all its lives (a restart resumes the count).
-        restarts: how many times it was restarted.
-    """
-
-    def __init__(self, index: int, model: torch.nn.Module, identity: Identity,
-                 optimizer: torch.optim.Optimizer | None = None) -> None:
-        self.name = f"n{index}"
-        self.index = index
-        self.model = model
-        self.optimizer = optimizer
-        self.identity = identity
-        self.node: SwarmNode | None = None
-        self.loss: float | None = None
-        self.steps = 0
-        self.restarts = 0
-        self._down: str | None = "starting"  # None while running, else what it is doing
-        self._resumed: trio.Event | None = None  # while paused: set on resume
-        self._scope: trio.CancelScope | None = None
-        self._done = trio.Event()
-        self._checkpoint: _Checkpoint | None = None
-
-    @property
-    def running(self) -> bool:
-        return self._down is None
-
-    @property
-    def paused(self) -> bool:
-        return self._resumed is not None
-
-    @property
-    def peer_id(self) -> PeerId:
-        return self.identity.peer_id
-
-    @property
-    def address(self) -> str:
-        return f"{self.name}:{PORT}"
-
-    def __repr__(self) -> str:
-        state = "running" if self._down is None else self._down
-        return f"<SimNode {self.name} {state}{' paused' if self.paused else ''}>"
-
 
 NodeLike = Union[SimNode, int]  # a node, or its index
 
@@ -210,7 +135,7 @@ class SimSwarm:
         """
         node = self._running(node, "crash")
         assert node.node is not None
-        node._checkpoint = _checkpoint(node, node.node)
+        node._checkpoint = capture(node, node.node)
         node._down, node.node = "crashed", None
         self.net.crash(node.name)
         self._changed.fire()
@@ -274,7 +199,7 @@ class SimSwarm:
         scope.cancel()
         await node._done.wait()
         swarm_node.apply_pending()  # a trainer on its way out adds what it was owed
-        node._checkpoint = _checkpoint(node, swarm_node)
+        node._checkpoint = capture(node, swarm_node)
         node._down = "stopped"
 
     def pause(self, node: NodeLike) -> None:
@@ -600,12 +525,6 @@ def _default_model(seed: int, index: int) -> torch.nn.Module:
 
 def _digest(seed: int, what: str) -> bytes:
     return hashlib.sha256(f"gossip.testing.sim:{seed}:{what}".encode()).digest()
-
-
-def _checkpoint(node: SimNode, swarm_node: SwarmNode) -> _Checkpoint:
-    state = {k: v.detach().clone() for k, v in node.model.state_dict().items()}
-    return _Checkpoint(state, swarm_node.replica.counters(), node.steps,
-                       swarm_node.replica.correction_state(), swarm_node.replica.outer_state())
 
 
 def _only(kind: type[BaseException], exc: BaseException) -> bool:

@@ -14,7 +14,8 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gossip.channel import MAX_RECORD, SecureChannel, connect, handshake, serve
+from gossip.channel import MAX_RECORD, SecureChannel
+from gossip.endpoints import connect, handshake, serve
 from gossip.config import Timeouts
 from gossip.errors import (
     ChannelClosed,
@@ -448,3 +449,16 @@ async def test_oversized_handshake_frame_is_refused_before_reading_it():
     with pytest.raises(HandshakeError, match="exceeds the limit of 65535"):
         await handshake(s2, identity=BOB, swarm=SWARM, initiator=False)
     assert await s1.receive_some() == b""  # closed
+
+
+def test_the_endpoints_are_importable_from_channel_too() -> None:
+    import gossip.channel
+    import gossip.endpoints
+
+    for name in gossip.endpoints.__all__:
+        assert getattr(gossip.channel, name) is getattr(gossip.endpoints, name), name
+    from gossip.channel import connect as dial  # the from-import form works too
+
+    assert dial is connect
+    with pytest.raises(AttributeError, match="no_such_name"):
+        gossip.channel.no_such_name  # noqa: B018

@@ -1,4 +1,4 @@
-"""The int8 wire codec (gossip.int8 through gossip.tensors): the byte layout against an
+"""The int8 wire codec (gossip.int8 through gossip.codec): the byte layout against an
 independent reference encoder, exact sizes, the error bound, vectors that restart blocking,
 records of whole blocks, non-finite values, and whatever a hostile peer sends."""
 
@@ -13,8 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gossip import int8, tensors
+from gossip.codec import StateDecoder, encode_chunks, encoded_nbytes
 from gossip.errors import SchemaMismatch
-from gossip.tensors import StateDecoder, StateSchema, TensorSpec
+from gossip.schema import StateSchema, TensorSpec
 
 CELL = 68  # bytes of a whole block: a float32 scale and 64 int8 values
 MAX_SCALE = struct.unpack("<f", bytes.fromhex("0302017c"))[0]  # as docs/PROTOCOL.md says
@@ -26,7 +27,7 @@ def schema_of(numel: int) -> StateSchema:
 
 
 def encode(flat: torch.Tensor, max_record: int = 1 << 20, parts: int = 1) -> bytes:
-    return b"".join(bytes(r) for r in tensors.encode_chunks(flat, "int8", max_record,
+    return b"".join(bytes(r) for r in encode_chunks(flat, "int8", max_record,
                                                             parts=parts))
 
 
@@ -104,10 +105,10 @@ def test_layout_matches_an_independent_reference_encoder(numel: int) -> None:
 @pytest.mark.parametrize("numel", [0, 1, 2, 63, 64, 65, 127, 128, 129, 1000, 986_880, 986_881])
 def test_encoded_size_is_known_from_numel_alone(numel: int) -> None:
     expected = 68 * (numel // 64) + (4 + numel % 64 if numel % 64 else 0)
-    assert int8.nbytes(numel) == tensors.encoded_nbytes("int8", numel) == expected
+    assert int8.nbytes(numel) == encoded_nbytes("int8", numel) == expected
     assert schema_of(numel).encoded_size("int8") == expected
     for parts in (1, 2, 3):
-        assert tensors.encoded_nbytes("int8", numel, parts) == parts * expected
+        assert encoded_nbytes("int8", numel, parts) == parts * expected
         assert StateDecoder(schema_of(numel), "int8", parts=parts).total_bytes == parts * expected
     if numel <= 1000:
         for parts in (1, 2):
@@ -123,12 +124,12 @@ def test_max_scale_is_the_largest_whose_product_with_127_is_finite() -> None:
 
 
 def test_encoded_nbytes_validates() -> None:
-    assert tensors.encoded_nbytes("fp32", 10, 2) == 80
-    assert tensors.encoded_nbytes("bf16", 10) == 20
+    assert encoded_nbytes("fp32", 10, 2) == 80
+    assert encoded_nbytes("bf16", 10) == 20
     for bad in ({"codec": "int4"}, {"numel": -1}, {"numel": 1.0}, {"parts": -1}):
         args = {"codec": "int8", "numel": 10, "parts": 1, **bad}
         with pytest.raises(ValueError):
-            tensors.encoded_nbytes(args["codec"], args["numel"], args["parts"])
+            encoded_nbytes(args["codec"], args["numel"], args["parts"])
 
 
 # --- values ----------------------------------------------------------------------------
@@ -148,7 +149,7 @@ def test_round_trip_error_is_at_most_half_a_scale(numel: int) -> None:
 
 def sr_encode(flat: torch.Tensor, seed: int, max_record: int = 1 << 20) -> bytes:
     generator = torch.Generator().manual_seed(seed)
-    return b"".join(bytes(r) for r in tensors.encode_chunks(flat, "int8", max_record,
+    return b"".join(bytes(r) for r in encode_chunks(flat, "int8", max_record,
                                                             generator=generator))
 
 
@@ -281,7 +282,7 @@ def test_zero_huge_and_tiny_blocks() -> None:
 def test_records_hold_whole_blocks_of_one_vector(max_record: int, numel: int,
                                                  parts: int) -> None:
     x = torch.randn(parts * numel)
-    records = [bytes(r) for r in tensors.encode_chunks(x, "int8", max_record, parts=parts)]
+    records = [bytes(r) for r in encode_chunks(x, "int8", max_record, parts=parts)]
     assert b"".join(records) == encode(x, parts=parts)  # the same bytes however cut
     part = int8.nbytes(numel)
     per = max_record // CELL
@@ -303,15 +304,15 @@ def test_records_hold_whole_blocks_of_one_vector(max_record: int, numel: int,
 
 def test_encode_validates_its_arguments_eagerly() -> None:
     with pytest.raises(ValueError, match="max_record"):
-        tensors.encode_chunks(torch.zeros(10), "int8", 67)
+        encode_chunks(torch.zeros(10), "int8", 67)
     for parts in (0, 3, 2.0):
         with pytest.raises(ValueError, match="parts"):
-            tensors.encode_chunks(torch.zeros(10), "int8", parts=parts)  # type: ignore[arg-type]
-    assert list(tensors.encode_chunks(torch.zeros(0), "int8", parts=2)) == []
+            encode_chunks(torch.zeros(10), "int8", parts=parts)  # type: ignore[arg-type]
+    assert list(encode_chunks(torch.zeros(0), "int8", parts=2)) == []
 
 
 def test_records_are_views_of_one_reused_scratch_buffer() -> None:
-    it = tensors.encode_chunks(torch.arange(128.0), "int8", max_record=68)
+    it = encode_chunks(torch.arange(128.0), "int8", max_record=68)
     first = next(it)
     assert first.readonly and bytes(first) == encode(torch.arange(64.0))
     next(it)
@@ -458,9 +459,9 @@ def test_stream_round_trip_property(shapes: list[tuple[int, ...]], parts: int,
     gen = torch.Generator().manual_seed(seed)
     flat = torch.cat([torch.randn(numel, generator=gen) * 10.0**magnitudes[p]
                       for p in range(parts)])
-    records = [bytes(r) for r in tensors.encode_chunks(flat, "int8", max_record, parts=parts)]
+    records = [bytes(r) for r in encode_chunks(flat, "int8", max_record, parts=parts)]
     payload = b"".join(records)
-    assert len(payload) == tensors.encoded_nbytes("int8", numel, parts)
+    assert len(payload) == encoded_nbytes("int8", numel, parts)
     assert all(0 < len(r) <= max_record for r in records)
     dec = StateDecoder(schema, "int8", parts=parts)
     for record in records:
@@ -483,7 +484,7 @@ def test_cuda_flat_encodes_and_decodes_the_same_bytes() -> None:
     payload = encode(x, max_record=1000, parts=2)
     assert encode(x.cuda(), max_record=1000, parts=2) == payload
     dec = StateDecoder(schema_of(2500), "int8", torch.zeros(5000, device="cuda"), parts=2)
-    for record in tensors.encode_chunks(x, "int8", 1000, parts=2):
+    for record in encode_chunks(x, "int8", 1000, parts=2):
         dec.feed(record)
     cpu = decode(payload, 2500, 2)
     assert torch.equal(dec.result().cpu().nan_to_num(), cpu.nan_to_num())

@@ -1,4 +1,4 @@
-"""The sans-IO core is pure: checked, not just promised (STYLE.md item 5).
+"""The sans-IO core is pure: checked, not just promised (docs/STYLE.md, rule 5).
 
 A pure module takes ``now`` and bytes or messages and returns bytes, messages or effects; it
 never waits, never touches a socket and never reads the clock, so it is tested without trio
@@ -27,14 +27,14 @@ GOSSIP = Path(__file__).resolve().parents[2] / "gossip"
 # pure one imports must be listed here as well: purity is only as good as the weakest import.
 PURE = frozenset({
     "membership", "handshake", "wire", "mixing", "suspicion", "broadcast", "pushpull",
-    "member", "probing", "seal", "limits", "linkrate", "config",
+    "member", "probing", "effects", "seal", "limits", "linkrate", "config",
     "messages", "errors", "identity", "address", "rotation", "standing", "tensors", "int8",
-    "mismatch", "correction", "spacing",
+    "schema", "codec", "mismatch", "correction", "spacing",
 })
 
 # What a pure module may import from outside gossip: the standard library's computation, the
 # codec (cbor2), the primitives of the handshake and the seal (cryptography), and torch for
-# tensor arithmetic (synchronous, in the caller's thread: mixing's checks, tensors' codecs).
+# tensor arithmetic (synchronous, in the caller's thread: mixing's checks, the codecs).
 ALLOWED = frozenset({
     "__future__", "base64", "bisect", "collections", "dataclasses", "enum", "functools",
     "hashlib", "hmac", "itertools", "math", "random", "re", "reprlib", "secrets", "struct",
@@ -46,7 +46,7 @@ ALLOWED = frozenset({
 ALSO_ALLOWED = {
     "identity": {"os", "stat", "pathlib"},  # the node's key file: Identity.load and save
     "seal": {"os"},  # os.urandom, for each datagram's nonce
-    "tensors": {"sys"},  # sys.byteorder: the codecs assume a little-endian host
+    "codec": {"sys"},  # sys.byteorder: the codecs assume a little-endian host
 }
 
 # Never, in a pure module, whatever the lists above say: what waits, talks to the network,

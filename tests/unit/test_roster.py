@@ -9,7 +9,7 @@ import pytest
 import trio
 from trio.testing import MockClock
 
-from gossip.channel import connect
+from gossip.endpoints import connect
 from gossip.config import MembershipConfig, NodeConfig
 from gossip.handshake import Swarm
 from gossip.identity import Identity

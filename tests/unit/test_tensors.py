@@ -1,4 +1,5 @@
-"""Tests for gossip.tensors: schema, fingerprint, flat state, codecs, streaming."""
+"""Tests for gossip.schema, gossip.tensors and gossip.codec: schema, fingerprint, flat state,
+codecs, streaming."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gossip import tensors
+from gossip.codec import CODECS, StateDecoder, encode_chunks, encoded_nbytes, itemsize
 from gossip.errors import SchemaMismatch
-from gossip.tensors import CODECS, StateDecoder, StateSchema, TensorSpec
+from gossip.schema import StateSchema, TensorSpec
 from tests.unit.test_int8 import reference as int8_reference
 
 HALF_TOL = {"bf16": 2.0**-8, "fp16": 2.0**-11}  # relative rounding error bound
@@ -43,7 +45,7 @@ def schema_of(*entries: tuple[str, tuple[int, ...], str]) -> StateSchema:
 
 
 def encode(flat: torch.Tensor, codec: str, max_record: int = 1 << 20) -> bytes:
-    return b"".join(bytes(c) for c in tensors.encode_chunks(flat, codec, max_record))
+    return b"".join(bytes(c) for c in encode_chunks(flat, codec, max_record))
 
 
 def decode(schema: StateSchema, codec: str, payload: bytes, step: int) -> torch.Tensor:
@@ -130,15 +132,15 @@ def test_schema_rejects_duplicate_names_and_unsupported_dtypes() -> None:
 
 def test_codecs_and_itemsize() -> None:
     assert CODECS == ("fp32", "bf16", "fp16", "int8")
-    assert [tensors.itemsize(c) for c in ELEMENTWISE] == [4, 2, 2]
+    assert [itemsize(c) for c in ELEMENTWISE] == [4, 2, 2]
     with pytest.raises(ValueError, match="encoded_nbytes"):
-        tensors.itemsize("int8")  # blocks: no whole bytes per element
+        itemsize("int8")  # blocks: no whole bytes per element
     schema = schema_of(("a", (1,), "float32"))
     for bad in ("int4", "FP32", None):
         with pytest.raises(ValueError, match="codec"):
-            tensors.itemsize(bad)
+            itemsize(bad)
         with pytest.raises(ValueError, match="codec"):
-            tensors.encode_chunks(torch.zeros(1), bad)
+            encode_chunks(torch.zeros(1), bad)
         with pytest.raises(ValueError, match="codec"):
             StateDecoder(schema, bad)
 
@@ -146,7 +148,7 @@ def test_codecs_and_itemsize() -> None:
 def test_big_endian_host_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "byteorder", "big")
     with pytest.raises(RuntimeError, match="big-endian"):
-        tensors.encode_chunks(torch.zeros(1), "fp32")
+        encode_chunks(torch.zeros(1), "fp32")
     with pytest.raises(RuntimeError, match="big-endian"):
         StateDecoder(schema_of(("a", (1,), "float32")), "fp32")
 
@@ -253,13 +255,13 @@ def test_half_codecs_saturate_finite_overflow_and_keep_nonfinite(codec: str) -> 
 @pytest.mark.parametrize("codec", ELEMENTWISE)
 @pytest.mark.parametrize("max_record", [2, 3, 4, 5, 7, 8, 9, 63, 64, 1023, 1 << 20])
 def test_chunks_hold_whole_elements_within_max_record(codec: str, max_record: int) -> None:
-    size = tensors.itemsize(codec)
+    size = itemsize(codec)
     if max_record < size:
         with pytest.raises(ValueError, match="max_record"):
-            tensors.encode_chunks(torch.zeros(3), codec, max_record)
+            encode_chunks(torch.zeros(3), codec, max_record)
         return
     flat = torch.randn(301)
-    chunks = [bytes(c) for c in tensors.encode_chunks(flat, codec, max_record)]
+    chunks = [bytes(c) for c in encode_chunks(flat, codec, max_record)]
     per = max_record // size
     assert len(chunks) == math.ceil(301 / per)
     assert all(len(c) <= max_record and len(c) % size == 0 and c for c in chunks)
@@ -270,14 +272,14 @@ def test_chunks_hold_whole_elements_within_max_record(codec: str, max_record: in
 def test_encode_validates_its_arguments_eagerly() -> None:
     for bad in (torch.zeros(2, 2), torch.zeros(4, dtype=torch.float64), torch.zeros(8)[::2]):
         with pytest.raises(ValueError):
-            tensors.encode_chunks(bad, "fp32")
+            encode_chunks(bad, "fp32")
     with pytest.raises(ValueError):
-        tensors.encode_chunks(torch.zeros(4), "fp32", max_record=4.0)  # type: ignore[arg-type]
+        encode_chunks(torch.zeros(4), "fp32", max_record=4.0)  # type: ignore[arg-type]
 
 
 def test_fp32_chunks_alias_the_flat_buffer_without_copying() -> None:
     flat = torch.zeros(10)
-    chunks = list(tensors.encode_chunks(flat, "fp32", max_record=16))
+    chunks = list(encode_chunks(flat, "fp32", max_record=16))
     assert [len(c) for c in chunks] == [16, 16, 8]
     assert chunks[0].readonly
     flat[5] = 1.0  # lands in the second chunk, bytes 4..8
@@ -287,7 +289,7 @@ def test_fp32_chunks_alias_the_flat_buffer_without_copying() -> None:
 
 
 def test_half_chunks_reuse_one_scratch_buffer() -> None:
-    it = tensors.encode_chunks(torch.tensor([1.0, 2.0, 3.0, 4.0]), "bf16", max_record=4)
+    it = encode_chunks(torch.tensor([1.0, 2.0, 3.0, 4.0]), "bf16", max_record=4)
     first = next(it)
     assert bytes(first) == reference_bytes(torch.tensor([1.0, 2.0]), "bf16")
     next(it)
@@ -298,7 +300,7 @@ def test_empty_state_streams_nothing() -> None:
     schema = schema_of(("a", (0, 3), "float32"))
     assert schema.numel == 0
     flat = tensors.new_flat(schema)
-    assert list(tensors.encode_chunks(flat, "fp16")) == []
+    assert list(encode_chunks(flat, "fp16")) == []
     dec = StateDecoder(schema, "fp16")
     assert dec.done and dec.remaining_bytes == 0
     dec.feed(b"")
@@ -313,7 +315,7 @@ def test_decoder_tracks_progress_and_accepts_any_bytes_like(codec: str) -> None:
     schema = schema_of(("a", (3, 2), "float32"), ("b", (), "float64"))
     flat = torch.arange(7, dtype=torch.float32)
     payload = encode(flat, codec)
-    size = tensors.itemsize(codec)
+    size = itemsize(codec)
     out = torch.full((7,), -1.0)
     dec = StateDecoder(schema, codec, out=out)
     assert dec.total_bytes == dec.remaining_bytes == 7 * size and not dec.done
@@ -330,7 +332,7 @@ def test_decoder_tracks_progress_and_accepts_any_bytes_like(codec: str) -> None:
 @pytest.mark.parametrize("codec", ELEMENTWISE)
 def test_decoder_rejects_oversize_and_misaligned_records(codec: str) -> None:
     schema = schema_of(("a", (4,), "float32"))
-    size = tensors.itemsize(codec)
+    size = itemsize(codec)
     with pytest.raises(SchemaMismatch, match="exceeds"):
         StateDecoder(schema, codec).feed(bytes(5 * size))
     dec = StateDecoder(schema, codec)
@@ -390,14 +392,14 @@ def test_stream_round_trip_property(
     shapes: list[tuple[int, ...]], codec: str, max_record: int, cuts: list[int], seed: int
 ) -> None:
     schema = schema_of(*((f"t{i}", s, "float32") for i, s in enumerate(shapes)))
-    size = tensors.itemsize(codec)
+    size = itemsize(codec)
     gen = torch.Generator().manual_seed(seed)
     flat = torch.randn(schema.numel, generator=gen) * 100
     if max_record < size:
         with pytest.raises(ValueError):
-            tensors.encode_chunks(flat, codec, max_record)
+            encode_chunks(flat, codec, max_record)
         return
-    chunks = [bytes(c) for c in tensors.encode_chunks(flat, codec, max_record)]
+    chunks = [bytes(c) for c in encode_chunks(flat, codec, max_record)]
     assert all(0 < len(c) <= max_record and len(c) % size == 0 for c in chunks)
     payload = b"".join(chunks)
     assert len(payload) == schema.encoded_size(codec)
@@ -529,3 +531,14 @@ def test_decoder_window_checks_like_feed() -> None:
     dec.window(2)
     with pytest.raises(SchemaMismatch, match="not whole"):
         dec.wrote(3)
+
+
+def test_the_schema_and_the_codec_are_importable_from_tensors_too() -> None:
+    import gossip.codec
+    import gossip.schema
+
+    for module in (gossip.schema, gossip.codec):
+        for name in module.__all__:
+            if name in tensors.__all__:
+                assert getattr(tensors, name) is getattr(module, name), name
+    assert {"StateSchema", "TensorSpec", "encode_chunks", "StateDecoder"} <= set(tensors.__all__)
