@@ -96,13 +96,13 @@ import trio
 import trio.testing
 
 from common import progress, save_json, table
-import gossip.channel
+import gossip.endpoints
 from gossip import (AveragingConfig, MembershipConfig, NodeConfig, SimNetwork, Swarm, Timeouts,
                     open_swarm)
 from gossip import exchange as protocol
 from gossip.averaging import Result
 from gossip.channel import connect, serve
-from gossip.exchange import Deadlines, Ending
+from gossip.exchange import Deadlines, Result
 from gossip.identity import Identity
 from gossip.messages import Accept, Offer
 from gossip.tensors import StateSchema, TensorSpec, encoded_nbytes
@@ -129,7 +129,7 @@ TBF_NUMEL = 5_000_000  # 20 MB a way: 3.2 s at 50 Mbit/s
 # handshake's, a record's, the first handshake message's) are off: what the runs measure is
 # time, and tests/sim/test_wan.py checks the default deadlines at full scale.
 LOOSE = Timeouts(connect=1e6, handshake=1e6, record=1e9)
-gossip.channel.FIRST_MESSAGE_TIMEOUT = 1e6
+gossip.endpoints.FIRST_MESSAGE_TIMEOUT = 1e6
 LOOSE_DEADLINES = Deadlines(offer=1e9, transfer=1e9, min_rate=1.0, commit=1e9, stall=1e9)
 KEY = bytes(range(32))
 STARTED = time.perf_counter()
@@ -240,7 +240,7 @@ async def one_exchange(net: SimNetwork, codec: str) -> float:
         seconds = trio.current_time() - start
         await ended.wait()
         nursery.cancel_scope.cancel()
-    if outcome.ending is not Ending.COMMITTED:
+    if outcome.ending is not Result.COMMITTED:
         raise RuntimeError(f"the exchange ended {outcome.ending}: {outcome.reason}")
     return seconds
 

@@ -36,23 +36,14 @@ node times its transfers with each peer host, and gives the next one with that h
 payload's bytes at a quarter of the measured rate, never less time than at ``min_rate``; a
 payload that goes ``stall_timeout`` seconds without a byte ends it sooner.
 
-A peer whose payload fails the checks gets a strike; ``strikes`` in a row quarantine it for
-``quarantine`` seconds: we neither offer to it nor accept its offers. A peer whose schema,
-codec or mixing mode differs from ours is quarantined at once (it cannot be averaged with).
-How far a received state may move us depends on the exchange's standing
-(:mod:`gossip.standing`): a peer we chose, or one with a record (proved to us on a channel
-and a member for ``trust_after`` seconds since, or one we chose before), moves us within the
-clip bound; a newcomer's offer commits but moves us by nothing. The newcomers behind one
-source host share a budget of one exchange per round of ours, and the members behind one
-host one of twice what an honest host sends us per round.
-
-On a commit a node moves its step half way towards the peer's, counting the peer's only as
-far as it lies between our step and the swarm's (the median over the hosts of our last
-rounds of each one's latest step, aged by our own steps since: one host counts once, however
-often it is free to commit: :class:`~gossip.standing.PeerSteps`,
-:func:`~gossip.standing.step_move`), and a
-download takes the sender's step up to the members' median: nodes agree on the step their
-learning-rate schedules follow, and a liar cannot move it.
+Both ends of an exchange run one path (:meth:`Averaging._exchange`): the snapshot, the
+protocol, the settling and the bookkeeping are the same, and only the middle differs. An
+initiator dials the peer it picked and offers; a responder first decides whether to take the
+offer at all, and answers a :class:`~gossip.exchange_state.Refusal` at once if not, else
+accepts. Whose offers a node takes and how far a peer may move it (the quarantine, each
+exchange's standing, the newcomers' and members' budgets, the step a commit moves ours to) is
+:mod:`gossip.trust`. What the node reports, each exchange as it ends and its statistics, is
+:mod:`gossip.tally`.
 
 Heavy work (snapshots, the delta) runs in a worker thread for models of
 :data:`~gossip.replica.OFFLOAD_NUMEL` elements or more, and inline below that, so small models
@@ -61,43 +52,38 @@ in a simulated swarm stay on trio's virtual clock.
 
 from __future__ import annotations
 
-import enum
 import logging
 import math
 import random
 import threading
-from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import Awaitable, Callable
 
 import torch
 import trio
 
 from . import exchange
-from .channel import SecureChannel, connect
-from .config import AveragingConfig, Limits, Timeouts
+from .channel import SecureChannel
+from .config import AveragingConfig, Limits
 from .correction import ESTIMATE_CLIP
-from .download import CODEC as DOWNLOAD_CODEC
-from .download import Download, Said, download, serve_download
 from .errors import BadMessage, GossipError, PeerGone, PeerTimeout
-from .exchange import Deadlines, Ending, Outcome
+from .exchange import Deadlines
+from .exchange_state import Outcome, Refusal, Result
 from .groups import one_error
-from .handshake import Swarm
-from .identity import Identity, PeerId
+from .identity import PeerId
 from .limits import RateLimit
 from .linkrate import LinkRates
-from .member import Member, State
-from .messages import Accept, Close, Offer, StateRequest
+from .member import Member
+from .messages import Accept, Offer
 from .mismatch import describe
-from .mixing import (OFFER_CLIP, DeltaHistory, Difference, Quarantine, Verdict, coefficient,
-                     judge, merged_weight)
-from .network import Network
+from .mixing import DeltaHistory, Difference, Verdict, coefficient, judge, merged_weight
 from .replica import OFFLOAD_NUMEL, Counters, Replica, offload
 from .roster import Roster
 from .spacing import Spacing
-from .standing import (FOUNDING, MEMBER_BURST, MEMBER_SHARE, NewcomerBudget, PeerSteps, Records,
-                       Standing, by_host, host_of, pick, seniority, standing, step_ceiling,
-                       step_move)
+from .standing import Standing, pick
+from .tally import AveragingStatistics, Exchange, Tally
+from .trust import Trust
 
 __all__ = ["AveragingConfig", "AveragingStatistics", "Averaging", "Exchange", "Result"]
 
@@ -106,6 +92,9 @@ log = logging.getLogger(__name__)
 PACE = 0.9  # our offers to one peer at most this x the channels per second it takes from one
 PACE_SLACK = 0.001  # s past a paced peer's next token before we offer again (float rounding)
 
+Dial = Callable[[Member], Awaitable[SecureChannel]]
+"""``dial(member)`` opens a fresh secure channel to ``member``, and to nobody else."""
+
 
 def deadlines(config: AveragingConfig) -> Deadlines:
     """The deadlines of one exchange's phases, for a link never measured (at ``min_rate``)."""
@@ -113,95 +102,34 @@ def deadlines(config: AveragingConfig) -> Deadlines:
                      config.commit_timeout, config.stall_timeout)
 
 
-class Result(enum.Enum):
-    """How an exchange (or a round) ended."""
-
-    COMMITTED = "committed"  # both sides hold both states; the delta is queued
-    BUSY = "busy"  # the peer was in another exchange
-    REJECTED = "rejected"  # the peer refused our offer or our payload
-    INVALID = "invalid"  # we refused the peer's payload (a strike)
-    FAILED = "failed"  # network, deadline or protocol failure; nothing applied
-    NO_PEER = "no_peer"  # a round found nobody to average with
-
-
-@dataclass(frozen=True)
-class Exchange:
-    """One exchange as it ended at this node: what ``open_swarm(on_exchange=...)`` is told.
-
-    A round that found nobody to try is no exchange; an offer this node refused before any
-    payload (busy, or a schema it cannot use) is none either.
-    """
-
-    peer: PeerId
-    initiated: bool  # we made the offer
-    result: Result
-    duration: float  # seconds, from before the snapshot to the end
-    distance: float | None  # ||peer - own|| when committed, else None
-    step: int | None = None  # the peer's step as its Offer or Accept said; None: unheard
-
-
-@dataclass(frozen=True)
-class AveragingStatistics:
-    """A snapshot of a node's averaging since it started.
-
-    ``seconds_since_exchange`` is the figure to show or alert on; ``last_exchange`` is a time
-    on trio's clock (``trio.current_time()``, which is not ``time.time()``), for code in the
-    node's own trio run that compares it with later snapshots.
-    """
-
-    committed: int  # exchanges by result, as initiator or responder
-    busy: int
-    rejected: int
-    invalid: int
-    failed: int
-    no_peer: int  # rounds that found no peer
-    clipped: int  # committed exchanges whose step (state or correction) was clipped
-    newcomers: int  # committed exchanges with a newcomer, whose state moved us by nothing
-    newcomers_limited: int  # newcomers' offers answered busy: their host's budget was spent
-    members_limited: int  # members' offers answered busy: their host's budget was spent
-    quarantined: int  # peers in quarantine now
-    bytes_sent: int  # on the wire, over every averaging channel
-    bytes_received: int
-    last_exchange: float | None  # trio.current_time() of the last commit; None: none yet
-    seconds_since_exchange: float | None  # seconds from the last commit to this snapshot
-    mean_duration: float  # of committed exchanges, seconds, from offer to commit
-    last_distance: float | None  # ||peer - own|| of the last committed exchange
-    step: int  # the step this node schedules by: its own, moved towards the swarm's
-    samples: int
-    weight: float  # push-sum weight (1 plus samples trained; merged on exchanges)
-    pending: int  # committed deltas not yet applied by the trainer
-    downloads_served: int
-    ready: bool  # whether this node averages (it has its initial state)
-    corrected: int  # committed exchanges that swapped drift-correction estimates too
-    # Local steps between the rounds this node starts, before the jitter: ``every``, or with
-    # every = "auto" what the node measures now (gossip.spacing); None: by interval only.
-    spacing: int | None
-
-
 @dataclass
-class _Tally:
-    results: dict[Result, int] = field(default_factory=lambda: dict.fromkeys(Result, 0))
-    clipped: int = 0
-    newcomers: int = 0
-    newcomers_limited: int = 0
-    members_limited: int = 0
-    corrected: int = 0
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    last_exchange: float | None = None
-    durations: float = 0.0
-    last_distance: float | None = None
-    downloads_served: int = 0
+class _Side:
+    """What differs between our two ends of an exchange, and what one learns on the way."""
+
+    initiated: bool  # we made the offer
+    rank: Standing  # the exchange's standing (CHOSEN: we picked the peer)
+    corrected: bool  # our payload carries the correction's estimate too
+    phase: str  # what a failure is blamed on: connect, offer (initiator) or accept
+    channel: SecureChannel | None = None  # once connected
+    told: int | None = None  # the peer's step, once its Offer or Accept says it
+
+
+_Talk = Callable[[_Side, torch.Tensor, torch.Tensor, Counters, "trio.Event | None"],
+                 Awaitable[Outcome]]
 
 
 class Averaging:
     """Runs rounds as initiator and answers offers as responder. Built by
     :func:`gossip.node.open_swarm`; its :meth:`respond` is the roster's channel handler for
-    ``Offer`` messages."""
+    ``Offer`` messages.
 
-    def __init__(self, replica: Replica, roster: Roster, network: Network, identity: Identity,
-                 swarm: Swarm, config: AveragingConfig, timeouts: Timeouts,
-                 rng: random.Random,
+    Args:
+        dial: how this node opens a channel to a member (:data:`Dial`).
+        rates: what each peer host's link carried; the node's state downloads share it.
+    """
+
+    def __init__(self, replica: Replica, roster: Roster, dial: Dial, rates: LinkRates,
+                 config: AveragingConfig, rng: random.Random,
                  on_exchange: Callable[[Exchange], None] | None = None,
                  allow: frozenset[str] | None = None,
                  limits: Limits | None = None) -> None:
@@ -209,10 +137,7 @@ class Averaging:
         self.allow = allow  # peer ids we exchange with; None: any holder of the swarm key
         self.config = config
         self._roster = roster
-        self._network = network
-        self._identity = identity
-        self._swarm = swarm
-        self._timeouts = timeouts
+        self._dial = dial
         self._rng = rng
         self._on_exchange = on_exchange
         self._busy = False
@@ -221,23 +146,16 @@ class Averaging:
         self.stopping = False  # set by stop(): no new exchanges either way
         self._histories = (DeltaHistory(config.clip_window, config.clip_min_history),
                            DeltaHistory(config.clip_window, config.clip_min_history))
-        self._quarantine = Quarantine(config.strikes, config.quarantine)
-        self._newcomers = NewcomerBudget()
-        self._members = NewcomerBudget(MEMBER_BURST)
-        self._records = Records()
-        self._peer_steps = PeerSteps(config.clip_window)
+        self._trust = Trust(roster, replica.schema, config)
         # Our offers to one peer, paced below the inbound channels per peer it lets in
         # (taken to be ours, Limits.peer_rate): a pair whose rounds come faster than that
         # had every offer past it cut off at the handshake, a failed round each.
         limits = limits or Limits()
         self._pace = RateLimit(PACE * limits.peer_rate, max(1, limits.peer_burst // 2))
-        self._tally = _Tally()
+        self._tally = Tally()
         self.ready = trio.Event()
         self._deadlines = deadlines(config)
-        self._rates = LinkRates(config.min_rate)  # per peer host: what its link carried
-        self._serving = [0]  # downloads being served
-        self._said = Said()  # download failures logged so far: each once out loud
-        self._started = trio.current_time()  # for the peers' seniority: younger than us?
+        self._rates = rates  # per peer host: what its link carried
         # every = "auto": the spacing learns each committed exchange's duration, from our
         # offers and our answers alike, from the report _ended makes for on_exchange.
         spacing = self._spacing = Spacing() if config.every == "auto" else None
@@ -253,36 +171,13 @@ class Averaging:
 
     # ---- public -----------------------------------------------------------------------
 
-    def statistics(self) -> AveragingStatistics:
-        t, c, now = self._tally, self.replica.counters(), trio.current_time()
-        committed = t.results[Result.COMMITTED]
-        return AveragingStatistics(
-            committed=committed,
-            busy=t.results[Result.BUSY],
-            rejected=t.results[Result.REJECTED],
-            invalid=t.results[Result.INVALID],
-            failed=t.results[Result.FAILED],
-            no_peer=t.results[Result.NO_PEER],
-            clipped=t.clipped,
-            newcomers=t.newcomers,
-            newcomers_limited=t.newcomers_limited,
-            members_limited=t.members_limited,
-            quarantined=self._quarantine.count(now),
-            bytes_sent=t.bytes_sent,
-            bytes_received=t.bytes_received,
-            last_exchange=t.last_exchange,
-            seconds_since_exchange=None if t.last_exchange is None else now - t.last_exchange,
-            mean_duration=t.durations / committed if committed else 0.0,
-            last_distance=t.last_distance,
-            step=c.step,
-            samples=c.samples,
-            weight=c.weight,
-            pending=self.replica.pending,
-            downloads_served=t.downloads_served,
-            ready=self.ready.is_set(),
-            corrected=t.corrected,
-            spacing=self._every if self._spacing is None else self._spacing.steps(),
-        )
+    def statistics(self, *, downloads_served: int) -> AveragingStatistics:
+        """A snapshot of this node's averaging; ``downloads_served`` is its node's count."""
+        return self._tally.statistics(
+            trio.current_time(), self.replica.counters(), self._trust,
+            pending=self.replica.pending, ready=self.ready.is_set(),
+            downloads_served=downloads_served,
+            spacing=self._every if self._spacing is None else self._spacing.steps())
 
     async def run(self) -> None:
         """Start a round every ``every`` local steps, counted from the start of the last
@@ -352,12 +247,7 @@ class Averaging:
         """
         await self.ready.wait()
         self._roster.set_meta(step=self.replica.counters().step)
-        self._newcomers.round()
-        # Each host picks among the hosts that take offers: its share of our offers is one
-        # over those (but us). Proven ones only: claims could shrink everyone's share.
-        hosts = len(by_host(self._roster.alive(ready=True, reachable=True, proven=True),
-                            self._roster.proven_host))
-        self._members.round(MEMBER_SHARE / max(hosts, 1))
+        self._trust.round()
         # A peer that failed or refused is not tried again this round. One that was busy
         # may be, when nobody untried is left: two nodes whose rounds start at the same
         # instant are busy with their own offers, and the randomized backoff lets one of
@@ -394,110 +284,15 @@ class Averaging:
             if peer is None:
                 break
             self._pace.allow(peer.peer, trio.current_time())
-            result = await self._initiate(peer)
+            side = _Side(True, Standing.CHOSEN, self.replica.estimating,  # before the snapshot
+                         "connect")
+            result = await self._exchange(peer.peer, side, partial(self._offer, peer))
             if result in (Result.COMMITTED, Result.INVALID):
                 break
             (busy if result is Result.BUSY else failed).add(peer.peer)
         if result is Result.NO_PEER:
             self._tally.results[Result.NO_PEER] += 1
         return result
-
-    async def respond(self, channel: SecureChannel, offer: Offer) -> None:
-        """Answer an offer on ``channel`` (the roster's handler calls this)."""
-        peer = channel.peer
-        refusal = self._refusal(offer, peer)
-        rank = self._offerer(peer)
-        later = None if refusal is not None else self._later(rank, channel.host)
-        if later is not None or refusal is not None:
-            # Busy means "try again later" (not ready is a later too); Rejected means never.
-            if later is not None:
-                close = Close(Close.BUSY, later)
-            else:
-                log.info("averaging offer refused peer=%s reason=%s", peer.short, refusal)
-                close = Close(Close.REJECTED, refusal)
-            said = ([describe(self.replica.schema)]  # say what ours is
-                    if offer.fingerprint != self.replica.schema.fingerprint else [])
-            await channel.send_closing(*said, close)
-            self._count(channel)
-            return
-        self._busy = True
-        started = trio.current_time()
-        # A newcomer's payload moves us by nothing (gossip.standing), and a correction that
-        # moved on its side only would leave the swarm's sum of corrections off for good
-        # (gossip.correction): with a newcomer, or before we have a gradient estimate of our
-        # own, only the state is swapped.
-        corrected = (offer.correction and rank is not Standing.NEWCOMER
-                     and self.replica.estimating)
-        own = theirs = None
-        failure: BaseException | None = None
-        try:
-            own, theirs = self.replica.buffer(), self.replica.buffer()
-            with one_error():
-                async with trio.open_nursery() as copying:  # holds `own` until it is whole
-                    mine, ready = await self._snapshot(copying, own, 1 + corrected)
-                    accept = Accept(mine.step, mine.samples, self._my_weight(mine), corrected)
-                    check, difference = self._checker(own, theirs, mine, rank, ready,
-                                                      self._seniority(peer), self._clip(peer))
-                    outcome = await exchange.respond(channel, offer, accept, own, theirs,
-                                                     self.replica.schema, check,
-                                                     self._link_deadlines(channel), ready,
-                                                     difference.advance)
-            result = await self._settle(peer, outcome, mine, rank, own, theirs, started,
-                                        initiated=False)
-            theirs = None  # handed over
-        except GossipError as exc:
-            failure = exc
-            result = self._failure(peer, "accept", exc)
-        finally:
-            self._busy = False
-            self._release(own, theirs)
-            self._count(channel)
-            self._time_link(channel, started, failure)
-        self._ended(peer, False, result, started, offer.step)
-
-    async def serve_download(self, channel: SecureChannel, request: StateRequest,
-                             task: Callable[[], Mapping[str, Any]]) -> None:
-        """Answer a joiner's :class:`StateRequest` (the roster's handler calls this)."""
-        if await serve_download(channel, request, self.replica, task, ready=self.ready.is_set(),
-                                serving=self._serving, deadline=self._download_deadline):
-            self._tally.downloads_served += 1
-
-    async def download(self, candidates: list[Member],
-                       task: Callable[[], Mapping[str, Any]] | None = None) -> Download:
-        """Load the state of a candidate that answers (see
-        :func:`gossip.download.download`); ``task`` gives our task metadata, to compare with
-        a refusing peer's. The step's ceiling counts only the candidates that proved
-        their identity to us (:meth:`~gossip.roster.Roster.prove` some first)."""
-        proven = {m.peer: self._roster.proven_host(m) for m in candidates
-                  if self._roster.proven_since(m.peer) is not None}
-        return await download(self.replica, candidates, self._network, self._identity,
-                              self._swarm, self._timeouts, deadline=self._download_deadline,
-                              rng=self._rng, task=task, said=self._said, rates=self._rates,
-                              stall=self.config.stall_timeout, proven=proven)
-
-    def _download_deadline(self, host: str) -> float:
-        """Seconds a state download with ``host`` may take once connected: the request's
-        answer, and the state at the rate its link is given (:mod:`gossip.linkrate`)."""
-        return self.config.offer_timeout + self._rates.deadline(
-            host, self.config.transfer_timeout, self.replica.schema.encoded_size(DOWNLOAD_CODEC))
-
-    def _link_deadlines(self, channel: SecureChannel) -> Deadlines:
-        """An exchange's deadlines, its transfer's at the rate the peer's link is given."""
-        return replace(self._deadlines, min_rate=self._rates.rate(channel.host))
-
-    def _time_link(self, channel: SecureChannel, started: float,
-                   failure: BaseException | None) -> None:
-        """Count what an exchange's channel carried since ``started`` towards its link's
-        measured rate: a whole exchange, or one whose transfer ran out of time."""
-        stats = channel.statistics()
-        carried = max(stats.bytes_sent, stats.bytes_received)
-        seconds = trio.current_time() - started
-        if failure is None:
-            self._rates.observe(channel.host, carried, seconds, complete=True)
-        elif isinstance(failure, PeerTimeout) and failure.phase in ("transfer", "record"):
-            self._rates.observe(channel.host, carried, seconds, complete=False)
-
-    # ---- the exchange -----------------------------------------------------------------
 
     def allowed(self, members: list[Member]) -> list[Member]:
         """The members on the allow-list (all of them when there is none)."""
@@ -514,60 +309,120 @@ class Averaging:
     def _pick(self, skip: set[str]) -> Member | None:
         now = trio.current_time()
         return pick([m for m in self.allowed(self._roster.alive(ready=True, reachable=True))
-                     if m.peer not in skip and not self._quarantine.barred(m.peer, now)],
+                     if m.peer not in skip and not self._trust.quarantine.barred(m.peer, now)],
                     self._rng)
 
-    async def _initiate(self, member: Member) -> Result:
-        assert not self._busy, "round() checks, with no checkpoint in between"
+    # ---- the exchange -----------------------------------------------------------------
+
+    async def respond(self, channel: SecureChannel, offer: Offer) -> None:
+        """Answer an offer on ``channel`` (the roster's handler calls this): take it, or
+        refuse it at once (:meth:`_refuse`)."""
+        peer = channel.peer
+        refusal = self._trust.refusal(offer, peer)
+        rank = self._trust.offerer(peer)
+        if refusal is None:
+            refusal = self._later(rank, channel.host)
+        if refusal is not None:
+            await self._refuse(channel, offer, refusal)
+            return
+        # A newcomer's payload moves us by nothing (gossip.standing), and a correction that
+        # moved on its side only would leave the swarm's sum of corrections off for good
+        # (gossip.correction): with a newcomer, or before we have a gradient estimate of our
+        # own, only the state is swapped.
+        corrected = (offer.correction and rank is not Standing.NEWCOMER
+                     and self.replica.estimating)
+        side = _Side(False, rank, corrected, "accept", channel, offer.step)
+        await self._exchange(peer, side, partial(self._accept, channel, offer))
+
+    async def _refuse(self, channel: SecureChannel, offer: Offer, refusal: Refusal) -> None:
+        """Say ``refusal`` and hang up. Busy means "try again later" (not ready is a later
+        too); rejected means never."""
+        if refusal.result is Result.REJECTED:
+            log.info("averaging offer refused peer=%s reason=%s", channel.peer.short,
+                     refusal.reason)
+        said = ([describe(self.replica.schema)]  # say what ours is
+                if offer.fingerprint != self.replica.schema.fingerprint else [])
+        await channel.send_closing(*said, refusal.close())
+        self._tally.carried(channel)
+
+    def _later(self, rank: Standing, host: str) -> Refusal | None:
+        """Why an offer we could take must wait (answered busy), or None to take it now."""
+        if self.stopping:
+            return Refusal(Result.BUSY, "leaving")
+        if not self.ready.is_set():
+            return Refusal(Result.BUSY, "not ready (fetching its initial state)")
+        if self._busy:
+            return Refusal(Result.BUSY, "busy")
+        return self._trust.budget(rank, host)
+
+    async def _exchange(self, peer: PeerId, side: _Side, talk: _Talk) -> Result:
+        """One exchange with ``peer``, from either end: the snapshot, then ``talk`` (which
+        dials and offers, :meth:`_offer`, or accepts, :meth:`_accept`), then the settling
+        and the report. We are busy throughout: offers that come meanwhile are answered
+        busy."""
+        assert not self._busy, "checked, with no checkpoint in between"
         self._busy = True
-        peer, started = member.peer, trio.current_time()
-        channel: SecureChannel | None = None
-        phase = "connect"
-        corrected = self.replica.estimating  # decided before the snapshot that holds it
+        started = trio.current_time()
         own = theirs = None
-        told: int | None = None  # the peer's step, once its Accept says it
         failure: BaseException | None = None
         try:
             own, theirs = self.replica.buffer(), self.replica.buffer()
             with one_error():
                 async with trio.open_nursery() as copying:  # holds `own` until it is whole
-                    mine, ready = await self._snapshot(copying, own, 1 + corrected)
-                    channel = await connect(self._network, member.address,
-                                            identity=self._identity, swarm=self._swarm,
-                                            allow=frozenset({peer}), timeouts=self._timeouts)
-                    self._roster.proved(channel)
-                    async with channel:
-                        phase = "offer"
-                        offer = Offer(self.replica.schema.fingerprint, self.config.codec,
-                                      mine.step, mine.samples, self._my_weight(mine), corrected)
-                        check, difference = self._checker(own, theirs, mine, Standing.CHOSEN,
-                                                          ready, self._seniority(peer),
-                                                          self.config.clip)
-                        outcome = await exchange.initiate(
-                            channel, offer, own, theirs, self.replica.schema, check,
-                            self._link_deadlines(channel), ready, difference.advance)
-            told = None if outcome.peer is None else outcome.peer.step
-            result = await self._settle(peer, outcome, mine, Standing.CHOSEN, own, theirs,
-                                        started, initiated=True)
+                    mine, ready = await self._snapshot(copying, own, 1 + side.corrected)
+                    outcome = await talk(side, own, theirs, mine, ready)
+            if outcome.peer is not None:
+                side.told = outcome.peer.step
+            result = await self._settle(peer, outcome, mine, side.rank, own, theirs, started,
+                                        initiated=side.initiated)
             theirs = None  # handed over
         except GossipError as exc:
             failure = exc
-            result = self._failure(peer, phase, exc)
-            if isinstance(exc, (PeerGone, PeerTimeout)) and phase == "connect":
+            result = self._failure(peer, side.phase, exc)
+            if isinstance(exc, (PeerGone, PeerTimeout)) and side.phase == "connect":
                 self._roster.report_failure(peer)
-            elif isinstance(exc, BadMessage) and phase == "offer":
+            elif isinstance(exc, BadMessage) and side.phase == "offer":
                 # A message we cannot decode on an authenticated channel (a garbled
                 # SchemaInfo, say) is never an honest peer's: as with a refusal, stop
                 # offering to it for a while rather than offer to it every round.
-                self._quarantine.bar(peer, trio.current_time())
+                self._trust.quarantine.bar(peer, trio.current_time())
         finally:
             self._busy = False
             self._release(own, theirs)
-            if channel is not None:
-                self._count(channel)
-                self._time_link(channel, started, failure)
-        self._ended(peer, True, result, started, told)
+            if side.channel is not None:
+                self._tally.carried(side.channel)
+                self._time_link(side.channel, started, failure)
+        self._ended(peer, side.initiated, result, started, side.told)
         return result
+
+    async def _offer(self, member: Member, side: _Side, own: torch.Tensor,
+                     theirs: torch.Tensor, mine: Counters, ready: trio.Event | None) -> Outcome:
+        """The initiator's middle of :meth:`_exchange`: dial ``member`` and offer."""
+        channel = side.channel = await self._dial(member)
+        self._roster.proved(channel)
+        async with channel:
+            side.phase = "offer"
+            offer = Offer(self.replica.schema.fingerprint, self.config.codec, mine.step,
+                          mine.samples, self._my_weight(mine), side.corrected)
+            check, difference = self._checker(own, theirs, mine, side.rank, ready,
+                                              self._trust.senior(member.peer),
+                                              self.config.clip)
+            return await exchange.initiate(channel, offer, own, theirs, self.replica.schema,
+                                           check, self._link_deadlines(channel), ready,
+                                           difference.advance)
+
+    async def _accept(self, channel: SecureChannel, offer: Offer, side: _Side,
+                      own: torch.Tensor, theirs: torch.Tensor, mine: Counters,
+                      ready: trio.Event | None) -> Outcome:
+        """The responder's middle of :meth:`_exchange`: take ``offer``."""
+        peer = channel.peer
+        accept = Accept(mine.step, mine.samples, self._my_weight(mine), side.corrected)
+        check, difference = self._checker(own, theirs, mine, side.rank, ready,
+                                          self._trust.senior(peer),
+                                          self._trust.clip(peer, len(self._histories[0])))
+        return await exchange.respond(channel, offer, accept, own, theirs, self.replica.schema,
+                                      check, self._link_deadlines(channel), ready,
+                                      difference.advance)
 
     async def _snapshot(self, nursery: trio.Nursery, own: torch.Tensor,
                         parts: int) -> tuple[Counters, trio.Event | None]:
@@ -601,8 +456,9 @@ class Averaging:
         """The checks of a received payload (:func:`gossip.mixing.judge`), for the exchange,
         and the pass over the state that they start while the payload arrives (fed by the
         exchange's ``on_decoded``; it waits for our snapshot to be whole). ``senior``: the
-        fraction of the mixing weight the peer's state gets (:func:`seniority`); ``clip``:
-        the state's clip (:meth:`_clip`)."""
+        fraction of the mixing weight the peer's state gets (:meth:`Trust.senior
+        <gossip.trust.Trust.senior>`); ``clip``: the state's clip (:meth:`Trust.clip
+        <gossip.trust.Trust.clip>`)."""
         config = self.config
         difference = Difference(theirs, own, self.replica.schema.numel,
                                 (lambda: True) if ready is None else ready.is_set)
@@ -630,29 +486,21 @@ class Averaging:
         """Tally an exchange that ended without failing and, if it committed, queue what
         it brought (through the outer step, if the replica keeps one). ``own`` is the
         snapshot we sent; ``theirs`` is handed over: queued, or given back."""
-        if outcome.ending is not Ending.COMMITTED:
+        if outcome.ending is not Result.COMMITTED:
             self.replica.release(theirs)
-            if outcome.ending is Ending.INVALID:
+            if outcome.ending is Result.INVALID:
                 return self._invalid(peer, outcome.reason)
-            if outcome.ending is Ending.REJECTED and initiated and not outcome.parts:
+            if outcome.ending is Result.REJECTED and initiated and not outcome.parts:
                 # Another schema, codec or mode, or it quarantined us: it will not take our
                 # offers for a while, so stop making them.
-                self._quarantine.bar(peer, trio.current_time())
+                self._trust.quarantine.bar(peer, trio.current_time())
             return self._refused(peer, outcome)
         verdict, bid = outcome.verdict, outcome.peer
         assert isinstance(verdict, Verdict) and bid is not None
         if verdict.state.scale > 0:  # else a newcomer's: it learns from us, we take nothing
             weight = (merged_weight(self._my_weight(mine), bid.weight) if self.config.by_samples
                       else None)
-            members = self._roster.alive(ready=True, proven=True)
-            chosen = self._roster.get(peer) if rank is Standing.CHOSEN else None
-            if chosen is not None:
-                self._peer_steps.add(host_of(chosen), str(peer), bid.step, mine.local)
-            host = self._roster.proven_host
-            swarm = self._peer_steps.swarm(mine.local, len(by_host(members, host)), len(members))
-            if swarm is None:  # too few hosts of our own rounds yet: the announcements
-                swarm = step_ceiling(members, host) if members else None
-            move = step_move(mine.heading, bid.step, swarm)
+            move = self._trust.moved_step(peer, rank, bid.step, mine)
             scale, outer = verdict.state.scale, self.replica.outer
             if outer is not None:
                 # Committed: the outer state and the queue must both take it, or neither.
@@ -666,22 +514,31 @@ class Averaging:
                                sent_weight=self._my_weight(mine))
         else:
             self.replica.release(theirs)
-        self._quarantine.clear(peer)
-        if rank is Standing.CHOSEN:
-            self._records.add(peer)
-        now = trio.current_time()
-        t = self._tally
-        t.results[Result.COMMITTED] += 1
-        t.clipped += verdict.clipped
-        t.newcomers += rank is Standing.NEWCOMER
-        t.corrected += outcome.parts == 2
-        t.last_exchange, t.last_distance = now, verdict.state.distance
-        t.durations += now - started
+        self._trust.committed(peer, rank)
+        self._tally.committed(trio.current_time(), started, verdict.state.distance,
+                              clipped=verdict.clipped, newcomer=rank is Standing.NEWCOMER,
+                              parts=outcome.parts)
         log.debug("averaging committed peer=%s distance=%.4g clipped=%s standing=%s parts=%d",
                   peer.short, verdict.state.distance, verdict.clipped, rank.value, outcome.parts)
         return Result.COMMITTED
 
     # ---- helpers ----------------------------------------------------------------------
+
+    def _link_deadlines(self, channel: SecureChannel) -> Deadlines:
+        """An exchange's deadlines, its transfer's at the rate the peer's link is given."""
+        return replace(self._deadlines, min_rate=self._rates.rate(channel.host))
+
+    def _time_link(self, channel: SecureChannel, started: float,
+                   failure: BaseException | None) -> None:
+        """Count what an exchange's channel carried since ``started`` towards its link's
+        measured rate: a whole exchange, or one whose transfer ran out of time."""
+        stats = channel.statistics()
+        carried = max(stats.bytes_sent, stats.bytes_received)
+        seconds = trio.current_time() - started
+        if failure is None:
+            self._rates.observe(channel.host, carried, seconds, complete=True)
+        elif isinstance(failure, PeerTimeout) and failure.phase in ("transfer", "record"):
+            self._rates.observe(channel.host, carried, seconds, complete=False)
 
     def _release(self, *buffers: torch.Tensor | None) -> None:
         for buffer in buffers:
@@ -699,89 +556,17 @@ class Averaging:
             self._on_exchange(Exchange(peer, initiated, result, trio.current_time() - started,
                                        distance, step))
 
-    def _offerer(self, peer: str) -> Standing:
-        """The standing of an offer from ``peer``: a member's, or a newcomer's. Its time
-        counts from when it was both alive in our table and proved to us (its offer's own
-        channel proves it, so a first offer is a newcomer's)."""
-        member = self._roster.get(peer)
-        proved = self._roster.proven_since(peer)
-        since = (max(member.since, proved) if member is not None
-                 and member.state is State.ALIVE and proved is not None else None)
-        return standing(False, since, trio.current_time(), self.config.trust_after,
-                        chosen_before=peer in self._records)
-
-    def _seniority(self, peer: str) -> float:
-        """The fraction of the mixing weight ``peer``'s state gets (:func:`seniority`); in
-        push-sum mode always 1, since the weights there already give a joiner its share."""
-        if self.config.by_samples:
-            return 1.0
-        member = self._roster.get(peer)
-        now = trio.current_time()
-        alive_for = (now - member.since if member is not None and member.state is State.ALIVE
-                     else None)
-        return seniority(alive_for, now - self._started, self.config.trust_after)
-
-    def _clip(self, peer: str) -> float:
-        """The state's clip for an offer from ``peer``: :data:`~gossip.mixing.OFFER_CLIP`,
-        or the configured clip while we are young (our history of rounds is not full yet)
-        and the peer was a member before us (in our table, alive, and proved to us, both
-        since no later than :data:`FOUNDING` x ``trust_after`` after our start): a joiner is
-        the one far from the swarm, and the members it joined must be able to pull it in."""
-        clip = self.config.clip
-        if not clip or len(self._histories[0]) >= self.config.clip_window:
-            return min(clip, OFFER_CLIP) if clip else clip
-        member, proved = self._roster.get(peer), self._roster.proven_since(peer)
-        founding = self._started + FOUNDING * self.config.trust_after
-        older = (member is not None and member.state is State.ALIVE and member.since <= founding
-                 and proved is not None and proved <= founding)
-        return clip if older else min(clip, OFFER_CLIP)
-
     def _my_weight(self, counters: Counters) -> float:
         return counters.weight if self.config.by_samples else 0.0
 
-    def _later(self, rank: Standing, host: str) -> str | None:
-        """Why an offer we could take must wait (answered busy), or None to take it now."""
-        if self.stopping:
-            return "leaving"
-        if not self.ready.is_set():
-            return "not ready (fetching its initial state)"
-        if self._busy:
-            return "busy"
-        if rank is Standing.NEWCOMER and not self._newcomers.allow(host):
-            self._tally.newcomers_limited += 1
-            return "busy: newcomers from this address have had their share for now"
-        if (rank is Standing.MEMBER and self.config.trust_after > 0
-                and not self._members.allow(host)):
-            self._tally.members_limited += 1
-            return "busy: members from this address have had their share for now"
-        return None
-
-    def _refusal(self, offer: Offer, peer: PeerId) -> str | None:
-        """Why we can never take this offer, or None if we could. The reason travels in
-        ``Close.reason``, which is for logs: it never carries our schema's fingerprint (a
-        client computes that from its model, PROTOCOL.md section 7.1); our own log does."""
-        if offer.fingerprint != self.replica.schema.fingerprint:
-            log.debug("averaging offer of another schema peer=%s theirs=%s ours=%s", peer.short,
-                     offer.fingerprint.hex(), self.replica.schema.fingerprint_hex)
-            return "schema differs from ours (another model, or other task options)"
-        if offer.codec != self.config.codec:
-            return f"codec {offer.codec!r} is not ours ({self.config.codec!r})"
-        if (offer.weight > 0) != self.config.by_samples:
-            return "mixing modes differ (push-sum by samples vs fixed weight)"
-        if self._quarantine.barred(peer, trio.current_time()):
-            return "quarantined"
-        return None
-
     def _refused(self, peer: PeerId, outcome: Outcome) -> Result:
-        if outcome.ending is Ending.BUSY:
-            self._tally.results[Result.BUSY] += 1
-            return Result.BUSY
-        log.info("averaging refused by peer=%s reason=%s", peer.short, outcome.reason)
-        self._tally.results[Result.REJECTED] += 1
-        return Result.REJECTED
+        if outcome.ending is Result.REJECTED:
+            log.info("averaging refused by peer=%s reason=%s", peer.short, outcome.reason)
+        self._tally.results[outcome.ending] += 1  # BUSY or REJECTED
+        return outcome.ending
 
     def _invalid(self, peer: PeerId, reason: str) -> Result:
-        barred = self._quarantine.strike(peer, trio.current_time())
+        barred = self._trust.quarantine.strike(peer, trio.current_time())
         log.warning("averaging refused a payload peer=%s reason=%s%s", peer.short, reason,
                     " (quarantined)" if barred else "")
         self._tally.results[Result.INVALID] += 1
@@ -791,8 +576,3 @@ class Averaging:
         log.info("averaging round failed peer=%s phase=%s: %s", peer.short, phase, exc)
         self._tally.results[Result.FAILED] += 1
         return Result.FAILED
-
-    def _count(self, channel: SecureChannel) -> None:
-        stats = channel.statistics()
-        self._tally.bytes_sent += stats.bytes_sent
-        self._tally.bytes_received += stats.bytes_received

@@ -41,6 +41,10 @@ server's own schema and task metadata (a bounded ``SchemaInfo``) before the ``Cl
 joiner logs which tensors and metadata differ (:mod:`gossip.mismatch`). It goes on asking, as
 the swarm may change, but says each refusal out loud once per peer (:class:`Said`): a joiner
 retries every second, and the same warning every second would bury everything else.
+
+A node's side of both is one :class:`Downloads`, which its :class:`~gossip.node.SwarmNode`
+owns: it answers joiners' requests, counting those in progress and those served, and fetches
+the node's own initial state, remembering what it has said.
 """
 
 from __future__ import annotations
@@ -49,30 +53,28 @@ import logging
 import random
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import cbor2
 import trio
 
-from .channel import SecureChannel, connect
-from .config import Timeouts
+from .channel import SecureChannel
+from .config import AveragingConfig
 from .errors import (DownloadFailed, GossipError, PeerTimeout, RemoteProtocolError,
                      SchemaRefused, WireError)
 from .groups import phase_deadline
-from .handshake import Swarm
-from .identity import Identity, PeerId
+from .identity import PeerId
 from .linkrate import STALL, LinkRates
 from .member import Member
 from .messages import MAX_META, Close, SchemaInfo, StateInfo, StateRequest
 from .mismatch import describe, explain
-from .network import Network
 from .replica import Replica, offload
 from .standing import step_ceiling
 from .tensors import all_finite
 from .transfer import receive_state, send_state
 from .wire import MAX_DEPTH, decode_canonical
 
-__all__ = ["Download", "Said", "encode_meta", "decode_meta", "serve_download", "download",
+__all__ = ["Download", "Downloads", "Said", "encode_meta", "decode_meta", "download",
            "MAX_SERVING"]
 
 log = logging.getLogger(__name__)
@@ -178,60 +180,104 @@ def _check_plain(value: Any, where: str) -> None:
         raise RemoteProtocolError(f"state metadata: {where} holds an integer beyond 64 bits")
 
 
-async def serve_download(channel: SecureChannel, request: StateRequest, replica: Replica,
-                         task: Callable[[], Mapping[str, Any]], *, ready: bool,
-                         serving: list[int], deadline: Callable[[str], float]) -> bool:
-    """Answer a :class:`StateRequest` on ``channel``: our state, or Close with the reason.
-    Returns whether the whole state was sent.
+class Downloads:
+    """A node's state downloads, both ways: it serves joiners, at most :data:`MAX_SERVING` at
+    once, and fetches its own initial state (:func:`download`).
 
     Args:
-        task: returns the task metadata to publish, called once per download.
-        ready: whether we hold a state worth copying (not fetching our own).
-        serving: a one-element counter of downloads in progress, shared between calls.
-        deadline: seconds the whole answer may take, given the joiner's host.
+        replica: the model: copied for a joiner, loaded from a download.
+        dial: opens a fresh secure channel to a member, and to nobody else.
+        config: ``offer_timeout`` and ``transfer_timeout`` size each attempt's deadline
+            (:meth:`deadline`); ``stall_timeout`` drops a silent server.
+        rates: what each peer host's link carried, shared with the node's exchanges.
+        rng: orders the candidates of one step.
+        task: returns the task metadata, to publish with each download served and to
+            compare with a refusing peer's.
+
+    Attributes:
+        serving: downloads being served now.
+        served: downloads whose whole state was sent.
     """
-    peer = channel.peer
-    refusal, before = None, []
-    if request.fingerprint != replica.schema.fingerprint:
-        # Close.reason is for logs and never carries our fingerprint (PROTOCOL.md section 7.1
-        # says how a client computes its own); our log does.
-        log.debug("state request of another schema peer=%s theirs=%s ours=%s", peer.short,
-                  request.fingerprint.hex(), replica.schema.fingerprint_hex)
-        before = [describe(replica.schema, _task_meta(task))]  # for the joiner to say what differs
-        refusal = Close(Close.REJECTED, "schema differs from ours (another model, or other "
-                                        "task options)")
-    elif request.codec != CODEC:
-        refusal = Close(Close.REJECTED, f"downloads use {CODEC}, not {request.codec!r}")
-    elif not ready or serving[0] >= MAX_SERVING:
-        refusal = Close(Close.BUSY, "not ready" if not ready else "serving other downloads")
-    if refusal is not None:
-        await channel.send_closing(*before)  # its own grace, as the refusal has
-        await channel.send_closing(refusal)
-        return False
-    try:
-        meta = encode_meta(replica.int_buffers(), task())
-    except ValueError as exc:  # the application's metadata: our fault, not the joiner's
-        log.error("cannot serve a state download: %s", exc)
-        await channel.send_closing(Close(Close.REJECTED, "this node's task metadata is invalid"))
-        return False
-    serving[0] += 1
-    buffer = replica.buffer()
-    flat = buffer[:replica.schema.numel]  # the state alone: a joiner starts with no correction
-    try:
-        counters = await offload(replica, replica.snapshot, buffer, 1)
-        with phase_deadline(deadline(channel.host), peer.short, "serving a download"):
-            await channel.send_message(StateInfo(counters.step, counters.samples,
-                                                 counters.weight, meta))
-            await send_state(channel, flat, replica.schema, CODEC, step=counters.step,
-                             samples=counters.samples)
-        log.info("state served peer=%s step=%d", peer.short, counters.step)
-        return True
-    except PeerTimeout:  # only ours: sending raises none
-        log.info("state download by peer=%s timed out", peer.short)
-        return False
-    finally:
-        serving[0] -= 1
-        replica.release(buffer)
+
+    def __init__(self, replica: Replica, dial: Callable[[Member], Awaitable[SecureChannel]],
+                 config: AveragingConfig, rates: LinkRates, rng: random.Random,
+                 task: Callable[[], Mapping[str, Any]]) -> None:
+        self._replica = replica
+        self._dial = dial
+        self._config = config
+        self._rates = rates
+        self._rng = rng
+        self._task = task
+        self._said = Said()  # download failures logged so far: each once out loud
+        self.serving = 0
+        self.served = 0
+
+    def deadline(self, host: str) -> float:
+        """Seconds a state download with ``host`` may take once connected: the request's
+        answer, and the state at the rate its link is given (:mod:`gossip.linkrate`)."""
+        return self._config.offer_timeout + self._rates.deadline(
+            host, self._config.transfer_timeout, self._replica.schema.encoded_size(CODEC))
+
+    async def fetch(self, candidates: list[Member], proven: Mapping[str, str]) -> Download:
+        """Load the state of a candidate that answers: :func:`download`, with ``proven``
+        the candidates that proved their identity to us, each with the host it proved
+        itself from.
+
+        Raises:
+            DownloadFailed: every candidate failed (each failure is logged).
+        """
+        return await download(self._replica, candidates, self._dial, deadline=self.deadline,
+                              rng=self._rng, task=self._task, said=self._said,
+                              rates=self._rates, stall=self._config.stall_timeout,
+                              proven=proven)
+
+    async def serve(self, channel: SecureChannel, request: StateRequest, *,
+                    ready: bool) -> None:
+        """Answer a :class:`StateRequest` on ``channel``: our state, or Close with the reason
+        (``ready``: whether we hold a state worth copying, not fetching our own)."""
+        replica, peer = self._replica, channel.peer
+        refusal, before = None, []
+        if request.fingerprint != replica.schema.fingerprint:
+            # Close.reason is for logs and never carries our fingerprint (PROTOCOL.md section
+            # 7.1 says how a client computes its own); our log does.
+            log.debug("state request of another schema peer=%s theirs=%s ours=%s", peer.short,
+                      request.fingerprint.hex(), replica.schema.fingerprint_hex)
+            # for the joiner to say what differs
+            before = [describe(replica.schema, _task_meta(self._task))]
+            refusal = Close(Close.REJECTED, "schema differs from ours (another model, or "
+                                            "other task options)")
+        elif request.codec != CODEC:
+            refusal = Close(Close.REJECTED, f"downloads use {CODEC}, not {request.codec!r}")
+        elif not ready or self.serving >= MAX_SERVING:
+            refusal = Close(Close.BUSY, "not ready" if not ready else "serving other downloads")
+        if refusal is not None:
+            await channel.send_closing(*before)  # its own grace, as the refusal has
+            await channel.send_closing(refusal)
+            return
+        try:
+            meta = encode_meta(replica.int_buffers(), self._task())
+        except ValueError as exc:  # the application's metadata: our fault, not the joiner's
+            log.error("cannot serve a state download: %s", exc)
+            await channel.send_closing(Close(Close.REJECTED,
+                                             "this node's task metadata is invalid"))
+            return
+        self.serving += 1
+        buffer = replica.buffer()
+        flat = buffer[:replica.schema.numel]  # the state alone: a joiner starts with no correction
+        try:
+            counters = await offload(replica, replica.snapshot, buffer, 1)
+            with phase_deadline(self.deadline(channel.host), peer.short, "serving a download"):
+                await channel.send_message(StateInfo(counters.step, counters.samples,
+                                                     counters.weight, meta))
+                await send_state(channel, flat, replica.schema, CODEC, step=counters.step,
+                                 samples=counters.samples)
+            log.info("state served peer=%s step=%d", peer.short, counters.step)
+            self.served += 1
+        except PeerTimeout:  # only ours: sending raises none
+            log.info("state download by peer=%s timed out", peer.short)
+        finally:
+            self.serving -= 1
+            replica.release(buffer)
 
 
 def _task_meta(task: Callable[[], Mapping[str, Any]]) -> bytes:
@@ -243,8 +289,8 @@ def _task_meta(task: Callable[[], Mapping[str, Any]]) -> bytes:
         return b""
 
 
-async def download(replica: Replica, candidates: list[Member], network: Network,
-                   identity: Identity, swarm: Swarm, timeouts: Timeouts, *,
+async def download(replica: Replica, candidates: list[Member],
+                   dial: Callable[[Member], Awaitable[SecureChannel]], *,
                    deadline: Callable[[str], float], rng: random.Random,
                    task: Callable[[], Mapping[str, Any]] | None = None,
                    said: Said | None = None, rates: LinkRates | None = None,
@@ -256,6 +302,7 @@ async def download(replica: Replica, candidates: list[Member], network: Network,
         candidates: alive, ready members; tried by announced step, highest first, those
             above their median step (:func:`~gossip.standing.step_ceiling`) last. The step
             we take is bounded by that median.
+        dial: opens a fresh secure channel to a candidate, and to nobody else.
         deadline: seconds one attempt may take once connected, given the peer's host.
         task: our task metadata, to compare with a refusing peer's.
         said: what earlier calls logged: a peer that fails the same way again is logged at
@@ -285,8 +332,7 @@ async def download(replica: Replica, candidates: list[Member], network: Network,
         log.log(said.level(member.peer, logging.INFO), "downloading state peer=%s address=%s "
                 "step=%d", member.peer.short, member.address, member.step)
         try:
-            result = await _fetch(replica, member, network, identity, swarm, timeouts,
-                                  deadline, ceiling, task, rates, stall)
+            result = await _fetch(replica, member, dial, deadline, ceiling, task, rates, stall)
         except SchemaRefused as exc:
             # Keyed by peer alone: the text is the peer's to vary, and one that changed
             # its schema every second must not get a fresh warning every second.
@@ -306,12 +352,12 @@ async def download(replica: Replica, candidates: list[Member], network: Network,
                           f"the last said: {last})")
 
 
-async def _fetch(replica: Replica, member: Member, network: Network, identity: Identity,
-                 swarm: Swarm, timeouts: Timeouts, deadline: Callable[[str], float], ceiling: int,
+async def _fetch(replica: Replica, member: Member,
+                 dial: Callable[[Member], Awaitable[SecureChannel]],
+                 deadline: Callable[[str], float], ceiling: int,
                  task: Callable[[], Mapping[str, Any]] | None, rates: LinkRates | None,
                  stall: float) -> Download:
-    channel = await connect(network, member.address, identity=identity, swarm=swarm,
-                            allow=frozenset({member.peer}), timeouts=timeouts)
+    channel = await dial(member)
     async with channel:
         buffer = replica.buffer()
         flat = buffer[:replica.schema.numel]

@@ -25,7 +25,10 @@ applies, the other not) shrinks to a lost final message.
 This module is the protocol of one exchange and nothing else: *when* to exchange and with
 whom (the scheduler), whether an offer may be taken at all, what the checks are and what a
 committed payload does to the model are the caller's (:mod:`gossip.averaging`). The caller
-passes its snapshot, a buffer to receive into, and ``check``; it gets an :class:`Outcome`.
+passes its snapshot, a buffer to receive into, and ``check``; it gets an
+:class:`~gossip.exchange_state.Outcome`. Which message may come next, and what each one means,
+are the pure :class:`~gossip.exchange_state.ExchangeState`'s rules: the functions here move the
+messages and the payloads under their deadlines, and ask it.
 The snapshot may still be being copied when the exchange starts (``ready``, set once it is
 whole): the counters in the Offer or Accept are known as soon as the copy begins, so the copy
 overlaps the offer's round trip and the peer's payload, and only our own send and the check
@@ -42,24 +45,23 @@ of our send is looked at.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Protocol
+from typing import Awaitable, Callable
 
 import torch
 import trio
 
 from .channel import SecureChannel
+from .codec import encoded_nbytes
 from .errors import GossipError, PeerTimeout, RemoteProtocolError, SchemaMismatch
+from .exchange_state import ExchangeState, Outcome, Result, Side, Verdict
 from .groups import first_error, phase_deadline, phase_deadline_at
 from .linkrate import STALL
-from .messages import Accept, Close, Commit, Offer, SchemaInfo
-from .mismatch import explain
-from .tensors import StateSchema, encoded_nbytes
+from .messages import Accept, Close, Offer
+from .schema import StateSchema
 from .transfer import receive_state, send_state
 
-__all__ = ["Deadlines", "Ending", "Outcome", "Verdict", "Check", "initiate", "respond"]
-
+__all__ = ["Deadlines", "Outcome", "Result", "Verdict", "Check", "initiate", "respond"]
 
 
 @dataclass(frozen=True)
@@ -84,52 +86,10 @@ class Deadlines:
         return self.transfer + nbytes / self.min_rate
 
 
-class Ending(enum.Enum):
-    """How an exchange ended, when it did not fail."""
-
-    COMMITTED = "committed"  # both sides checked both payloads and said Commit
-    BUSY = "busy"  # the peer said try later
-    REJECTED = "rejected"  # the peer refused our offer or our payload
-    INVALID = "invalid"  # we refused the peer's payload: the peer is at fault
-
-
-class Verdict(Protocol):
-    """What ``check`` returns: ``refused`` is why the payload is refused, or None;
-    ``fraction`` what our ``Commit`` offers to move the correction by (0.0: no estimates)."""
-
-    @property
-    def refused(self) -> str | None: ...
-
-    @property
-    def fraction(self) -> float: ...
-
-
-Check = Callable[[torch.Tensor, int, "Offer | Accept"], Awaitable[Any]]
+Check = Callable[[torch.Tensor, int, "Offer | Accept"], Awaitable[Verdict]]
 """``check(theirs, parts, peer)`` judges the received payload (``theirs`` holds ``parts``
 vectors; ``peer`` is the peer's ``Offer`` or ``Accept``) and returns a :class:`Verdict`; it
 may turn ``theirs`` into whatever it needs in place."""
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """An exchange that ended without failing.
-
-    Attributes:
-        ending: how it ended.
-        reason: why it did not commit (the peer's ``Close`` reason, or our refusal).
-        peer: the peer's ``Offer`` or ``Accept`` (its counters), once it was known.
-        parts: the vectors each payload held (0 if no payload moved).
-        verdict: ``check``'s verdict on the peer's payload, if it got that far.
-        fraction: committed: the fraction of the estimates' difference both sides move their
-            corrections by, the smaller of the two ``Commit``s' (0.0: no estimates).
-    """
-
-    ending: Ending
-    reason: str = ""
-    peer: Offer | Accept | None = None
-    parts: int = 0
-    verdict: Any = None
-    fraction: float = 0.0
 
 
 async def initiate(channel: SecureChannel, offer: Offer, own: torch.Tensor,
@@ -151,21 +111,14 @@ async def initiate(channel: SecureChannel, offer: Offer, own: torch.Tensor,
         PeerTimeout: a phase's deadline passed.
         GossipError: the channel failed or the peer broke the protocol.
     """
+    state = ExchangeState(Side.INITIATOR, offer)
     with phase_deadline(deadlines.offer, channel.peer.short, "offer"):
         await channel.send_message(offer)
         answer = await channel.receive_message()
-    if isinstance(answer, Close):
-        return _refused(answer)
-    if isinstance(answer, SchemaInfo):  # a Close follows; what it lists says more
-        return Outcome(Ending.REJECTED, f"schema differs: {explain(schema, answer)}")
-    if not isinstance(answer, Accept):
-        raise RemoteProtocolError(f"expected Accept, got {type(answer).__name__}")
-    if (answer.weight > 0) != (offer.weight > 0):
-        raise RemoteProtocolError("Accept's mixing mode is not the offer's")
-    if answer.correction and not offer.correction:
-        raise RemoteProtocolError("Accept takes a correction the offer did not bring")
-    return await _swap(channel, answer, offer.codec, 1 + answer.correction, own, theirs,
-                       schema, check, deadlines, ready, on_decoded)
+    ended = state.answered(answer, schema)  # a SchemaInfo: a Close follows, unread
+    if ended is not None:
+        return ended
+    return await _swap(channel, state, own, theirs, schema, check, deadlines, ready, on_decoded)
 
 
 async def respond(channel: SecureChannel, offer: Offer, accept: Accept, own: torch.Tensor,
@@ -174,20 +127,20 @@ async def respond(channel: SecureChannel, offer: Offer, accept: Accept, own: tor
                   on_decoded: Callable[[int], None] | None = None) -> Outcome:
     """Take ``offer`` (already judged acceptable by the caller): say ``accept``, swap
     payloads and commit. Arguments and errors as :func:`initiate`; ``accept.correction``
-    must be true only if ``offer.correction`` is and ``own`` holds an estimate."""
-    if accept.correction and not offer.correction:
-        raise ValueError("cannot accept a correction the offer did not bring")
+    must be true only if ``offer.correction`` is and ``own`` holds an estimate (else a
+    ``ValueError``, before anything is sent)."""
+    state = ExchangeState(Side.RESPONDER, offer, accept)
     with phase_deadline(deadlines.offer, channel.peer.short, "accept"):
         await channel.send_message(accept)
-    return await _swap(channel, offer, offer.codec, 1 + accept.correction, own, theirs,
-                       schema, check, deadlines, ready, on_decoded)
+    return await _swap(channel, state, own, theirs, schema, check, deadlines, ready, on_decoded)
 
 
-async def _swap(channel: SecureChannel, peer: Offer | Accept, codec: str, parts: int,
-                own: torch.Tensor, theirs: torch.Tensor, schema: StateSchema, check: Check,
+async def _swap(channel: SecureChannel, state: ExchangeState, own: torch.Tensor,
+                theirs: torch.Tensor, schema: StateSchema, check: Check,
                 deadlines: Deadlines, ready: trio.Event | None,
                 on_decoded: Callable[[int], None] | None) -> Outcome:
     """Both payloads at once, the check, the commit."""
+    codec, parts = state.offer.codec, state.parts
     size = parts * schema.numel
     mine, into = own[:size], theirs[:size]
     # Why our send failed, held until the receive is done (see the module docstring).
@@ -217,33 +170,22 @@ async def _swap(channel: SecureChannel, peer: Offer | Accept, codec: str, parts:
             raise
         raise PeerTimeout(channel.peer.short, f"transfer, {exc.phase}") from None  # a stall
     except (SchemaMismatch, RemoteProtocolError) as exc:
-        return Outcome(Ending.INVALID, f"bad payload: {exc}", peer, parts)
+        return state.bad_payload(exc)
     # Our send waited for the snapshot, so it is whole by now.
     assert ready is None or ready.is_set()
-    verdict = await check(into, parts, peer)
-    if verdict.refused is not None:
+    said = state.judged(await check(into, parts, state.peer))
+    if isinstance(said, Close):
         try:
-            await channel.send_closing(Close(Close.REJECTED, f"invalid state: {verdict.refused}"))
+            await channel.send_closing(said)
         except GossipError:
             pass  # it hung up already (say, it refused ours): the verdict stands
-        return Outcome(Ending.INVALID, verdict.refused, peer, parts, verdict)
+        assert state.outcome is not None
+        return state.outcome
     # Our send may have returned while the last of our payload still sat in socket buffers
     # on a slow link: the peer may still be receiving it, and it has until the transfer
     # deadline to, so the commit deadline counts from there.
     with phase_deadline_at(max(transfer_end, trio.current_time()) + deadlines.commit,
                            channel.peer.short, "commit"):
-        fraction = verdict.fraction if parts == 2 else 0.0
-        await channel.send_message(Commit(fraction))
+        await channel.send_message(said)
         answer = await channel.receive_message()
-    if isinstance(answer, Close):
-        refused = _refused(answer)
-        return Outcome(refused.ending, refused.reason, peer, parts, verdict)
-    if not isinstance(answer, Commit):
-        raise RemoteProtocolError(f"expected Commit, got {type(answer).__name__}")
-    # The smaller: a peer can make us move less than we judged, never more.
-    return Outcome(Ending.COMMITTED, "", peer, parts, verdict, min(fraction, answer.correction))
-
-
-def _refused(close: Close) -> Outcome:
-    ending = Ending.BUSY if close.code == Close.BUSY else Ending.REJECTED
-    return Outcome(ending, close.reason)
+    return state.committed(answer)

@@ -3,8 +3,10 @@
 Theory of operation
 -------------------
 :func:`open_swarm` opens a roster (:mod:`gossip.roster`) whose channel handler takes
-``Offer`` messages to the averager (:mod:`gossip.averaging`) and ``StateRequest`` messages to
-the download server (:mod:`gossip.download`), and runs two tasks in its own nursery:
+``Offer`` messages to the averager (:mod:`gossip.averaging`: the scheduler and the exchange)
+and ``StateRequest`` messages to the node's state downloads (a
+:class:`~gossip.download.Downloads` that the node owns: it serves joiners and fetches the
+node's own initial state), and runs two tasks in its own nursery:
 
 * *start*: become ready. The first node of a swarm (no bootstrap addresses), or one started
   with ``averaging.start="own"`` (it has a checkpoint), is ready at once. Otherwise it joins,
@@ -35,11 +37,13 @@ import trio
 from .averaging import Averaging, AveragingStatistics, Exchange, Result
 from .channel import SecureChannel
 from .config import NodeConfig
-from .download import Download, encode_meta
+from .download import Download, Downloads, encode_meta
+from .endpoints import connect
 from .errors import DownloadFailed
 from .groups import one_error
 from .handshake import Swarm
 from .identity import Identity, PeerId
+from .linkrate import LinkRates
 from .member import Member
 from .messages import Close, Message, Offer, StateRequest
 from .network import Network, TcpNetwork
@@ -63,12 +67,12 @@ class SwarmNode:
     """
 
     def __init__(self, roster: Roster, replica: Replica, averaging: Averaging,
-                 task: Callable[[], Mapping[str, Any]]) -> None:
+                 downloads: Downloads) -> None:
         self.roster = roster
         self.replica = replica
         self.downloaded: Download | None = None
         self._averaging = averaging
-        self._task = task
+        self._downloads = downloads
 
     @property
     def peer_id(self) -> PeerId:
@@ -122,7 +126,7 @@ class SwarmNode:
         return await self._averaging.round()
 
     def statistics(self) -> AveragingStatistics:
-        return self._averaging.statistics()
+        return self._averaging.statistics(downloads_served=self._downloads.served)
 
     # ---- internals --------------------------------------------------------------------
 
@@ -134,7 +138,7 @@ class SwarmNode:
         elif isinstance(first, Offer):
             await self._averaging.respond(channel, first)
         elif isinstance(first, StateRequest):
-            await self._averaging.serve_download(channel, first, self._task)
+            await self._downloads.serve(channel, first, ready=self.ready)
         else:
             await channel.send_closing(Close(Close.REJECTED, f"unexpected {type(first).__name__}"))
 
@@ -156,7 +160,7 @@ class SwarmNode:
                 if candidates:
                     await self.roster.prove(candidates)  # only proven steps count
                     try:
-                        self.downloaded = await averaging.download(candidates, self._task)
+                        self.downloaded = await self._download(candidates)
                         break
                     except DownloadFailed as exc:
                         # Said once out loud: a refusal may mean this node's model is not the
@@ -178,6 +182,14 @@ class SwarmNode:
         self.roster.set_meta(step=step, ready=True)
         log.info("ready to average peer=%s step=%d source=%s", self.peer_id.short, step,
                  self.downloaded.peer.short if self.downloaded else "own")
+
+    async def _download(self, candidates: list[Member]) -> Download:
+        """Load the state of a candidate that answers (:meth:`Downloads.fetch
+        <gossip.download.Downloads.fetch>`). The step's ceiling counts only the candidates
+        that proved their identity to us (:meth:`~gossip.roster.Roster.prove` some first)."""
+        proven = {m.peer: self.roster.proven_host(m) for m in candidates
+                  if self.roster.proven_since(m.peer) is not None}
+        return await self._downloads.fetch(candidates, proven)
 
 
 @asynccontextmanager
@@ -267,10 +279,15 @@ async def open_swarm(
         async with open_roster(network, identity, swarm, config,
                                rng=random.Random(rng.getrandbits(64)), handler=handle,
                                on_change=changed) as roster:
-            averaging = Averaging(replica, roster, network, identity, swarm, averaging_config,
-                                  config.timeouts, rng, on_exchange, allow=config.allow,
-                                  limits=config.limits)
-            node = SwarmNode(roster, replica, averaging, task_fn)
+            async def dial(member: Member) -> SecureChannel:
+                return await connect(network, member.address, identity=identity, swarm=swarm,
+                                     allow=frozenset({member.peer}), timeouts=config.timeouts)
+
+            rates = LinkRates(averaging_config.min_rate)  # exchanges and downloads alike
+            averaging = Averaging(replica, roster, dial, rates, averaging_config, rng,
+                                  on_exchange, allow=config.allow, limits=config.limits)
+            downloads = Downloads(replica, dial, averaging_config, rates, rng, task_fn)
+            node = SwarmNode(roster, replica, averaging, downloads)
             with one_error():
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(node._start, bool(config.bootstrap))

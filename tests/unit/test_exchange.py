@@ -1,6 +1,7 @@
 """Tests for gossip.exchange: one exchange, both sides, over a handshaken in-memory channel pair
 (no nodes, no network): what is swapped, when each side commits, and who is at fault when it
-does not. Deadlines run on trio's virtual clock."""
+does not. Deadlines run on trio's virtual clock. The rules alone (gossip.exchange_state, pure)
+are tested first, without a channel."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ import trio
 from trio.testing import MockClock
 
 from gossip import exchange
-from gossip.errors import PeerTimeout, RemoteProtocolError
-from gossip.exchange import Deadlines, Ending, Outcome
-from gossip.messages import Accept, Close, Offer, StateHeader
+from gossip.errors import LocalProtocolError, PeerTimeout, RemoteProtocolError
+from gossip.exchange import Deadlines, Outcome
+from gossip.exchange_state import ExchangeState, Phase, Refusal, Result, Side
+from gossip.messages import Accept, Close, Commit, Offer, StateHeader
+from gossip.mismatch import describe
 from gossip.mixing import DeltaHistory, judge
 from gossip.tensors import StateSchema, TensorSpec
 from tests.util import pair
@@ -47,6 +50,99 @@ def recorder(seen: list[torch.Tensor], refuse: str | None = None,
         return Recorded(refuse, fraction)
 
     return check
+
+
+# ---- the rules, without a channel ------------------------------------------------------------
+
+
+def accepted(correction: bool = True) -> ExchangeState:
+    """An initiator's exchange whose offer was just accepted."""
+    state = ExchangeState(Side.INITIATOR, offer())
+    assert state.answered(Accept(20, 640, 0.0, correction), SCHEMA) is None
+    return state
+
+
+@pytest.mark.parametrize("close, ending", [(Close(Close.BUSY, "later"), Result.BUSY),
+                                           (Close(Close.REJECTED, "never"), Result.REJECTED),
+                                           (Close(Close.SHUTDOWN, "bye"), Result.REJECTED)])
+def test_an_offer_answered_by_close_ends_busy_or_rejected(close: Close, ending: Result) -> None:
+    state = ExchangeState(Side.INITIATOR, offer())
+    assert state.answered(close, SCHEMA) == Outcome(ending, close.reason)
+    assert state.phase is Phase.ENDED and state.outcome == Outcome(ending, close.reason)
+
+
+def test_a_schema_info_ends_rejected_saying_what_differs() -> None:
+    other = StateSchema((TensorSpec("w", (4,), "float32"),))
+    outcome = ExchangeState(Side.INITIATOR, offer()).answered(describe(other), SCHEMA)
+    assert outcome is not None and outcome.ending is Result.REJECTED
+    assert outcome.reason.startswith("schema differs: ")
+
+
+@pytest.mark.parametrize("answer, why", [
+    (Commit(0.0), "expected Accept, got Commit"),
+    (Accept(1, 1, 2.0, False), "mixing mode"),
+])
+def test_an_answer_out_of_turn_is_the_peers_fault(answer: object, why: str) -> None:
+    with pytest.raises(RemoteProtocolError, match=why):
+        ExchangeState(Side.INITIATOR, offer()).answered(answer, SCHEMA)  # type: ignore[arg-type]
+
+
+def test_an_accepted_offer_swaps_what_the_accept_says() -> None:
+    state = accepted(correction=False)
+    assert state.phase is Phase.TRANSFER and state.parts == 1
+    assert state.peer == Accept(20, 640, 0.0, False)
+
+
+def test_a_verdict_that_takes_the_payload_commits_by_the_smaller_fraction() -> None:
+    state = accepted()
+    assert state.judged(Recorded(fraction=0.5)) == Commit(0.5)
+    assert state.phase is Phase.COMMIT
+    outcome = state.committed(Commit(0.25))
+    assert (outcome.ending, outcome.parts, outcome.fraction) == (Result.COMMITTED, 2, 0.25)
+    assert outcome.verdict == Recorded(fraction=0.5)
+
+
+def test_a_verdict_that_refuses_the_payload_says_close_and_ends_invalid() -> None:
+    state = accepted()
+    assert state.judged(Recorded("not finite")) == Close(Close.REJECTED,
+                                                          "invalid state: not finite")
+    assert state.outcome is not None and state.outcome.ending is Result.INVALID
+    assert state.outcome.reason == "not finite" and state.phase is Phase.ENDED
+
+
+def test_a_commit_answered_by_close_or_something_else() -> None:
+    state = accepted()
+    state.judged(Recorded())
+    assert state.committed(Close(Close.REJECTED, "no")).ending is Result.REJECTED
+    state = accepted()
+    state.judged(Recorded())
+    with pytest.raises(RemoteProtocolError, match="expected Commit, got Accept"):
+        state.committed(Accept(1, 1, 0.0, False))
+
+
+def test_the_responder_starts_at_the_transfer_and_its_accept_must_fit() -> None:
+    state = ExchangeState(Side.RESPONDER, offer(correction=True), Accept(1, 1, 0.0, True))
+    assert (state.phase, state.parts, state.peer) == (Phase.TRANSFER, 2, offer(correction=True))
+    assert state.bad_payload(ValueError("short")) == Outcome(
+        Result.INVALID, "bad payload: short", offer(correction=True), 2)
+    with pytest.raises(ValueError, match="did not bring"):
+        ExchangeState(Side.RESPONDER, offer(correction=False), Accept(1, 1, 0.0, True))
+
+
+def test_a_step_out_of_turn_is_our_fault() -> None:
+    state = ExchangeState(Side.INITIATOR, offer())
+    with pytest.raises(LocalProtocolError, match="phase answer"):
+        state.judged(Recorded())
+
+
+def test_a_refusal_is_busy_or_rejected_and_says_so_in_a_close() -> None:
+    assert Refusal(Result.BUSY, "later").close() == Close(Close.BUSY, "later")
+    assert Refusal.of(Close(Close.REJECTED, "never")) == Refusal(Result.REJECTED, "never")
+    with pytest.raises(ValueError, match="busy or rejected"):
+        Refusal(Result.INVALID, "no")
+
+
+# ---- both sides, over a channel -------------------------------------------------------------
 
 
 async def run_both(*, offered: Offer, accepted: bool, alice_own: torch.Tensor,
@@ -81,7 +177,7 @@ async def test_both_sides_swap_state_and_correction_and_commit() -> None:
     a, b = await run_both(offered=offer(), accepted=True, alice_own=payload(1.0),
                           bob_own=payload(2.0), alice_check=recorder(seen_a),
                           bob_check=recorder(seen_b))
-    assert (a.ending, b.ending) == (Ending.COMMITTED, Ending.COMMITTED)
+    assert (a.ending, b.ending) == (Result.COMMITTED, Result.COMMITTED)
     assert (a.parts, b.parts) == (2, 2)
     assert torch.equal(seen_a[0], payload(2.0)) and torch.equal(seen_b[0], payload(1.0))
     assert isinstance(a.peer, Accept) and a.peer.step == 20  # each learns the other's bid
@@ -96,7 +192,7 @@ async def test_both_sides_move_their_corrections_by_the_smaller_fraction(accepte
                           bob_own=payload(2.0, parts=1 + accepted),
                           alice_check=recorder([], fraction=0.5),
                           bob_check=recorder([], fraction=0.25))
-    assert (a.ending, b.ending) == (Ending.COMMITTED, Ending.COMMITTED)
+    assert (a.ending, b.ending) == (Result.COMMITTED, Result.COMMITTED)
     expected = 0.25 if accepted else 0.0  # without estimates there is nothing to move by
     assert a.fraction == b.fraction == expected
 
@@ -107,7 +203,7 @@ async def test_a_responder_without_a_correction_swaps_the_state_alone() -> None:
     a, b = await run_both(offered=offer(), accepted=False, alice_own=payload(1.0),
                           bob_own=payload(2.0, parts=1), alice_check=recorder(seen_a),
                           bob_check=recorder(seen_b))
-    assert (a.ending, b.ending) == (Ending.COMMITTED, Ending.COMMITTED)
+    assert (a.ending, b.ending) == (Result.COMMITTED, Result.COMMITTED)
     assert (a.parts, b.parts) == (1, 1)
     assert torch.equal(seen_a[0], payload(2.0, parts=1))  # only the state was sent ...
     assert torch.equal(seen_b[0], payload(1.0, parts=1))  # ... either way
@@ -117,8 +213,8 @@ async def test_a_refused_payload_is_invalid_here_and_rejected_there() -> None:
     a, b = await run_both(offered=offer(), accepted=True, alice_own=payload(1.0),
                           bob_own=payload(2.0), alice_check=recorder([]),
                           bob_check=recorder([], refuse="not finite"))
-    assert b.ending is Ending.INVALID and b.reason == "not finite"
-    assert a.ending is Ending.REJECTED and "not finite" in a.reason
+    assert b.ending is Result.INVALID and b.reason == "not finite"
+    assert a.ending is Result.REJECTED and "not finite" in a.reason
     assert a.parts == 2  # refused after the payloads moved: no reason to bar the offer
 
 
@@ -133,14 +229,14 @@ async def test_the_verdict_of_judge_refuses_a_correction_that_is_not_finite() ->
     bad[N + 1] = math.nan  # the estimate, not the state
     a, b = await run_both(offered=offer(), accepted=True, alice_own=bad, bob_own=payload(2.0),
                           alice_check=recorder([]), bob_check=check)
-    assert b.ending is Ending.INVALID and b.reason == "correction: non-finite values"
-    assert a.ending is Ending.REJECTED
+    assert b.ending is Result.INVALID and b.reason == "correction: non-finite values"
+    assert a.ending is Result.REJECTED
     assert len(histories[0]) == len(histories[1]) == 0  # nothing of a refused payload counts
 
 
-@pytest.mark.parametrize("code, ending", [(Close.BUSY, Ending.BUSY),
-                                          (Close.REJECTED, Ending.REJECTED)])
-async def test_an_offer_answered_by_close_moves_nothing(code: int, ending: Ending) -> None:
+@pytest.mark.parametrize("code, ending", [(Close.BUSY, Result.BUSY),
+                                          (Close.REJECTED, Result.REJECTED)])
+async def test_an_offer_answered_by_close_moves_nothing(code: int, ending: Result) -> None:
     alice, bob, _ = await pair()
     async with trio.open_nursery() as nursery:
         async def answer() -> None:
@@ -183,7 +279,7 @@ async def test_a_payload_of_the_wrong_size_is_invalid() -> None:
         nursery.start_soon(liar)
         outcome = await exchange.initiate(alice, offer(), payload(1.0), payload(0.0), SCHEMA,
                                           recorder([]), DEADLINES)
-    assert outcome.ending is Ending.INVALID and "announced" in outcome.reason
+    assert outcome.ending is Result.INVALID and "announced" in outcome.reason
 
 
 @pytest.mark.parametrize("stop_after, phase", [(1, "offer"), (2, "transfer")])
