@@ -116,7 +116,7 @@ class Daemon:
                                  "idle": idle}},
             "averaging": {"every": 0, "interval": INTERVAL},
             "checkpoint": {"interval": 3600.0},  # none while measuring; one at exit
-            "metrics": {"every": 1.0},
+            "metrics": {"interval": 1.0},
         }
         config = directory / "gossipd.toml"
         config.write_text(render(from_dict(data, directory, str(config))))

@@ -86,7 +86,7 @@ TASKS = {"charlm": "daemon.tasks.charlm:task", "digits": "daemon.tasks.digits:ta
 ORDERS = {"charlm": ("a", "b"), "digits": ("b", "a")}  # the first repetition's; then reversed
 SETUPS = {"a": (1, 2), "b": (2, 1)}  # nodes under test, processes per node
 LABELS = {"a": "(a) 1 node x 2 processes", "b": "(b) 2 nodes x 1 process"}
-COMMON = ("task.threads=1", "averaging.start=own", "metrics.every=0.5",
+COMMON = ("task.threads=1", "averaging.start=own", "metrics.interval=0.5",
           "task.progress_interval=3600", "checkpoint.interval=3600")
 WINDOW = {"quick": 15.0, "full": 30.0}  # s of each setup's measured window
 REPEATS = {"quick": 1, "full": 2}  # runs of each setup per task

@@ -30,7 +30,7 @@ steps take somewhat less than 4x).
 Each run's clock starts once all four workers are up: for the daemons, once each sees the
 three others alive (their first step waits for a file the bench then creates); for
 torch.distributed, after a barrier. Every worker evaluates its model on a fixed held-out set
-of 1,024 samples every 0.5 s (the daemons through ``task.eval_every``; under DDP the replicas
+of 1,024 samples every 0.5 s (the daemons through ``task.eval_interval``; under DDP the replicas
 are identical, so only rank 0 evaluates). Time to a loss L is the first moment the mean over
 workers of their latest held-out losses is at most L, for L = 0.5, 0.4 and 0.3 (the loss
 starts at 2.3; the headline figures use 0.3). A run stops at 0.3, or after ``--budget``
@@ -110,7 +110,7 @@ def run_gossip(root: Path, delay: float, target: float, budget: float,
     from daemon.testing import DaemonSwarm, wait_for
 
     go = root / "go"
-    settings = ["task.threads=1", f"task.eval_every={EVAL_EVERY}", "metrics.every=0.5",
+    settings = ["task.threads=1", f"task.eval_interval={EVAL_EVERY}", "metrics.interval=0.5",
                 "averaging.start=own",
                 "checkpoint.interval=3600", "task.progress_interval=3600",
                 f"task.options.start_file={go}", *extra]

@@ -86,15 +86,16 @@ class Cadence:
     chunk: float  # s of steps in one chunk, between two looks at the clock: task.chunk
     progress: float  # s between progress lines: task.progress_interval (0: every chunk)
     checkpoint: float  # s between periodic checkpoints: checkpoint.interval
-    evaluate: float  # s between evaluations: task.eval_every (inf: never)
+    evaluate: float  # s between evaluations: task.eval_interval (0 there: inf, never)
     max_steps: int  # steps this run takes, then stops: task.max_steps (0: no limit)
 
     @classmethod
     def of(cls, config: Config, can_evaluate: bool) -> Cadence:
         """The config's cadence; no evaluation when the task has no ``evaluate()``."""
         t = config.task
-        every = t.eval_every if t.eval_every and can_evaluate else math.inf
-        return cls(t.chunk, t.progress_interval, config.checkpoint.interval, every, t.max_steps)
+        evaluate = t.eval_interval if t.eval_interval and can_evaluate else math.inf
+        return cls(t.chunk, t.progress_interval, config.checkpoint.interval, evaluate,
+                   t.max_steps)
 
     def steps_left(self, done: int) -> int:
         """The most steps the next chunk may take, ``done`` taken so far."""

@@ -3,15 +3,25 @@
 Theory of operation
 -------------------
 Each table of the file is a frozen dataclass below, and each of its fields is declared once,
-with ``_field(default, doc, check)``. That one declaration is the field's documentation (the
-``doc`` metadata, which :func:`render` writes as a comment above the key), its type (the type of
-the default) and its validation (``check``). A key that is a library setting (most of
-``[averaging]``, the swarm's limits) is declared with ``_from(gossip_class, name)`` instead,
-which takes the default, doc and check of the setting's one declaration in
-:mod:`gossip.config`. Only what TOML spells differently is declared here: ``every`` and
-``interval`` (0 is the library's None), ``mixing`` (``by_samples``), and the ``*_timeout``
-names of :class:`gossip.Timeouts`' fields. :meth:`Config.node_config` builds the library's
-:class:`gossip.NodeConfig` from the sections.
+with the library's settings engine (:mod:`gossip.config`): ``setting(default, doc, check)``.
+That one declaration is the field's documentation (the ``doc`` metadata, which :func:`render`
+writes as a comment above the key), its type (the type of the default) and its validation
+(``check``); the engine's :func:`gossip.config.checked` converts and checks each value, and
+:class:`_Section` only turns its problem into a :class:`ConfigError` that names the key. A key
+that is a library setting is declared with ``setting_of(gossip_class, name)`` instead, which
+takes the default, doc and check of the setting's one declaration in :mod:`gossip.config`.
+
+The tables mirror :class:`gossip.NodeConfig`: ``[averaging]``, ``[timeouts]`` and ``[limits]``
+hold :class:`gossip.AveragingConfig`'s, :class:`gossip.Timeouts`' and :class:`gossip.Limits`'
+settings under the library's names; ``[node]`` and ``[swarm]`` hold its addresses and peers,
+``[task]``, ``[checkpoint]`` and ``[metrics]`` the daemon's own keys. Two rules of spelling
+hold in every table: a key ending in ``_every`` (``averaging.every``, ``task.check_every``)
+counts steps, and one ending in ``_interval`` (``task.progress_interval``,
+``metrics.interval``) counts seconds. TOML has no None, so the file spells the library's None
+otherwise, and :meth:`Config.node_config` is the one place that maps it back (see its
+docstring). Keys that were renamed are listed in ``_RENAMED``: an old key is refused (exit 2)
+with a one-line hint naming the new one, never silently read.
+
 Validation runs in ``__post_init__``, so a bad config is an error however it is built, from a
 file or in code, in two stages:
 
@@ -26,7 +36,8 @@ file or in code, in two stages:
 (so an override is validated exactly like a value in the file), and hands it to
 :func:`from_dict`, which rejects unknown sections and keys before building the tree. Every
 error is a one-line :class:`ConfigError` that starts with where the value came from (the file,
-or the ``--set`` argument) and names the key.
+or the ``--set`` argument) and names the key. Writing a config back as TOML is
+:mod:`daemon.toml`'s (:func:`render`, re-exported here).
 
 Relative paths start from ``node.data_dir``, which itself starts from the directory of the
 config file (``Config.base``), never from the current directory of whoever started the daemon.
@@ -34,16 +45,13 @@ config file (``Config.base``), never from the current directory of whoever start
 
 from __future__ import annotations
 
-import datetime
 import difflib
 import ipaddress
-import math
 import os
 import re
-import reprlib
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import MISSING, InitVar, dataclass, field, fields, replace
+from dataclasses import InitVar, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -54,15 +62,17 @@ else:  # pragma: no cover - exercised on 3.10 only
 
 import gossip
 from gossip import MAX_SHARDS, parse_address
-from gossip.config import AT_LEAST_1, COUNT, NON_NEGATIVE, POSITIVE, Check, one_of, want
+from gossip.config import (AT_LEAST_1, COUNT, NON_NEGATIVE, POSITIVE, Check, Invalid,
+                           arguments_for, checked, one_of, setting, setting_of, want)
 from gossip.devices import NAMES, valid_name
 
 from .entry import parse_entry
+from .toml import BARE_KEY, describe, render
 
 __all__ = [
     "ENV", "DEFAULT_PATH", "ConfigError", "NodeSection", "SwarmSection", "TaskSection",
-    "AveragingSection", "CheckpointSection", "MetricsSection", "Config",
-    "load", "from_dict", "parse_override", "render",
+    "AveragingSection", "TimeoutsSection", "LimitsSection", "CheckpointSection",
+    "MetricsSection", "Config", "load", "from_dict", "parse_override", "render",
 ]
 
 ENV = "GOSSIPD_CONFIG"  # names the config file when no path is given
@@ -70,7 +80,6 @@ DEFAULT_PATH = "gossipd.toml"  # in the current directory, when neither a path n
 
 WILDCARDS = ("0.0.0.0", "::")  # listen hosts that peers cannot dial
 _PEER_ID = re.compile(r"[a-z2-7]{26}")
-_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 
 
 class ConfigError(ValueError):
@@ -88,14 +97,6 @@ class ConfigError(ValueError):
     def within(self, source: str) -> ConfigError:
         """The same error, its message prefixed with ``source``."""
         return ConfigError(f"{source}: {self}", self.key)
-
-
-class _Invalid(Exception):
-    """A value's problem, before the key is known. ``where`` locates it inside the value."""
-
-    def __init__(self, problem: str, where: str = "") -> None:
-        super().__init__(problem)
-        self.where = where
 
 
 # --- checks: each takes a value of the field's type and returns a problem, or None ----------
@@ -141,107 +142,20 @@ def _ip_or_empty(value: str) -> str | None:
 NOT_EMPTY = want(bool, "a non-empty string")
 
 
-def _field(default: Any, doc: str, check: Check | None = None, *, words: tuple[str, ...] = (),
-           kind: type | None = None, source: tuple[type, str] | None = None) -> Any:
-    """A config field: ``doc`` (with its unit) is the only description the field has.
-    ``words`` are strings it takes besides values of the default's type (``"auto"``), or of
-    ``kind`` when the default is one of the words. ``source`` is the library setting the
-    field gives its value to, as (class, field name)."""
-    metadata = {"doc": doc, "check": check, "words": words, "kind": kind, "source": source}
-    if isinstance(default, dict):
-        return field(default_factory=dict, metadata=metadata)
-    return field(default=default, metadata=metadata)
-
-
-def _from(cls: type, name: str, *, see: str = "") -> Any:
-    """A config field that is the library setting ``cls.name`` (:mod:`gossip.config`), with its
-    default, doc and check. ``see`` points at the daemon's docs, after the library's doc."""
-    setting = {f.name: f for f in fields(cls)}[name]
-    doc = setting.metadata["doc"] + (f"; see {see}" if see else "")
-    return _field(setting.default, doc, setting.metadata["check"], source=(cls, name))
-
-
-def _settings(cls: type, section: Any) -> dict[str, Any]:
-    """The values of ``section``'s fields declared :func:`_from` ``cls``, by the library's
-    names: the keyword arguments of ``cls``."""
-    return {f.metadata["source"][1]: getattr(section, f.name) for f in fields(section)
-            if f.metadata["source"] and f.metadata["source"][0] is cls}
-
-
-# --- types: the default's type is the field's type ------------------------------------------
-
-_KINDS = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
-          tuple: "an array of strings", dict: "a table"}
-_TOML_SCALARS = (str, int, float, datetime.date, datetime.time)  # bool is an int, datetime a date
-
-
-def _describe(value: Any) -> str:
-    names = {bool: "boolean", int: "integer", float: "float", str: "string", list: "array",
-             tuple: "array", dict: "table"}
-    return f"{names.get(type(value), type(value).__name__)} {reprlib.repr(value)}"
-
-
-def _coerce(value: Any, kind: type, words: Sequence[str] = ()) -> Any:
-    """``value`` as a ``kind``, the type of the field's default (or one of the field's
-    ``words``, which the error then names too). Raises _Invalid."""
-    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    ok = {bool: isinstance(value, bool), int: is_number and isinstance(value, int),
-          float: is_number, tuple: isinstance(value, (list, tuple)),
-          dict: isinstance(value, Mapping)}.get(kind, isinstance(value, str))
-    if not ok:
-        expected = " or ".join([_KINDS[kind], *(_toml(word) for word in words)])
-        raise _Invalid(f"expected {expected}, got {_describe(value)}")
-    if kind is float and not math.isfinite(value):
-        raise _Invalid(f"expected a finite number, got {value!r}")
-    if kind is tuple:
-        for i, item in enumerate(value):
-            if not isinstance(item, str):
-                raise _Invalid(f"expected a string, got {_describe(item)}", f"[{i}]")
-        return tuple(str(item) for item in value)
-    if kind is dict:
-        return _plain(value, "")
-    return kind(value)  # int for float fields; plain str for str subclasses such as PeerId
-
-
-def _plain(value: Any, where: str) -> Any:
-    """A copy of a free-form value made of plain dicts and lists; only what TOML can hold."""
-    if isinstance(value, Mapping):
-        for key in value:
-            if not isinstance(key, str):
-                raise _Invalid(f"expected string keys, got {_describe(key)}", where)
-        return {key: _plain(item, f"{where}.{key}") for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(item, f"{where}[{i}]") for i, item in enumerate(value)]
-    if isinstance(value, _TOML_SCALARS):
-        return value
-    raise _Invalid(f"expected a TOML value, got {_describe(value)}", where)
-
-
 class _Section:
-    """Validation shared by the sections. ``section`` is the TOML table's name: a plain class
-    attribute (it has no annotation), not a field."""
+    """Validation shared by the sections: the library's engine converts and checks each value
+    (:func:`gossip.config.checked`), and its problem becomes a :class:`ConfigError` that names
+    the key, and the item at fault inside it (``swarm.bootstrap[1]``). ``section`` is the TOML
+    table's name: a plain class attribute (it has no annotation), not a field."""
 
     section = ""
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            key = f"{self.section}.{f.name}"
             try:
-                kind = f.metadata["kind"] or (dict if f.default is MISSING  # dicts: a factory
-                                              else type(f.default))
-                value, words = getattr(self, f.name), f.metadata["words"]
-                if isinstance(value, str) and value in words:  # a word has no other check
-                    object.__setattr__(self, f.name, str(value))
-                    continue
-                value = _coerce(value, kind, words)
-                check = f.metadata["check"] or (lambda item: None)
-                # An array's check applies to each item, and the error points at the item.
-                items = value if isinstance(value, tuple) else (value,)
-                for i, item in enumerate(items):
-                    problem = check(item)
-                    if problem:
-                        raise _Invalid(problem, f"[{i}]" if isinstance(value, tuple) else "")
-            except _Invalid as exc:
+                value = checked(f, getattr(self, f.name), describe=describe)
+            except Invalid as exc:
+                key = f"{self.section}.{f.name}"
                 raise ConfigError(f"{key}{exc.where}: {exc}", key) from None
             object.__setattr__(self, f.name, value)
 
@@ -251,24 +165,24 @@ class NodeSection(_Section):
     """Where this node listens, and where it keeps its files."""
 
     section = "node"
-    listen: str = _field("0.0.0.0:7070", "host:port for UDP datagrams and TCP channels; port 0 "
-                         "picks any free port", _address(dialable=False))
-    advertise: str = _field("", "host:port peers dial to reach us; \"\" means listen (required "
-                            "when listen's host is 0.0.0.0 or ::)",
-                            _address(dialable=True, optional=True))
-    data_dir: str = _field(".", "directory of this node's files, relative to this file's "
-                           "directory", NOT_EMPTY)
-    identity: str = _field("identity.key", "node key file, relative to data_dir; created at "
-                           "first run", NOT_EMPTY)
-    control: str = _field("control.sock", "Unix control socket for `gossipd status`, relative "
-                          "to data_dir", NOT_EMPTY)
-    dial_from: str = _field("", "local IP our outgoing connections come from; \"\" lets the "
-                            "system choose (set it on multi-homed hosts)", _ip_or_empty)
-    reachable: bool | str = _field("auto", "whether other members can dial advertise (or "
-                                   "listen): true; false behind a NAT or firewall that lets "
-                                   "nothing in (we then start every exchange ourselves); "
-                                   "\"auto\": a member dials us back after we join",
-                                   words=("auto",), kind=bool)
+    listen: str = setting("0.0.0.0:7070", "host:port for UDP datagrams and TCP channels; port 0 "
+                          "picks any free port", _address(dialable=False))
+    advertise: str = setting("", "host:port peers dial to reach us; \"\" means listen (required "
+                             "when listen's host is 0.0.0.0 or ::)",
+                             _address(dialable=True, optional=True))
+    data_dir: str = setting(".", "directory of this node's files, relative to this file's "
+                            "directory", NOT_EMPTY)
+    identity: str = setting("identity.key", "node key file, relative to data_dir; created at "
+                            "first run", NOT_EMPTY)
+    control: str = setting("control.sock", "Unix control socket for `gossipd status`, relative "
+                           "to data_dir", NOT_EMPTY)
+    dial_from: str = setting("", "local IP our outgoing connections come from; \"\" lets the "
+                             "system choose (set it on multi-homed hosts)", _ip_or_empty)
+    reachable: bool | str = setting("auto", "whether other members can dial advertise (or "
+                                    "listen): true; false behind a NAT or firewall that lets "
+                                    "nothing in (we then start every exchange ourselves); "
+                                    "\"auto\": a member dials us back after we join",
+                                    words=("auto",), kind=bool)
 
 
 @dataclass(frozen=True)
@@ -276,30 +190,26 @@ class SwarmSection(_Section):
     """Which swarm to join, and whom to exchange with."""
 
     section = "swarm"
-    name: str = _field("", "the swarm's name, 1..64 characters, the same on every node "
-                       "(required)", want(lambda v: len(v) <= 64, "at most 64 characters"))
-    key_file: str = _field("swarm.key", "swarm key file, relative to data_dir: 32 random bytes "
-                           "as 64 hex characters", NOT_EMPTY)
-    previous_key_file: str = _field("", "only while rotating the swarm key: the key being "
-                                    "replaced, a key file like key_file, relative to data_dir; "
-                                    "the node accepts both and speaks key_file's; \"\": none "
-                                    "(gossipd rotate-key sets it, gossipd retire-key "
-                                    "clears it)")
-    cipher: str = _field("aesgcm", "channel cipher, the same on every node (a node of the other "
-                         "cipher cannot connect): aesgcm (fastest on machines with AES "
-                         "instructions) or chachapoly (for swarms of machines without them)",
-                         one_of(*gossip.CIPHERS))
-    bootstrap: tuple[str, ...] = _field((), "host:port of some members to join through; empty: "
-                                        "this node starts the swarm", _address(dialable=True))
-    allow: tuple[str, ...] = _field((), "peer ids allowed to exchange with us; empty: anyone "
-                                    "holding the swarm key", want(
-                                        _PEER_ID.fullmatch, "a peer id (26 of a-z, 2-7)"))
-    profile: str = _field("lan", "membership timing: lan (fast failure detection) or wan "
-                          "(patient, for nodes across the internet)", one_of("lan", "wan"))
-    max_connections: int = _from(gossip.Limits, "max_connections")
-    max_handshakes_per_host: int = _from(gossip.Limits, "max_handshakes_per_host")
-    peer_rate: float = _from(gossip.Limits, "peer_rate")
-    peer_burst: int = _from(gossip.Limits, "peer_burst")
+    name: str = setting("", "the swarm's name, 1..64 characters, the same on every node "
+                        "(required)", want(lambda v: len(v) <= 64, "at most 64 characters"))
+    key_file: str = setting("swarm.key", "swarm key file, relative to data_dir: 32 random bytes "
+                            "as 64 hex characters", NOT_EMPTY)
+    previous_key_file: str = setting("", "only while rotating the swarm key: the key being "
+                                     "replaced, a key file like key_file, relative to data_dir; "
+                                     "the node accepts both and speaks key_file's; \"\": none "
+                                     "(gossipd rotate-key sets it, gossipd retire-key "
+                                     "clears it)")
+    cipher: str = setting("aesgcm", "channel cipher, the same on every node (a node of the other "
+                          "cipher cannot connect): aesgcm (fastest on machines with AES "
+                          "instructions) or chachapoly (for swarms of machines without them)",
+                          one_of(*gossip.CIPHERS))
+    bootstrap: tuple[str, ...] = setting((), "host:port of some members to join through; empty: "
+                                         "this node starts the swarm", _address(dialable=True))
+    allow: tuple[str, ...] = setting((), "peer ids allowed to exchange with us; empty: anyone "
+                                     "holding the swarm key", want(
+                                         _PEER_ID.fullmatch, "a peer id (26 of a-z, 2-7)"))
+    profile: str = setting("lan", "membership timing: lan (fast failure detection) or wan "
+                           "(patient, for nodes across the internet)", one_of("lan", "wan"))
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -314,38 +224,39 @@ class TaskSection(_Section):
     """What to train, on which device, and which share of the data."""
 
     section = "task"
-    entry: str = _field("", "what to train: \"package.module:function\" or "
-                        "\"path/to/file.py:function\", a relative path from data_dir (required)",
-                        _entry)
-    device: str = _field("auto", "auto, cpu, cuda or cuda:N; auto and cuda take GPU 0 (GPU r "
-                         "for process r of a node of several), auto the CPU when there is no "
-                         "GPU", want(valid_name, NAMES))
-    seed: int = _field(0, "seeds the model's initialization: the same on every node (>= 0)",
-                       COUNT)
-    shard: int | str = _field(0, "this node's shard of the data, in [0, shards), or \"auto\": "
-                              "once joined, the shard the fewest members announce, kept in "
-                              "data_dir/shard", COUNT, words=("auto",))
-    shards: int = _field(1, f"how many shards the data is split into, 1..{MAX_SHARDS}: "
-                         "the same on every node", want(lambda v: 1 <= v <= MAX_SHARDS,
-                                                         f"an integer in 1..{MAX_SHARDS}"))
-    options: Mapping[str, Any] = _field({}, "free-form table passed to the task as given")
-    chunk: float = _field(0.25, "s; the trainer thread returns to the event loop at least this "
-                          "often (> 0)", POSITIVE)
-    progress_interval: float = _field(10.0, "s between progress log lines (>= 0); 0: one after "
-                                      "every chunk", NON_NEGATIVE)
-    eval_every: float = _field(0.0, "s between evaluations while training (the task's evaluate, "
-                               "between chunks); 0: only when stopping", NON_NEGATIVE)
-    max_steps: int = _field(0, "stop after this process has taken this many steps; 0: run "
-                            "until stopped", COUNT)
-    processes: int = _field(1, "training processes of this node, 1..64: one per GPU on a "
-                            "machine with several (process r takes cuda:r); they train one "
-                            "model synchronously and the swarm sees one node. Under torchrun, "
-                            "leave it at 1", want(lambda v: 1 <= v <= 64, "an integer in 1..64"))
-    check_every: int = _field(0, "steps between checks that a node's processes hold "
-                              "bit-identical parameters (a broadcast of the model); 0: never",
-                              COUNT)
-    threads: int = _field(0, "CPU threads torch may use; 0: torch's default (one per core). "
-                          "Small models train faster on 1", COUNT)
+    entry: str = setting("", "what to train: \"package.module:function\" or "
+                         "\"path/to/file.py:function\", a relative path from data_dir (required)",
+                         _entry)
+    device: str = setting("auto", "auto, cpu, cuda or cuda:N; auto and cuda take GPU 0 (GPU r "
+                          "for process r of a node of several), auto the CPU when there is no "
+                          "GPU", want(valid_name, NAMES))
+    seed: int = setting(0, "seeds the model's initialization: the same on every node (>= 0)",
+                        COUNT)
+    shard: int | str = setting(0, "this node's shard of the data, in [0, shards), or \"auto\": "
+                               "once joined, the shard the fewest members announce, kept in "
+                               "data_dir/shard", COUNT, words=("auto",))
+    shards: int = setting(1, f"how many shards the data is split into, 1..{MAX_SHARDS}: "
+                          "the same on every node", want(lambda v: 1 <= v <= MAX_SHARDS,
+                                                          f"an integer in 1..{MAX_SHARDS}"))
+    options: Mapping[str, Any] = setting({}, "free-form table passed to the task as given")
+    chunk: float = setting(0.25, "s; the trainer thread returns to the event loop at least this "
+                           "often (> 0)", POSITIVE)
+    progress_interval: float = setting(10.0, "s between progress log lines (>= 0); 0: one after "
+                                       "every chunk", NON_NEGATIVE)
+    eval_interval: float = setting(0.0, "s between evaluations while training (the task's "
+                                   "evaluate, between chunks); 0: only when stopping",
+                                   NON_NEGATIVE)
+    max_steps: int = setting(0, "stop after this process has taken this many steps; 0: run "
+                             "until stopped", COUNT)
+    processes: int = setting(1, "training processes of this node, 1..64: one per GPU on a "
+                             "machine with several (process r takes cuda:r); they train one "
+                             "model synchronously and the swarm sees one node. Under torchrun, "
+                             "leave it at 1", want(lambda v: 1 <= v <= 64, "an integer in 1..64"))
+    check_every: int = setting(0, "steps between checks that a node's processes hold "
+                               "bit-identical parameters (a broadcast of the model); 0: never",
+                               COUNT)
+    threads: int = setting(0, "CPU threads torch may use; 0: torch's default (one per core). "
+                           "Small models train faster on 1", COUNT)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -359,52 +270,70 @@ class AveragingSection(_Section):
     """How, and how often, this node averages its model with a random peer."""
 
     section = "averaging"
-    # every and interval: 0 here is the library's None.
-    every: int | str = _field(gossip.AveragingConfig.every or 0, "local steps between the "
-                              "rounds we start (x U(0.75, 1.25)); a round on a slow link is "
-                              "followed at once by the next; \"auto\": ceil(2 x exchange time / "
-                              "step time), measured, 1 until it is; 0: by interval only (see "
-                              "docs/DAEMON.md, Choosing averaging.every)",
-                              want(lambda v: v >= 0, 'an integer >= 0 or "auto"'),
-                              words=("auto",))
-    interval: float = _field(gossip.AveragingConfig.interval or 0.0, "s after our last round "
-                             "ends before we start another anyway, for a node that steps slower "
-                             "than every (or not at all); 0: by steps only (every and interval "
-                             "both 0: never start one; still answers peers)", NON_NEGATIVE)
-    correction: bool = _from(gossip.AveragingConfig, "correction")
-    leak: float = _from(gossip.AveragingConfig, "leak")
-    outer: bool = _from(gossip.AveragingConfig, "outer")
-    outer_lr: float = _from(gossip.AveragingConfig, "outer_lr")
-    outer_momentum: float = _from(gossip.AveragingConfig, "outer_momentum")
-    mixing: str = _field("samples" if gossip.AveragingConfig.by_samples else "fixed",
-                         "fixed: own += weight * (peer - own); samples: weigh both sides by "
-                         "samples trained (push-sum)", one_of("fixed", "samples"))
-    weight: float = _from(gossip.AveragingConfig, "weight")
-    codec: str = _from(gossip.AveragingConfig, "codec")
-    clip: float = _from(gossip.AveragingConfig, "clip")
-    max_norm_ratio: float = _from(gossip.AveragingConfig, "max_norm_ratio")
-    strikes: int = _from(gossip.AveragingConfig, "strikes")
-    quarantine: float = _from(gossip.AveragingConfig, "quarantine")
-    trust_after: float = _from(gossip.AveragingConfig, "trust_after")
-    start: str = _from(gossip.AveragingConfig, "start")
-    download_wait: float = _from(gossip.AveragingConfig, "download_wait")
-    connect_timeout: float = _from(gossip.Timeouts, "connect")
-    handshake_timeout: float = _from(gossip.Timeouts, "handshake")
-    record_timeout: float = _from(gossip.Timeouts, "record")
-    offer_timeout: float = _from(gossip.AveragingConfig, "offer_timeout")
-    transfer_timeout: float = _from(gossip.AveragingConfig, "transfer_timeout",
-                                    see="docs/OPERATIONS.md, Thin and slow links")
-    commit_timeout: float = _from(gossip.AveragingConfig, "commit_timeout")
-    min_rate: float = _from(gossip.AveragingConfig, "min_rate")
-    stall_timeout: float = _from(gossip.AveragingConfig, "stall_timeout")
+    # every and interval: 0 here is the library's None (Config.node_config).
+    every: int | str = setting(gossip.AveragingConfig.every or 0, "local steps between the "
+                               "rounds we start (x U(0.75, 1.25)); a round on a slow link is "
+                               "followed at once by the next; \"auto\": ceil(2 x exchange time / "
+                               "step time), measured, 1 until it is; 0: by interval only (see "
+                               "docs/DAEMON.md, Choosing averaging.every)",
+                               want(lambda v: v >= 0, 'an integer >= 0 or "auto"'),
+                               words=("auto",))
+    interval: float = setting(gossip.AveragingConfig.interval or 0.0, "s after our last round "
+                              "ends before we start another anyway, for a node that steps "
+                              "slower than every (or not at all); 0: by steps only (every and "
+                              "interval both 0: never start one; still answers peers)",
+                              NON_NEGATIVE)
+    correction: bool = setting_of(gossip.AveragingConfig, "correction")
+    leak: float = setting_of(gossip.AveragingConfig, "leak")
+    outer: bool = setting_of(gossip.AveragingConfig, "outer")
+    outer_lr: float = setting_of(gossip.AveragingConfig, "outer_lr")
+    outer_momentum: float = setting_of(gossip.AveragingConfig, "outer_momentum")
+    mixing: str = setting("samples" if gossip.AveragingConfig.by_samples else "fixed",
+                          "fixed: own += weight * (peer - own); samples: weigh both sides by "
+                          "samples trained (push-sum)", one_of("fixed", "samples"))
+    weight: float = setting_of(gossip.AveragingConfig, "weight")
+    codec: str = setting_of(gossip.AveragingConfig, "codec")
+    clip: float = setting_of(gossip.AveragingConfig, "clip")
+    max_norm_ratio: float = setting_of(gossip.AveragingConfig, "max_norm_ratio")
+    strikes: int = setting_of(gossip.AveragingConfig, "strikes")
+    quarantine: float = setting_of(gossip.AveragingConfig, "quarantine")
+    trust_after: float = setting_of(gossip.AveragingConfig, "trust_after")
+    start: str = setting_of(gossip.AveragingConfig, "start")
+    download_wait: float = setting_of(gossip.AveragingConfig, "download_wait")
+    offer_timeout: float = setting_of(gossip.AveragingConfig, "offer_timeout")
+    transfer_timeout: float = setting_of(gossip.AveragingConfig, "transfer_timeout",
+                                         see="docs/OPERATIONS.md, Thin and slow links")
+    commit_timeout: float = setting_of(gossip.AveragingConfig, "commit_timeout")
+    min_rate: float = setting_of(gossip.AveragingConfig, "min_rate")
+    stall_timeout: float = setting_of(gossip.AveragingConfig, "stall_timeout")
 
     def to_averaging(self) -> gossip.AveragingConfig:
-        """The library's averaging settings: the fields declared from them, plus every and
-        interval 0 as None (not by steps; not by time; every "auto" stays "auto") and mixing
-        as ``by_samples``."""
-        return gossip.AveragingConfig(**_settings(gossip.AveragingConfig, self),
+        """The library's averaging settings: the fields declared from them, and every,
+        interval and mixing mapped as :meth:`Config.node_config` says."""
+        return gossip.AveragingConfig(**arguments_for(gossip.AveragingConfig, self),
                                       every=self.every or None, interval=self.interval or None,
                                       by_samples=self.mixing == "samples")
+
+
+@dataclass(frozen=True)
+class TimeoutsSection(_Section):
+    """Deadlines of a channel's phases, on every connection this node opens or accepts."""
+
+    section = "timeouts"
+    connect: float = setting_of(gossip.Timeouts, "connect")
+    handshake: float = setting_of(gossip.Timeouts, "handshake")
+    record: float = setting_of(gossip.Timeouts, "record")
+
+
+@dataclass(frozen=True)
+class LimitsSection(_Section):
+    """How much inbound work this node takes on: connections, and how often a peer opens one."""
+
+    section = "limits"
+    max_connections: int = setting_of(gossip.Limits, "max_connections")
+    max_handshakes_per_host: int = setting_of(gossip.Limits, "max_handshakes_per_host")
+    peer_rate: float = setting_of(gossip.Limits, "peer_rate")
+    peer_burst: int = setting_of(gossip.Limits, "peer_burst")
 
 
 @dataclass(frozen=True)
@@ -412,10 +341,10 @@ class CheckpointSection(_Section):
     """When, and where, the model is saved."""
 
     section = "checkpoint"
-    interval: float = _field(300.0, "s between checkpoints (> 0); one is also written at exit",
-                             POSITIVE)
-    keep: int = _field(3, "newest checkpoints kept (>= 1)", AT_LEAST_1)
-    dir: str = _field("checkpoints", "checkpoint directory, relative to data_dir", NOT_EMPTY)
+    interval: float = setting(300.0, "s between checkpoints (> 0); one is also written at exit",
+                              POSITIVE)
+    keep: int = setting(3, "newest checkpoints kept (>= 1)", AT_LEAST_1)
+    dir: str = setting("checkpoints", "checkpoint directory, relative to data_dir", NOT_EMPTY)
 
 
 @dataclass(frozen=True)
@@ -423,20 +352,30 @@ class MetricsSection(_Section):
     """What this node reports about itself, and where."""
 
     section = "metrics"
-    prometheus: str = _field("", "host:port of the Prometheus endpoint; \"\": off",
-                             _address(dialable=False, optional=True))
-    log: str = _field("metrics.jsonl", "JSON-lines metrics log, relative to data_dir; \"\": off")
-    every: float = _field(10.0, "s between JSON lines (> 0)", POSITIVE)
+    prometheus: str = setting("", "host:port of the Prometheus endpoint; \"\": off",
+                              _address(dialable=False, optional=True))
+    log: str = setting("metrics.jsonl", "JSON-lines metrics log, relative to data_dir; \"\": off")
+    interval: float = setting(10.0, "s between JSON lines (> 0)", POSITIVE)
 
 
-_SECTIONS = {cls.section: cls for cls in (NodeSection, SwarmSection, TaskSection, AveragingSection,
-                                          CheckpointSection, MetricsSection)}
+_SECTIONS = {cls.section: cls for cls in (
+    NodeSection, SwarmSection, TaskSection, AveragingSection, TimeoutsSection, LimitsSection,
+    CheckpointSection, MetricsSection)}
 
-# Keys that were renamed, with what to write instead: an old config is one clear error away
-# from running, not silently read with another meaning.
+# Keys that were renamed, with what to write instead. An old key is refused (exit 2) with this
+# hint, never read: one clear error away from running, not silently read with another meaning.
+_SAME = "the same seconds: a key ending in _interval counts seconds, one in _every steps"
 _RENAMED = {
     "task.progress_every": ("task.progress_interval", "seconds between progress lines, default "
                             "10; progress_every counted steps"),
+    "task.eval_every": ("task.eval_interval", _SAME),
+    "metrics.every": ("metrics.interval", _SAME),
+    **{f"averaging.{name}_timeout": (f"timeouts.{name}", "the same value, in the [timeouts] "
+                                     "table, as in the library's NodeConfig.timeouts")
+       for name in ("connect", "handshake", "record")},
+    **{f"swarm.{name}": (f"limits.{name}", "the same value, in the [limits] table, as in the "
+                         "library's NodeConfig.limits")
+       for name in ("max_connections", "max_handshakes_per_host", "peer_rate", "peer_burst")},
 }
 
 
@@ -448,6 +387,8 @@ class Config:
     swarm: SwarmSection = field(default_factory=SwarmSection)
     task: TaskSection = field(default_factory=TaskSection)
     averaging: AveragingSection = field(default_factory=AveragingSection)
+    timeouts: TimeoutsSection = field(default_factory=TimeoutsSection)
+    limits: LimitsSection = field(default_factory=LimitsSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
     base: Path = Path(".")  # the config file's directory; node.data_dir starts here. Not a key
@@ -459,7 +400,7 @@ class Config:
         for name, cls in _SECTIONS.items():
             if not isinstance(getattr(self, name), cls):
                 raise ConfigError(f"{name}: expected a {cls.__name__}, got "
-                                  f"{_describe(getattr(self, name))}", name)
+                                  f"{describe(getattr(self, name))}", name)
         object.__setattr__(self, "base", Path(self.base))
         if not complete:
             return
@@ -486,6 +427,19 @@ class Config:
     def node_config(self, *, start: str | None = None) -> gossip.NodeConfig:
         """The library's settings of this node: what :func:`gossip.open_swarm` takes.
 
+        ``[averaging]``, ``[timeouts]`` and ``[limits]`` keep the library's names. TOML has no
+        None, so where the library takes None the file says it otherwise, and this is the one
+        place that reads it back:
+
+        - ``averaging.every = 0``: None, no rounds by steps; ``averaging.interval = 0``: None,
+          no rounds by time (``"auto"`` stays ``"auto"``);
+        - ``node.advertise = ""``: None, peers dial ``listen``; ``swarm.allow = []``: None,
+          any holder of the swarm key; ``node.reachable = "auto"``: None, find out by a
+          dial-back once joined.
+
+        Two keys are spelled as choices: ``averaging.mixing = "samples"`` is ``by_samples``,
+        and ``swarm.profile`` picks :meth:`gossip.MembershipConfig.lan` or ``wan``.
+
         Args:
             start: overrides ``averaging.start`` (a node resuming a checkpoint starts from it:
                 ``"own"``).
@@ -500,8 +454,8 @@ class Config:
             averaging=averaging,
             membership=(gossip.MembershipConfig.wan() if self.swarm.profile == "wan"
                         else gossip.MembershipConfig.lan()),
-            timeouts=gossip.Timeouts(**_settings(gossip.Timeouts, self.averaging)),
-            limits=gossip.Limits(**_settings(gossip.Limits, self.swarm)))
+            timeouts=gossip.Timeouts(**arguments_for(gossip.Timeouts, self.timeouts)),
+            limits=gossip.Limits(**arguments_for(gossip.Limits, self.limits)))
 
 
 # --- reading ---------------------------------------------------------------------------------
@@ -555,13 +509,14 @@ def from_dict(data: Mapping, base: Path = Path("."), source: str = "<config>") -
 
 def _build(data: Mapping, base: Path, complete: bool = True) -> Config:
     if not isinstance(data, Mapping):
-        raise ConfigError(f"expected a table of sections, got {_describe(data)}")
+        raise ConfigError(f"expected a table of sections, got {describe(data)}")
+    _refuse_renamed(data)
     sections = {}
     for name, table in data.items():
         if name not in _SECTIONS:
             raise ConfigError(f"{name}: unknown section{_suggest(name, _SECTIONS)}", name)
         if not isinstance(table, Mapping):
-            raise ConfigError(f"{name}: expected a table [{name}], got {_describe(table)}", name)
+            raise ConfigError(f"{name}: expected a table [{name}], got {describe(table)}", name)
         known = [f.name for f in fields(_SECTIONS[name])]
         for key in table:
             if f"{name}.{key}" in _RENAMED:
@@ -573,6 +528,17 @@ def _build(data: Mapping, base: Path, complete: bool = True) -> Config:
                                   f"{name}.{key}")
         sections[name] = _SECTIONS[name](**table)
     return Config(**sections, base=base, complete=complete)
+
+
+def _refuse_renamed(data: Mapping) -> None:
+    """Refuse every renamed key of ``data`` in one line: a file written by ``gossipd init``
+    before a rename holds them all, and one error per run would take as many runs to fix."""
+    old = [f"{name}.{key}" for name, table in data.items() if isinstance(table, Mapping)
+           for key in table if f"{name}.{key}" in _RENAMED]
+    if len(old) > 1:
+        renames = ", ".join(f"{key} -> {_RENAMED[key][0]}" for key in old)
+        raise ConfigError(f"{len(old)} keys were renamed (docs/DAEMON.md, Renamed keys): "
+                          f"{renames}", old[0])
 
 
 def _suggest(word: object, known: Sequence[str] | Mapping[str, Any]) -> str:
@@ -597,7 +563,7 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     """
     dotted, sep, raw = text.partition("=")
     parts = dotted.strip().split(".")
-    if not sep or len(parts) < 2 or not all(_BARE_KEY.fullmatch(part) for part in parts):
+    if not sep or len(parts) < 2 or not all(BARE_KEY.fullmatch(part) for part in parts):
         raise ConfigError(f"--set {text!r}: expected section.key=value, e.g. task.device=cpu")
     try:
         parsed = tomllib.loads("v = " + raw)
@@ -616,57 +582,7 @@ def _apply_override(data: dict, text: str) -> str:
         table = table.setdefault(name, {})
         if not isinstance(table, dict):
             dotted = ".".join(tables[:depth])
-            raise ConfigError(f"--set {text}: {dotted}: expected a table, got {_describe(table)}",
+            raise ConfigError(f"--set {text}: {dotted}: expected a table, got {describe(table)}",
                               dotted)
     table[last] = value
     return f"{section}.{key}"
-
-
-# --- writing ---------------------------------------------------------------------------------
-
-_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f",
-            "\r": "\\r"}
-
-
-def render(config: Config) -> str:
-    """The whole config as TOML, every field preceded by its documentation. Loading the text
-    back (from a file in ``config.base``) gives an equal config."""
-    lines = ["# gossipd configuration. Every key is listed with its value; absent keys take the",
-             "# default. Relative paths start from node.data_dir, which starts from this file's",
-             "# directory. Override a key when starting: gossipd run --set section.key=value"]
-    for name, cls in _SECTIONS.items():
-        section = getattr(config, name)
-        lines += ["", f"# {cls.__doc__}", f"[{name}]"]
-        tables = []
-        for f in fields(section):
-            value = getattr(section, f.name)
-            if isinstance(value, dict):  # must follow the section's plain keys
-                tables.append((f, value))
-                continue
-            lines += [f"# {f.metadata['doc']}", f"{f.name} = {_toml(value)}"]
-        for f, table in tables:
-            lines += ["", f"# {f.metadata['doc']}", f"[{name}.{f.name}]"]
-            lines += [f"{_toml_key(key)} = {_toml(value)}" for key, value in table.items()]
-    return "\n".join(lines) + "\n"
-
-
-def _toml(value: Any) -> str:
-    """One TOML value on one line; nested tables are written inline."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)  # float reprs (1e+16, inf, nan, 1e-05) are TOML floats too
-    if isinstance(value, str):
-        return '"' + "".join(_ESCAPES.get(c) or (f"\\u{ord(c):04x}" if c < " " or c == "\x7f"
-                                                 else c) for c in value) + '"'
-    if isinstance(value, (datetime.date, datetime.time)):
-        return value.isoformat()
-    if isinstance(value, Mapping):
-        return "{" + ", ".join(f"{_toml_key(k)} = {_toml(v)}" for k, v in value.items()) + "}"
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml(item) for item in value) + "]"
-    raise TypeError(f"cannot write {type(value).__name__} as TOML")
-
-
-def _toml_key(key: str) -> str:
-    return key if _BARE_KEY.fullmatch(key) else _toml(key)

@@ -51,8 +51,8 @@ REFRESH = 2.0  # s between progress displays
 # Settings for every node, before the user's --set: the averaging is the defaults'; each
 # node evaluates every EVAL_EVERY seconds, for the plot and the dips.
 EVAL_EVERY = 2.0
-PRESETS = ["checkpoint.interval=30", "metrics.every=2", "task.progress_interval=1",
-           "task.threads=1", f"task.eval_every={EVAL_EVERY:g}"]
+PRESETS = ["checkpoint.interval=30", "metrics.interval=2", "task.progress_interval=1",
+           "task.threads=1", f"task.eval_interval={EVAL_EVERY:g}"]
 POINTS = 2.0  # the demo's verdict: every node within this many points of the central baseline
 LEAVER = 1  # the index of the node that departs: not node0, whose address the joiner dials
 RESULT_KEYS = ("time", "event", "step")  # an eval event's fields that are not results

@@ -1,10 +1,13 @@
 """What a follower process of a node does: the same task, the speaker's state, steps.
 
 See :mod:`daemon.processes` for the node of several processes as a whole. A follower builds
-the task as the speaker does (same config, same seed), resumes the same checkpoint, joins the
-group, and then loops — a step boundary, one step, again — until the speaker's last boundary
-says stop. Its exit code is the daemon's: 0 once stopped, 1 when the node's group broke or the
-task failed, 2 for a start-up error (the speaker reports the same one).
+the task as the speaker does, by the same steps (:mod:`daemon.startup`: same config, same seed,
+same device rule), resumes the same checkpoint, joins the group, and then loops — a step
+boundary, one step, again — until the speaker's last boundary says stop. The group is
+released on every way out, closed and then left (one :class:`contextlib.ExitStack`): a gloo
+group still open at exit aborts the process. Its exit code is the daemon's: 0 once stopped, 1
+when the node's group broke or the task failed, 2 for a start-up error (the speaker reports
+the same one).
 """
 
 from __future__ import annotations
@@ -12,15 +15,19 @@ from __future__ import annotations
 import logging
 import os
 import signal
+from contextlib import ExitStack
 from typing import Any
+
+import torch
 
 import gossip
 from gossip import NodeGroup, Replica
 
 from .config import Config
 from .processes import (COLLECTIVE_TIMEOUT, Placement, ProcessesError, agree_shard,
-                        die_with_parent, init_group, leave_group, node_device, set_threads)
-from .task import Context, Shard, TaskError, load_entry, to_device
+                        die_with_parent, init_group, leave_group, set_threads)
+from .startup import GlobalStep, StartupError, build_task, resolve_device
+from .task import Shard, Task, TaskError, load_entry, to_device
 from .train import Batches, resume
 
 __all__ = ["follow"]
@@ -33,56 +40,56 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 def follow(config: Config, where: Placement) -> int:
     """Run process ``where.rank`` of the node until the speaker stops it; returns the exit
     code."""
-    from .service import StartupError
     _patient_signals(where.rank)
     if where.launcher == "gossipd":
         die_with_parent()
-    try:
-        group, task, batches, device = _prepare(config, where)
-    except (ProcessesError, TaskError, StartupError, OSError, gossip.GossipError) as exc:
-        log.error("process %d of the node cannot start: %s", where.rank, exc)
-        leave_group()
-        return EXIT_USAGE
+    with ExitStack() as stack:
+        stack.callback(leave_group)  # last, on every way out
+        try:
+            group, task, batches, device = _prepare(config, where, stack)
+        except (StartupError, ProcessesError, TaskError, OSError, gossip.GossipError) as exc:
+            log.error("process %d of the node cannot start: %s", where.rank, exc)
+            return EXIT_USAGE
+        code = _train(group, task, batches, device, where.rank)
+    if code == EXIT_OK:
+        log.info("process %d stopped steps=%d", where.rank, group.statistics().boundaries)
+    return code
+
+
+def _train(group: NodeGroup, task: Task, batches: Batches, device: torch.device,
+           rank: int) -> int:
+    """A step boundary, one step, again, until the speaker's last boundary says stop; returns
+    the exit code."""
     task.model.train()  # as the speaker's trainer does (a model may come built in eval mode)
     try:
         while True:
             group.boundary()
             if group.stopped:
-                break
+                return EXIT_OK
             task.step(to_device(batches.next(), device))
     except (gossip.ProcessLost, gossip.ReplicasDiverged) as exc:
-        log.error("process %d stops: %s", where.rank, exc)
-        return EXIT_FAILED
+        log.error("process %d stops: %s", rank, exc)
     except TaskError as exc:
-        log.error("process %d failed: %s", where.rank, exc)
-        return EXIT_FAILED
+        log.error("process %d failed: %s", rank, exc)
     except Exception:  # the task's own code: the speaker's trainer fails the same way
-        log.exception("process %d failed", where.rank)
-        return EXIT_FAILED
-    finally:
-        group.close()
-        leave_group()
-    log.info("process %d stopped steps=%d", where.rank, group.statistics().boundaries)
-    return EXIT_OK
+        log.exception("process %d failed", rank)
+    return EXIT_FAILED
 
 
-def _prepare(config: Config, where: Placement) -> tuple[NodeGroup, Any, Batches, Any]:
-    """Build the task, resume the checkpoint the speaker resumes, join the group and take the
-    speaker's state.
+def _prepare(config: Config, where: Placement,
+             stack: ExitStack) -> tuple[NodeGroup, Task, Batches, torch.device]:
+    """Build the task, resume the checkpoint the speaker resumes, join the group (closed by
+    ``stack``) and take the speaker's state.
 
     Raises:
-        ProcessesError, TaskError, OSError, GossipError: as the speaker's start-up would.
+        StartupError, ProcessesError, TaskError, OSError, GossipError: as the speaker's
+            start-up would.
     """
-    from .service import build_task
-
-    device = node_device(config.task.device, where)
+    device = resolve_device(config.task.device, where)
     set_threads(config.task.threads, where, device)
-    data_dir = config.data_dir()
-    fn = load_entry(config.task.entry, data_dir)
-    step: list[NodeGroup] = []
-    context = Context(config.task.seed, device, dict(config.task.options), data_dir / "cache",
-                      lambda: step[0].global_step if step else 0, where.rank, where.size)
-    task = build_task(config, fn, context)
+    fn = load_entry(config.task.entry, config.data_dir())
+    step = GlobalStep()
+    task = build_task(config, fn, where, device, step)
     task.model.to(device)
     found = resume(task, config)  # TaskError: as the speaker's start-up says it
     resumed = None if found is None else found.counters.step
@@ -91,7 +98,8 @@ def _prepare(config: Config, where: Placement) -> tuple[NodeGroup, Any, Batches,
     init_group(where, device)
     group = NodeGroup(task.model, task.optimizer, check_every=config.task.check_every,
                       timeout=COLLECTIVE_TIMEOUT)
-    step.append(group)
+    stack.callback(group.close)
+    step.follow_group(group)
     averaging = config.averaging.to_averaging()
     replica = Replica(task.model, by_samples=averaging.by_samples, leak=averaging.leak,
                       optimizer=task.optimizer if averaging.correction else None,

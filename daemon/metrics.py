@@ -109,7 +109,7 @@ class Metrics:
                                        "answered busy: the members of their host had had "
                                        "their share of our rounds", registry=r)
         self.evaluation = Gauge("gossip_eval", "The task's latest evaluation, by metric "
-                                "(task.eval_every, and at exit)", ["metric"], registry=r)
+                                "(task.eval_interval, and at exit)", ["metric"], registry=r)
         self.checkpoints = Counter("gossip_checkpoints", "Checkpoints written", registry=r)
         self.checkpoint_failures = Counter("gossip_checkpoint_failures",
                                            "Checkpoints that could not be written", registry=r)

@@ -54,7 +54,6 @@ import trio
 
 import gossip
 from gossip import NodeGroup, Replica
-from gossip.devices import resolve
 
 from .logs import RUN
 
@@ -62,8 +61,8 @@ if TYPE_CHECKING:
     from .cadence import Stop
 
 __all__ = ["Placement", "ProcessesError", "Speaker", "agree_shard", "describe_exit",
-           "die_with_parent", "exit_now", "init_group", "leave_group", "node_device",
-           "placement", "set_threads", "spawn_followers", "stop_followers"]
+           "die_with_parent", "exit_now", "init_group", "leave_group", "placement",
+           "set_threads", "spawn_followers", "stop_followers"]
 
 log = logging.getLogger(__name__)
 run_log = logging.getLogger(RUN)
@@ -130,17 +129,6 @@ def placement(processes: int, env: Any = None) -> Placement:
         raise ProcessesError(f"task.processes is {processes} but torchrun started {size}: "
                              f"leave task.processes at 1 under torchrun, or set it equal")
     return Placement(rank, size, local, "gossipd" if env.get(SPAWNED) else "torchrun")
-
-
-def node_device(name: str, where: Placement) -> torch.device:
-    """The device of this process, by the one resolver (:func:`gossip.devices.resolve`):
-    ``auto``/``cuda`` take local GPU ``local_rank``, ``cuda:N`` only a node of one process.
-
-    Raises:
-        DeviceError: the name does not fit this machine or the node's processes.
-    """
-    return resolve(name, local_rank=where.local_rank, processes=where.size,
-                           what="task.device")
 
 
 def free_port() -> int:

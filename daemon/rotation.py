@@ -1,5 +1,5 @@
-"""Rotating a node's swarm key: the files behind ``gossipd rotate-key`` and
-``gossipd retire-key``, and what ``gossipd status`` says mid-rotation.
+"""Rotating a node's swarm key: ``gossipd rotate-key`` and ``gossipd retire-key`` (the files
+they write and what they print), and what ``gossipd status`` says mid-rotation.
 
 Theory of operation
 -------------------
@@ -46,7 +46,8 @@ from typing import Any
 
 from gossip import Holds, Swarm
 
-from .keys import read_swarm_key, replace_swarm_key, same_owner, write_new
+from .control import ControlError, query
+from .keys import JoinLine, read_swarm_key, replace_swarm_key, same_owner, write_new
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -54,7 +55,8 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
 __all__ = ["RotationError", "Started", "start_rotation", "finish_rotation", "previous_name",
-           "set_swarm_key", "rotation_status"]
+           "set_swarm_key", "rotation_status", "rotate_key", "say_started", "retire_key",
+           "rotation_line", "listed"]
 
 KEY = "previous_key_file"
 DOC = ("# only while rotating the swarm key: the key being replaced (gossipd rotate-key set "
@@ -216,3 +218,84 @@ def rotation_status(swarm: Swarm, addresses: Iterable[str]) -> dict[str, Any] | 
     stats = swarm.peer_keys.statistics()
     return {**seen, "datagrams_previous": stats.datagrams_previous,
             "handshakes_previous": stats.handshakes_previous, "fallbacks": stats.fallbacks}
+
+
+def listed(addresses: list[str], most: int = 5) -> str:
+    """The first ``most`` of ``addresses``, and how many more."""
+    shown = ", ".join(addresses[:most])
+    return shown + (f" and {len(addresses) - most} more" if len(addresses) > most else "")
+
+
+def rotation_line(r: dict[str, Any]) -> str:
+    """The ``gossipd status`` line of a node mid-rotation (``r``: :func:`rotation_status`)."""
+    total = len(r["new_key"]) + len(r["old_key"]) + len(r["unknown"])
+    text = (f"mid-rotation, holding the previous swarm key too: {len(r['new_key'])} of {total} "
+            "peers seen on the new key")
+    if r["old_key"]:
+        text += f"; on the old key only: {listed(r['old_key'])}"
+    if r["unknown"]:
+        text += f"; not heard from yet: {listed(r['unknown'])}"
+    return text + "; once every node holds the new key: gossipd retire-key"
+
+
+def rotate_key(config_path: Path, config: Any, *, key_file: str | None = None,
+               join: str | None = None) -> Started:
+    """``gossipd rotate-key``: start rotating to the key in ``key_file``, to the key of the
+    join line ``join`` (``-``: read from standard input), or to a fresh one.
+
+    Raises:
+        RotationError: the join line is another swarm's, or as :func:`start_rotation`.
+        KeyFileError: a key file or the join line cannot be read.
+    """
+    new_key = None
+    if key_file:
+        new_key = read_swarm_key(Path(key_file))
+    elif join:
+        line = JoinLine.parse(sys.stdin.readline() if join == "-" else join)
+        if (line.name, line.cipher) != (config.swarm.name, config.swarm.cipher):
+            raise RotationError(f"the join line is for swarm {line.name!r} with cipher "
+                                f"{line.cipher}; this node is in {config.swarm.name!r} with "
+                                f"cipher {config.swarm.cipher}")
+        new_key = line.key
+    return start_rotation(config_path, config, new_key)
+
+
+def say_started(started: Started, config_path: Path) -> None:
+    """Print what :func:`rotate_key` did and what the operator does next, up to the new join
+    line (which the command prints after)."""
+    print(f"{'finished an interrupted start: ' if started.resumed else ''}{started.key_file} "
+          f"holds the new swarm key; {started.previous_key_file} the one it replaces "
+          f"(swarm.previous_key_file in {config_path})")
+    print("restart this node now: it accepts both keys and speaks the new one")
+    print("then each other node in turn, restarted before the next, with the same key:")
+    print("  gossipd rotate-key -c CONFIG --join -        and paste the join line below")
+    print(f"  gossipd rotate-key -c CONFIG --key-file F   F a private copy of {started.key_file}")
+    print("the new join line (it holds the new key: share it privately; lines with the old key "
+          "stop working once the rotation is finished):")
+
+
+def retire_key(config_path: Path, config: Any, *, force: bool = False) -> None:
+    """``gossipd retire-key``: finish the rotation under way, unless the running daemon (if
+    any) still hears peers on the old key only and not ``force``; prints what it did.
+
+    Raises:
+        RotationError: peers still on the old key, or as :func:`finish_rotation`.
+        KeyFileError: as :func:`finish_rotation`.
+    """
+    if not config.swarm.previous_key_file:
+        print(f"no swarm key rotation under way in {config_path} (swarm.previous_key_file is "
+              "empty): nothing to finish")
+        return
+    try:
+        rotation = query(config.path(config.node.control)).get("rotation") or {}
+    except ControlError:
+        rotation = {}  # not running: nothing to ask; the restart comes later anyway
+    if rotation.get("old_key") and not force:
+        raise RotationError(f"the running daemon still hears {listed(rotation['old_key'])} on "
+                            "the old key only: rotate those nodes first (gossipd rotate-key), "
+                            "or finish anyway with --force")
+    previous = finish_rotation(config_path, config)
+    print(f"dropped the previous swarm key: deleted {previous}; swarm.previous_key_file "
+          f"cleared in {config_path}")
+    print("restart this node now: it then speaks the new key only, and nodes or join lines "
+          "with the old key alone can no longer reach it")

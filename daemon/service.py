@@ -2,19 +2,27 @@
 
 Theory of operation
 -------------------
-:func:`prepare` does everything that can fail because of the operator — claim the control
-socket, bind ``node.listen``, read the keys, load the task, pick the device, find the newest
-valid checkpoint — before anything touches the network, and raises :class:`StartupError` with a
-one-line message. The cheap checks come first, so that a mistake such as an address in use is
-reported at once rather than after the task's imports; each slow phase logs a line as it
-begins (importing the task, building it, loading a checkpoint), saying what start-up waits for.
+:func:`open_prepared` owns start-up. It does everything that can fail because of the
+operator — claim the control socket, bind ``node.listen``, read the keys, load the task, pick
+the device, find the newest valid checkpoint — before anything touches the network, and raises
+:class:`daemon.startup.StartupError` with a one-line message. The cheap checks come first, so
+that a mistake such as an address in use is reported at once rather than after the task's
+imports; each slow phase logs a line as it begins (importing the task, building it, loading a
+checkpoint), saying what start-up waits for. Every resource it opens — the control socket,
+the listen reservation, the other processes of a node of several, their group, the metrics
+log and endpoint — is pushed on one :class:`contextlib.AsyncExitStack` as it is acquired, so
+that a failure at any point, and the end of the run, release what is open in reverse order;
+what it yields, :class:`Prepared`, is built once and frozen. The steps a follower process
+shares (device, task, global step) are :mod:`daemon.startup`'s.
 
-:func:`run` then owns one nursery (signals) around the node (:func:`gossip.open_swarm`),
-whose own nursery runs the control socket, the metrics and the training loop
-(:class:`daemon.train.Training`, which holds the whole cadence: progress lines, checkpoints,
-evaluations, ``task.max_steps``). This module is wiring and lifecycle only: the node of
-several processes is :class:`daemon.processes.Speaker`'s, the checkpoint writes
-:class:`daemon.checkpoint.Checkpointer`'s.
+:func:`run` then watches signals around :func:`open_prepared`'s body (and its release: a
+second signal still ends the process while the other processes are waited for), which opens
+the node (:func:`gossip.open_swarm`) whose own nursery runs the control socket, the metrics
+and the training loop (:class:`daemon.train.Training`, which holds the whole cadence: progress
+lines, checkpoints, evaluations, ``task.max_steps``). This module is wiring, lifecycle and the
+log lines of exchanges and identity clashes: the node of several processes is
+:class:`daemon.processes.Speaker`'s, the checkpoint writes
+:class:`daemon.checkpoint.Checkpointer`'s, the ``gossipd status`` reply :mod:`daemon.status`'s.
 
 Stopping (SIGTERM, SIGINT, ``task.max_steps``, or a lost process of the node) sets the one
 stop flag (:class:`daemon.cadence.Stop`): the current chunk ends after its step, the node
@@ -31,9 +39,11 @@ import logging
 import os
 import signal
 import socket
+import subprocess
 import time
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
@@ -41,77 +51,55 @@ import trio
 
 import gossip
 from gossip import format_address, one_error
-from gossip.devices import DeviceError
 
 from . import checkpoint, processes, sharding
+from .cadence import Stop
 from .config import Config
 from .control import ControlError, bind_control, serve_control
 from .keys import KeyFileError, encode_options, load_swarm
 from .logs import LiveLine
 from .metrics import Metrics, MetricsLog
-from .rotation import rotation_status
-from .status import PeerSteps
-from .task import Context, Shard, Task, TaskError, entry_file, load_entry
-from .cadence import Stop
-from .train import Trainer, Training, first_batches, resume
+from .startup import GlobalStep, StartupError, build_task, resolve_device
+from .status import PeerSteps, status_reply
+from .task import Shard, Task, TaskError, entry_file, load_entry
+from .train import Resumed, Trainer, Training, first_batches, resume
 
-__all__ = ["StartupError", "Prepared", "prepare", "run"]
+__all__ = ["Prepared", "open_prepared", "run"]
 
 log = logging.getLogger(__name__)
 
 VERSION = gossip.__version__
 
 
-class StartupError(Exception):
-    """The daemon cannot start as configured (the operator's to fix; exit code 2)."""
-
-
-@dataclass
+@dataclass(frozen=True)
 class Prepared:
-    """What :func:`prepare` found and opened, ready for :func:`run` (which closes it)."""
+    """What :func:`open_prepared` found and opened, for the run (and released by it)."""
 
     config: Config
     identity: gossip.Identity
     swarm: gossip.Swarm
+    placement: processes.Placement  # this process in its node
     device: torch.device
     task: Task
+    shard: Shard  # the shard ``batches`` draws from
+    choose_shard: bool  # task.shard "auto", no earlier choice holds: choose once joined
     batches: Iterator[Any]  # this node's batches, the first one already drawn (it exists)
-    counters: gossip.Counters | None  # from the checkpoint resumed, if any
-    correction: Any  # the drift correction saved with it (None: none)
-    resumed: Path | None
+    found: Resumed | None  # the checkpoint resumed (None: none)
+    step: GlobalStep  # what the task's Context.global_step reads
     control: socket.socket  # the control socket, bound and listening
+    network: gossip.TcpNetwork  # node.listen already bound (reserved) on it
     metrics: Metrics
     log_file: MetricsLog | None
-    step: _Step  # what the task's Context.global_step reads
-    metrics_server: Any = None  # prometheus_client's HTTP server, if configured
-    network: gossip.TcpNetwork | None = None  # node.listen already bound (reserved) on it
-    own_steps: int | None = 0  # our own steps the checkpoint resumed counts (None: unknown)
-    shard: Shard = Shard()  # the shard ``batches`` draws from
-    outer: Any = None  # the outer step's state saved with the checkpoint (None: none)
-    choose_shard: bool = False  # task.shard "auto", no earlier choice holds: choose once joined
-    placement: processes.Placement = processes.Placement()  # this process in its node
-    group: gossip.NodeGroup | None = None  # a node of several processes: its group
-    followers: list[Any] = field(default_factory=list)  # the processes we started (Popen)
+    followers: tuple[subprocess.Popen, ...]  # the processes we started
+    group: gossip.NodeGroup | None  # a node of several processes: its group
 
 
-class _Step:
-    """The task's ``Context.global_step``: the node's step once it runs, the checkpoint's
-    until then."""
-
-    def __init__(self) -> None:
-        self.start = 0
-        self.node: gossip.SwarmNode | None = None
-        self.group: gossip.NodeGroup | None = None
-
-    def __call__(self) -> int:
-        if self.group is not None and self.group.started:  # every process reads the same
-            return self.group.global_step
-        return self.start if self.node is None else self.node.global_step
-
-
-def prepare(config: Config, argv: tuple[str, ...] | None = None) -> Prepared:
-    """Check, load and open everything :func:`run` needs that the operator could get wrong,
-    in the order they would fix it, before anything touches the network.
+@asynccontextmanager
+async def open_prepared(config: Config,
+                        argv: tuple[str, ...] | None = None) -> AsyncIterator[Prepared]:
+    """Check, load and open everything the run needs that the operator could get wrong, in
+    the order they would fix it, before anything touches the network; release it all on the
+    way out, in reverse order, whatever ends the run or start-up.
 
     Args:
         argv: the ``gossipd run`` arguments, for the other processes of a node of several
@@ -122,39 +110,65 @@ def prepare(config: Config, argv: tuple[str, ...] | None = None) -> Prepared:
     Raises:
         StartupError: with a one-line message.
     """
-    data_dir = config.data_dir()
-    try:
-        data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        control = bind_control(config.path(config.node.control))  # first: no thread yet
-    except (OSError, ControlError) as exc:
-        raise StartupError(str(exc)) from None
+    async with AsyncExitStack() as stack:
+        yield _acquire(stack, config, argv)
+
+
+def _acquire(stack: AsyncExitStack, config: Config, argv: tuple[str, ...] | None) -> Prepared:
+    """Open each resource in turn, pushing its release on ``stack`` as soon as it is open."""
+    control = _claim_control(stack, config)
     # Bound now and kept for the node, before the slow phases below: an address in use is
     # reported within moments of launch, and nobody can take it while the task loads.
     network = gossip.TcpNetwork(config.node.dial_from or None)
-    followers: list[Any] = []
+    stack.callback(network.release)  # what the node did not take, if it never opened
     try:
-        try:
-            network.reserve(config.node.listen)
-            where = processes.placement(config.task.processes)
-            # Before any follower starts: a device this machine lacks fails here, at once.
-            device = processes.node_device(config.task.device, where)
-        except OSError as exc:
-            raise _listen_error(config.node.listen, exc) from None
-        except (processes.ProcessesError, DeviceError) as exc:
-            raise StartupError(str(exc)) from None
-        port = _start_followers(where, argv, followers)
-        prepared = _prepare(config, control, where, device)
-        prepared.followers = followers
-        if where.several:
-            _form_group(prepared, port)
-    except BaseException:  # Ctrl-C too: no follower left waiting for the group
-        processes.stop_followers(followers, grace=0.0)
-        network.release()
-        control.close()
-        config.path(config.node.control).unlink(missing_ok=True)
-        raise
-    prepared.network = network
-    return prepared
+        network.reserve(config.node.listen)
+    except OSError as exc:
+        raise _listen_error(config.node.listen, exc) from None
+    try:
+        where = processes.placement(config.task.processes)
+    except processes.ProcessesError as exc:
+        raise StartupError(str(exc)) from None
+    # Before any follower starts: a device this machine lacks fails here, at once.
+    device = resolve_device(config.task.device, where)
+    followers, port = _start_followers(stack, where, argv)
+    identity, swarm, fn = _load_keys_and_entry(config)
+    processes.set_threads(config.task.threads, where, device)
+    shard, choose = _first_shard(config)
+    step = GlobalStep()
+    log.info("building task entry=%s device=%s shard=%d/%d%s: the task function, then its "
+             "first batch", config.task.entry, device, shard.index, shard.count,
+             " (auto: chosen once joined)" if choose else "")
+    task = build_task(config, fn, where, device, step)
+    try:
+        batches = first_batches(task, shard, config.task.entry)
+        task.model.to(device)
+        found = resume(task, config)
+    except TaskError as exc:
+        raise StartupError(str(exc)) from None
+    if found is not None:
+        step.start_at(found.counters.step)
+    metrics, log_file = Metrics(), _open_log(stack, config)
+    if config.metrics.prometheus:  # last but the group: it starts a thread
+        _serve_metrics(stack, metrics, config.metrics.prometheus)
+    group = _form_group(stack, config, where, device, task, port, followers)
+    if group is not None:
+        step.follow_group(group)
+    return Prepared(config, identity, swarm, where, device, task, shard, choose, batches,
+                    found, step, control, network, metrics, log_file, followers, group)
+
+
+def _claim_control(stack: AsyncExitStack, config: Config) -> socket.socket:
+    """The data directory made and the control socket bound, first: no thread yet."""
+    path = config.path(config.node.control)
+    try:
+        config.data_dir().mkdir(mode=0o700, parents=True, exist_ok=True)
+        control = bind_control(path)
+    except (OSError, ControlError) as exc:
+        raise StartupError(str(exc)) from None
+    stack.callback(path.unlink, missing_ok=True)
+    stack.callback(control.close)
+    return control
 
 
 def _listen_error(listen: str, exc: OSError) -> StartupError:
@@ -166,8 +180,30 @@ def _listen_error(listen: str, exc: OSError) -> StartupError:
     return StartupError(f"node.listen {listen}: {exc.strerror or exc}")
 
 
-def _prepare(config: Config, control: socket.socket, where: processes.Placement,
-             device: torch.device) -> Prepared:
+def _start_followers(stack: AsyncExitStack, where: processes.Placement,
+                     argv: tuple[str, ...] | None) -> tuple[tuple[subprocess.Popen, ...],
+                                                             int | None]:
+    """Start processes 1..N-1 of a node of several that ``gossipd run`` starts itself (not
+    torchrun); returns them and the group's rendezvous port (None: torchrun's). Released by
+    ending them at once: until the group forms they wait for it (once it has, its release
+    waits for them first)."""
+    if where.launcher != "gossipd":
+        return (), None
+    if argv is None:
+        raise StartupError("task.processes > 1 needs the run's arguments to start the other "
+                           "processes")
+    port = processes.free_port()
+    log.info("starting the node's other processes count=%d", where.size - 1)
+    try:
+        followers = tuple(processes.spawn_followers(argv, where.size, port))
+    except processes.ProcessesError as exc:
+        raise StartupError(str(exc)) from None
+    stack.callback(processes.stop_followers, followers, grace=0.0)
+    return followers, port
+
+
+def _load_keys_and_entry(config: Config) -> tuple[gossip.Identity, gossip.Swarm, Any]:
+    """This node's identity, the swarm's keys and the task function."""
     data_dir = config.data_dir()
     try:
         identity = gossip.Identity.load_or_generate(config.path(config.node.identity))
@@ -183,41 +219,7 @@ def _prepare(config: Config, control: socket.socket, where: processes.Placement,
     except (OSError, KeyFileError, TaskError, gossip.IdentityError,
             processes.ProcessesError) as exc:
         raise StartupError(str(exc)) from None
-    processes.set_threads(config.task.threads, where, device)
-    shard, choose = _first_shard(config)
-    step = _Step()
-    log.info("building task entry=%s device=%s shard=%d/%d%s: the task function, then its "
-             "first batch", config.task.entry, device, shard.index, shard.count,
-             " (auto: chosen once joined)" if choose else "")
-    task = build_task(config, fn, Context(config.task.seed, device, dict(config.task.options),
-                                          data_dir / "cache", step, where.rank, where.size))
-    try:
-        batches = first_batches(task, shard, config.task.entry)
-    except TaskError as exc:
-        raise StartupError(str(exc)) from None
-    task.model.to(device)
-    try:
-        found = resume(task, config)
-    except TaskError as exc:
-        raise StartupError(str(exc)) from None
-    counters, correction, resumed, own_steps = ((found.counters, found.correction, found.path,
-                                                 found.own_steps) if found is not None
-                                                else (None, None, None, 0))
-    metrics = Metrics()
-    try:
-        log_file = MetricsLog(config.path(config.metrics.log)) if config.metrics.log else None
-    except OSError as exc:
-        raise StartupError(f"metrics.log {config.path(config.metrics.log)}: {exc.strerror}") from None
-    prepared = Prepared(config, identity, swarm, device, task, batches, counters, correction,
-                        resumed, control, metrics, log_file, step)
-    step.start = counters.step if counters is not None else 0
-    prepared.own_steps = own_steps
-    prepared.outer = found.outer if found is not None else None
-    prepared.shard, prepared.choose_shard = shard, choose
-    prepared.placement = where
-    if config.metrics.prometheus:  # last: it starts a thread
-        prepared.metrics_server = _serve_metrics(metrics, config.metrics.prometheus)
-    return prepared
+    return identity, swarm, fn
 
 
 def _first_shard(config: Config) -> tuple[Shard, bool]:
@@ -236,88 +238,96 @@ def _first_shard(config: Config) -> tuple[Shard, bool]:
     return Shard(kept or 0, shards), kept is None
 
 
-def _start_followers(where: processes.Placement, argv: tuple[str, ...] | None,
-                     followers: list[Any]) -> int | None:
-    """Start processes 1..N-1 of a node of several that ``gossipd run`` starts itself (not
-    torchrun), into ``followers``; returns the group's rendezvous port (None: torchrun's)."""
-    if where.launcher != "gossipd":
+def _open_log(stack: AsyncExitStack, config: Config) -> MetricsLog | None:
+    """The events log (``metrics.log``; None: none), closed last of the run's writers."""
+    if not config.metrics.log:
         return None
-    if argv is None:
-        raise StartupError("task.processes > 1 needs the run's arguments to start the other "
-                           "processes")
-    port = processes.free_port()
-    log.info("starting the node's other processes count=%d", where.size - 1)
     try:
-        followers.extend(processes.spawn_followers(argv, where.size, port))
-    except processes.ProcessesError as exc:
-        raise StartupError(str(exc)) from None
-    return port
+        log_file = MetricsLog(config.path(config.metrics.log))
+    except OSError as exc:
+        raise StartupError(f"metrics.log {config.path(config.metrics.log)}: {exc.strerror}") from None
+    stack.callback(log_file.close)
+    return log_file
 
 
-def _form_group(p: Prepared, port: int | None) -> None:
-    """Form the node's group, last: every check the operator could fail has passed here,
-    and each process has built the task it will train."""
-    try:
-        processes.init_group(p.placement, p.device, port, p.followers)
-    except processes.ProcessesError as exc:
-        raise StartupError(str(exc)) from None
-    p.group = gossip.NodeGroup(p.task.model, p.task.optimizer,
-                                         check_every=p.config.task.check_every,
-                                         timeout=processes.COLLECTIVE_TIMEOUT)
-    p.step.group = p.group
-
-
-def build_task(config: Config, fn: Any, context: Context) -> Task:
-    """The task ``fn`` returns for ``context``.
-
-    Raises:
-        StartupError: it failed, or returned something else than a :class:`Task`.
-    """
-    try:
-        task = fn(context)
-    except TaskError as exc:
-        raise StartupError(str(exc)) from None
-    except Exception as exc:  # the task's own code: one line names it, the log has the rest
-        log.debug("the task function failed", exc_info=True)
-        raise StartupError(f"{config.task.entry} failed: {exc!r}") from None
-    if not isinstance(task, Task):
-        raise StartupError(f"{config.task.entry} returned {type(task).__name__}, not a Task")
-    return task
-
-
-def _serve_metrics(metrics: Metrics, address: str) -> Any:
+def _serve_metrics(stack: AsyncExitStack, metrics: Metrics, address: str) -> None:
+    """The Prometheus endpoint, shut down on the way out."""
     try:
         server = metrics.serve(address)
     except OSError as exc:
         raise StartupError(f"metrics.prometheus {address}: {exc.strerror}") from None
     host, port = server.server_address[:2]
     log.info("metrics endpoint address=http://%s/metrics", format_address(host, port))
-    return server
+
+    async def shut_down() -> None:
+        with trio.CancelScope(shield=True):  # shutdown() waits out a 0.5 s poll
+            await trio.to_thread.run_sync(server.shutdown)
+        server.server_close()
+
+    stack.push_async_callback(shut_down)
 
 
-async def run(prepared: Prepared, *, live: LiveLine | None = None,
+def _form_group(stack: AsyncExitStack, config: Config, where: processes.Placement,
+                device: torch.device, task: Task, port: int | None,
+                followers: Sequence[subprocess.Popen]) -> gossip.NodeGroup | None:
+    """A node of several processes: form its group, last: every check the operator could
+    fail has passed here, and each process has built the task it will train. None for a node
+    of one process."""
+    if not where.several:
+        return None
+    try:
+        processes.init_group(where, device, port, followers)
+    except processes.ProcessesError as exc:
+        raise StartupError(str(exc)) from None
+    group = gossip.NodeGroup(task.model, task.optimizer, check_every=config.task.check_every,
+                             timeout=processes.COLLECTIVE_TIMEOUT)
+
+    async def close() -> None:
+        group.close()  # first: a follower still waiting at a boundary sees its group close
+        processes.leave_group()
+        if followers:  # stopped by the last boundary; the rest are ended
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(processes.stop_followers, followers)
+
+    stack.push_async_callback(close)
+    return group
+
+
+async def run(config: Config, argv: tuple[str, ...] | None = None, *,
+              live: LiveLine | None = None,
               task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-    """Run the daemon until a signal or ``task.max_steps``; returns after a clean stop.
+    """Start, then run the daemon until a signal or ``task.max_steps``; returns after a clean
+    stop, everything released.
+
+    Args:
+        argv: as :func:`open_prepared` takes it.
 
     Raises:
-        StartupError: the listen or metrics address cannot be bound.
+        StartupError: the daemon cannot start as configured (:func:`open_prepared`), or the
+            listen address cannot be bound.
         gossip.GossipError: the node failed.
     """
-    service = _Service(prepared, live)
     with one_error():
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(service.watch_signals)
-            await service.serve(task_status)
+            async with open_prepared(config, argv) as prepared:
+                if prepared.found is not None:  # said under the CLI's name, as it always was
+                    logging.getLogger("daemon").info("resuming checkpoint=%s step=%d",
+                                                     prepared.found.path,
+                                                     prepared.found.counters.step)
+                service = _Service(prepared, live)
+                nursery.start_soon(service.watch_signals)  # until everything is released
+                await service.serve(task_status)
             nursery.cancel_scope.cancel()
 
 
 class _Service:
     """Wiring and lifecycle: open the node, run the training loop (:class:`Training`) beside
-    the control socket and the metrics, take signals, and close everything on the way out."""
+    the control socket and the metrics, and take signals; :func:`open_prepared` closes what
+    start-up opened."""
 
     def __init__(self, prepared: Prepared, live: LiveLine | None) -> None:
         c = prepared.config
-        self.p = prepared
+        self.prepared = prepared
         self.config = c
         self.stop = Stop()  # the one stop flag: signals, max_steps, a lost process, the trainer
         self.live = live
@@ -348,67 +358,53 @@ class _Service:
                     os._exit(128 + signum)
 
     async def serve(self, task_status: Any) -> None:
-        p, control = self.p, self.config.path(self.config.node.control)
-        try:
-            await self.serve_node(task_status)
-            if self.training is not None:
-                await self.training.finish()
-            if self.speaker.failed is not None:
-                self.speaker.name_the_lost()
-                raise self.speaker.failed
-        finally:
-            if p.group is not None:  # first: a follower still waiting at a boundary (this
-                p.group.close()       # process failed otherwise) sees its group close
-                processes.leave_group()
-            if p.followers:  # stopped by the last boundary; the rest are ended
-                await trio.to_thread.run_sync(processes.stop_followers, p.followers)
-            if p.network is not None:
-                p.network.release()  # what the node did not take, if it never opened
-            p.control.close()
-            control.unlink(missing_ok=True)
-            if p.metrics_server is not None:
-                with trio.CancelScope(shield=True):  # shutdown() waits out a 0.5 s poll
-                    await trio.to_thread.run_sync(p.metrics_server.shutdown)
-                p.metrics_server.server_close()
-            if self.log_file is not None:
-                self.log_file.close()
+        await self.serve_node(task_status)
+        if self.training is not None:
+            await self.training.finish()
+        if self.speaker.failed is not None:
+            self.speaker.name_the_lost()
+            raise self.speaker.failed
 
     async def serve_node(self, task_status: Any) -> None:
-        c, p = self.config, self.p
+        c, p = self.config, self.prepared
+        found = p.found
         task_meta: dict[str, Any] = {"entry": c.task.entry, "seed": c.task.seed}
         try:  # published with the state, and named when a joiner's model differs
             encode_options(c.task.options)
             task_meta["options"] = dict(c.task.options)
         except KeyFileError:
             log.debug("task.options are not published: a join line could not carry them")
-        start = "own" if p.resumed is not None else c.averaging.start
+        start = "own" if found is not None else c.averaging.start
         try:
             async with gossip.open_swarm(
                 p.task.model, p.swarm, c.node_config(start=start), identity=p.identity,
-                task=task_meta, counters=p.counters, optimizer=p.task.optimizer,
-                correction=p.correction, outer=p.outer, on_exchange=self.on_exchange,
-                network=p.network or gossip.TcpNetwork(c.node.dial_from or None),
+                task=task_meta, counters=found.counters if found else None,
+                optimizer=p.task.optimizer, correction=found.correction if found else None,
+                outer=found.outer if found else None, on_exchange=self.on_exchange,
+                network=p.network,
             ) as node:
-                self.node = p.step.node = node
-                trainer = Trainer(p.task, node, p.device, p.shard, p.batches, p.own_steps,
-                                  p.group, self.stop)
-                resumed = p.counters.step if p.resumed is not None and p.counters else None
+                self.node = node
+                p.step.follow_node(node)
+                trainer = Trainer(p.task, node, p.device, p.shard, p.batches,
+                                  found.own_steps if found else 0, p.group, self.stop)
                 self.training = Training(
                     c, node, trainer, self.stop, self.checkpoints, self.speaker, self.metrics,
                     self.event, live=self.live, peer_steps=self.peer_steps,
-                    choose_shard=p.choose_shard, resumed_step=resumed, started=self.started)
+                    choose_shard=p.choose_shard,
+                    resumed_step=found.counters.step if found else None, started=self.started)
                 if not p.choose_shard:  # fixed, or kept from an earlier run: known now
                     node.roster.set_meta(shard=p.shard.index, shards=p.shard.count)
                 # Start or accept no more exchanges once stopped (at once: a signal while the
                 # node was opening).
                 self.stop.on_set(node.stop_averaging)
                 schema = node.replica.schema.fingerprint_hex
+                resumed = found.path if found else None
                 log.info("start version=%s peer=%s address=%s swarm=%s task=%s device=%s "
                          "schema=%s checkpoint=%s step=%d", VERSION, node.peer_id, node.address,
-                         p.swarm.name, c.task.entry, p.device, schema, p.resumed or "none",
+                         p.swarm.name, c.task.entry, p.device, schema, resumed or "none",
                          node.global_step)
                 self.event("start", peer=node.peer_id, address=node.address, schema=schema,
-                           resumed=str(p.resumed) if p.resumed else None, step=node.global_step)
+                           resumed=str(resumed) if resumed else None, step=node.global_step)
                 async with trio.open_nursery() as nursery:
                     await nursery.start(functools.partial(
                         serve_control, c.path(c.node.control), {"status": self.status},
@@ -420,10 +416,14 @@ class _Service:
                     await self.training.run()
                     nursery.cancel_scope.cancel()
                 log.info("leaving the swarm peer=%s", node.peer_id.short)
-        except OSError as exc:  # node.listen not reserved by prepare (a caller of its own)
+        except OSError as exc:  # the reservation lost (not expected: a last line of defence)
             if exc.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL):
                 raise _listen_error(c.node.listen, exc) from None
             raise
+
+    def status(self) -> dict[str, Any]:
+        """The ``gossipd status`` reply (:func:`daemon.status.status_reply`)."""
+        return status_reply(self, trio.current_time())
 
     # ---- observability ----------------------------------------------------------------
 
@@ -459,7 +459,7 @@ class _Service:
                     self.report_clash(clash)
             # Only members' steps are kept: exchanges with newcomers must not grow it.
             self.peer_steps.keep(m.peer for m in self.node.roster.members())
-            await trio.sleep(self.config.metrics.every)
+            await trio.sleep(self.config.metrics.interval)
 
     def report_clash(self, address: str) -> None:
         """Tell the operator, once, how to resolve an identity clash on this machine."""
@@ -470,57 +470,3 @@ class _Service:
                   "one is made at start) and start it again", address, key)
         self.event("identity_clash", address=address, identity=str(key))
 
-    def join_trouble(self, node: gossip.SwarmNode) -> dict[str, Any] | None:
-        """Why this node cannot join, for ``gossipd status``: None once it has joined."""
-        trouble = node.roster.trouble
-        if trouble is None or node.roster.joined:
-            return None
-        return {"seconds": round(trio.current_time() - trouble.since, 1),
-                "attempts": trouble.attempts, "reasons": dict(trouble.reasons)}
-
-    def status(self) -> dict[str, Any]:
-        node, c = self.node, self.config
-        assert node is not None
-        me, now = node.peer_id, trio.current_time()
-        training = self.training
-        assert training is not None
-        own = node.replica.local_steps  # read once: the trainer's thread goes on counting
-        before = training.trainer.own_steps_before
-        members = [m for m in node.roster.members() if m.peer != me]
-        self.peer_steps.keep(m.peer for m in members)
-        peers = [{"peer": m.peer, "address": m.address, "state": m.state.name.lower(),
-                  **self.peer_steps.of(m, now), "ready": m.ready,
-                  "shard": m.shard if m.shards else None, "reachable": m.reachable}
-                 for m in members]
-        evaluation = None
-        if training.evaluation is not None:
-            e = training.evaluation
-            evaluation = {"metrics": e["metrics"], "step": e["step"],
-                          "age_s": round(time.monotonic() - e["time"], 1)}
-        return {
-            "peer": me, "address": node.address, "swarm": self.p.swarm.name,
-            "task": c.task.entry, "schema": node.replica.schema.fingerprint_hex,
-            "device": str(self.p.device), "version": VERSION,
-            "uptime_s": round(time.monotonic() - self.started, 1),
-            "data_dir": str(c.data_dir()),
-            **self.metrics.sample(node),
-            "every": c.averaging.every,  # as configured: "auto" means spacing is measured
-            "own_steps": own,
-            "own_steps_total": None if before is None else before + own,
-            "evaluation": evaluation,
-            "eval_every": c.task.eval_every,
-            "joined": node.roster.joined,
-            "join_trouble": self.join_trouble(node),
-            "clash": node.roster.clash,
-            "rotation": rotation_status(self.p.swarm, (
-                m.address for m in members
-                if m.state in (gossip.State.ALIVE, gossip.State.SUSPECT))),
-            "reachability": asdict(node.roster.reachability),
-            "processes": self.speaker.status(),
-            "members": peers,
-            "downloaded_from": node.downloaded.peer if node.downloaded else None,
-            # None: task.shard "auto", not chosen yet
-            "shard": None if training.shard is None else training.shard.index,
-            "shards": c.task.shards,
-            "last_checkpoint": self.checkpoints.last,
-        }

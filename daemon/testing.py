@@ -49,7 +49,7 @@ FAST = (  # quick rounds and progress; one torch thread each, so several share t
     "task.progress_interval=0.5",
     "task.threads=1",
     "task.chunk=0.1",
-    "metrics.every=0.5",
+    "metrics.interval=0.5",
     "task.options.lr=0.002",
 )
 

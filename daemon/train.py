@@ -376,8 +376,8 @@ class Training:
         await self.speaker.start(node.replica, self.resumed_step, trainer.shard.index)
         if node.downloaded is not None:
             self.downloaded()
-        if c.task.eval_every and trainer.task.evaluate is None:
-            run_log.warning("task.eval_every is set but the task has no evaluate(): nothing "
+        if c.task.eval_interval and trainer.task.evaluate is None:
+            run_log.warning("task.eval_interval is set but the task has no evaluate(): nothing "
                             "to run")
         cadence = Cadence.of(c, trainer.task.evaluate is not None)
         steps = 0  # this run's

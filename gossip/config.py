@@ -19,25 +19,36 @@ the message names the field: ``averaging.every: expected an integer >= 1 or "aut
 Relations between fields (``clip_min_history <= clip_window``) are checked after that, in the
 class itself.
 
-The daemon (``daemon/config.py``) builds its TOML sections from these declarations, so a
-default, a doc or a range lives in one place. This module is pure: it imports nothing that
-imports trio, torch or socket, so that every other module can import it.
+The same engine declares and validates a program's own settings: the daemon's TOML sections
+(``daemon/config.py``) are declared with :func:`setting` too, so there is one set of type
+rules and one wording of the errors. A program's setting may also be an array of strings (a
+tuple default; ``check`` applies to each item, and the error points at it: ``[1]``) or a
+free-form table of plain values (a dict default). :func:`checked` gives a value in the
+setting's type (an int where a float is expected becomes a float) or raises :class:`Invalid`;
+:func:`problem`, which the classes here use, only says what is wrong, so that a library
+setting keeps the value it was given. A program's key that *is* a library setting is declared
+with :func:`setting_of`, which takes the default, doc and check of the one declaration here,
+and :func:`arguments_for` hands such keys' values back by the library's names, so a default,
+a doc or a range lives in one place. This module is pure: it imports nothing that imports
+trio, torch or socket, so that every other module can import it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import math
 import reprlib
-from dataclasses import dataclass, field, fields
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Callable
 
 from .linkrate import MIN_RATE, STALL
 
 __all__ = [
     "NodeConfig", "AveragingConfig", "MembershipConfig", "Timeouts", "Limits", "CODECS",
-    "DEFAULT_LEAK", "Check", "setting", "problem", "want", "one_of", "POSITIVE", "NON_NEGATIVE",
-    "COUNT", "AT_LEAST_1",
+    "DEFAULT_LEAK", "Check", "setting", "setting_of", "arguments_for", "Invalid", "checked",
+    "problem", "want", "one_of", "POSITIVE", "NON_NEGATIVE", "COUNT", "AT_LEAST_1",
 ]
 
 # Every wire codec of exchanged states: fp32 (exact), bf16 and fp16 element-wise, int8 in
@@ -66,37 +77,143 @@ COUNT = want(lambda v: v >= 0, "an integer >= 0")
 AT_LEAST_1 = want(lambda v: v >= 1, "an integer >= 1")
 
 
-def setting(default: Any, doc: str, check: Check | None = None, *,
-            optional: bool = False, words: tuple[str, ...] = ()) -> Any:
+# --- declaring a setting ----------------------------------------------------------------------
+
+def setting(default: Any, doc: str, check: Check | None = None, *, optional: bool = False,
+            words: tuple[str, ...] = (), kind: type | None = None,
+            source: tuple[type, str] | None = None) -> Any:
     """A settings field: ``doc`` (with its unit) is the only description the field has.
-    ``optional`` accepts None besides values of the default's type, and ``words`` strings
-    such as ``"auto"`` (neither goes through ``check``)."""
-    return field(default=default, metadata={"doc": doc, "check": check, "optional": optional,
-                                            "words": words})
+
+    Args:
+        default: the value when none is given; its type is the field's type. A tuple is an
+            array of strings (``check`` applies to each item); a dict (only ``{}``: each object
+            gets its own) is a free-form table of plain values.
+        doc: what the field means, with its unit.
+        check: the field's range or choices (each takes a value of the field's type).
+        optional: None is a value too.
+        words: strings it takes besides values of its type, such as ``"auto"``.
+        kind: the field's type when the default is one of the ``words``.
+        source: the setting this field gives its value to, as (class, field name), where a
+            program declares one of the library's settings again (:func:`setting_of`).
+
+    Neither None nor a word goes through ``check``.
+    """
+    metadata = {"doc": doc, "check": check, "optional": optional, "words": words, "kind": kind,
+                "source": source}
+    if isinstance(default, dict):
+        return field(default_factory=dict, metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
-_KINDS = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
+def setting_of(cls: type, name: str, *, see: str = "") -> Any:
+    """A settings field that is ``cls``'s setting ``name``, with its default, doc and check:
+    one declaration for both. ``see`` points at more documentation, after the doc."""
+    declared = {f.name: f for f in fields(cls)}[name]
+    doc = declared.metadata["doc"] + (f"; see {see}" if see else "")
+    return setting(declared.default, doc, declared.metadata["check"], source=(cls, name))
+
+
+def arguments_for(cls: type, settings: Any) -> dict[str, Any]:
+    """The values of ``settings``' fields declared :func:`setting_of` ``cls``, by ``cls``'s
+    names: keyword arguments of ``cls``."""
+    return {f.metadata["source"][1]: getattr(settings, f.name) for f in fields(settings)
+            if f.metadata["source"] and f.metadata["source"][0] is cls}
+
+
+# --- validating a value -----------------------------------------------------------------------
+
+class Invalid(ValueError):
+    """What is wrong with a value for a setting. ``where`` locates the problem inside the value:
+    ``"[1]"`` (an array's second item), ``".a[2]"`` (in a table), or "" (the value itself)."""
+
+    def __init__(self, problem: str, where: str = "") -> None:
+        super().__init__(problem)
+        self.where = where
+
+
+_KINDS = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+          tuple: "an array of strings", dict: "a table"}
+# What a table may hold, besides tables and arrays: TOML's values (a bool is an int, a datetime
+# a date).
+_PLAIN = (str, int, float, datetime.date, datetime.time)
+
+
+def checked(f: dataclasses.Field, value: Any, *, finite: bool = True,
+            describe: Callable[[Any], str] = reprlib.repr) -> Any:
+    """``value`` for the setting ``f``, in the setting's type: an int becomes a float where
+    the default is one, an array a tuple of plain strings, a table a copy made of plain dicts
+    and lists. ``finite``: an infinite float is wrong too (NaN always is). ``describe`` writes
+    a wrong value in the problem.
+
+    Raises:
+        Invalid: the value is not of the setting's type, or fails its check.
+    """
+    return _examine(f, value, finite, describe, convert=True)
 
 
 def problem(f: dataclasses.Field, value: Any, *, finite: bool = True) -> str | None:
-    """What is wrong with ``value`` for the setting ``f``, or None. ``finite``: an infinite
-    float is wrong too (NaN always is)."""
+    """What is wrong with ``value``, as given, for the setting ``f``, or None (as
+    :func:`checked`, which also converts it)."""
+    try:
+        _examine(f, value, finite, reprlib.repr, convert=False)
+    except Invalid as exc:
+        return f"{exc.where}: {exc}" if exc.where else str(exc)
+    return None
+
+
+def _examine(f: dataclasses.Field, value: Any, finite: bool, describe: Callable[[Any], str], *,
+             convert: bool) -> Any:
     optional, words = f.metadata["optional"], f.metadata["words"]
-    if value is None and optional or isinstance(value, str) and value in words:
+    if value is None and optional:
         return None
-    kind = type(f.default)
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    ok = {bool: isinstance(value, bool), int: number and isinstance(value, int),
-          float: number}.get(kind, isinstance(value, kind))
-    if not ok:
+    if isinstance(value, str) and value in words:
+        return str(value)
+    kind = f.metadata.get("kind") or (dict if f.default is MISSING else type(f.default))
+    if not _is_a(kind, value):
         *others, last = [_KINDS[kind], *(f'"{word}"' for word in words),
                          *(["None"] if optional else [])]
         expected = f"{', '.join(others)} or {last}" if others else last
-        return f"expected {expected}, got {reprlib.repr(value)}"
+        raise Invalid(f"expected {expected}, got {describe(value)}")
     if kind is float and (math.isnan(value) or finite and math.isinf(value)):
-        return f"expected a finite number, got {value!r}"
-    check = f.metadata["check"]
-    return check(value) if check is not None else None
+        raise Invalid(f"expected a finite number, got {value!r}")
+    if kind is tuple:
+        for i, item in enumerate(value):
+            if not isinstance(item, str):
+                raise Invalid(f"expected a string, got {describe(item)}", f"[{i}]")
+    if convert:  # str(): a plain str for a subclass such as PeerId
+        value = (tuple(str(item) for item in value) if kind is tuple
+                 else _plain(value, "", describe) if kind is dict else kind(value))
+    check = f.metadata["check"] or (lambda item: None)
+    # An array's check applies to each item, and the problem points at the item.
+    for where, item in ([(f"[{i}]", item) for i, item in enumerate(value)] if kind is tuple
+                        else [("", value)]):
+        wrong = check(item)
+        if wrong:
+            raise Invalid(wrong, where)
+    return value
+
+
+def _is_a(kind: type, value: Any) -> bool:
+    """Whether ``value`` is of the setting type ``kind``: an int is a number, a bool is not;
+    a list is an array, any mapping a table."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return {bool: isinstance(value, bool), int: number and isinstance(value, int),
+            float: number, tuple: isinstance(value, (list, tuple)),
+            dict: isinstance(value, Mapping)}.get(kind, isinstance(value, kind))
+
+
+def _plain(value: Any, where: str, describe: Callable[[Any], str]) -> Any:
+    """A copy of a free-form table made of plain dicts and lists: only what TOML can hold."""
+    if isinstance(value, Mapping):
+        for key in value:
+            if not isinstance(key, str):
+                raise Invalid(f"expected string keys, got {describe(key)}", where)
+        return {key: _plain(item, f"{where}.{key}", describe) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(item, f"{where}[{i}]", describe) for i, item in enumerate(value)]
+    if isinstance(value, _PLAIN):
+        return value
+    raise Invalid(f"expected a TOML value, got {describe(value)}", where)
 
 
 class _Settings:
@@ -287,9 +404,9 @@ class Timeouts(_Settings):
 
     These are the only timeouts the library takes as arguments (everywhere else the caller
     wraps its awaits in :func:`~gossip.groups.phase_deadline`): ``connect`` and ``serve``
-    compose two phases, and the record deadline is a property of the connection that guards every read, whoever the
-    caller is. A 1 MiB record must cross the link within ``record`` seconds: the default
-    gives it 35 kB/s, below the slowest link a transfer is given time for
+    compose two phases, and the record deadline is a property of the connection that guards
+    every read, whoever the caller is. A 1 MiB record must cross the link within ``record``
+    seconds: the default gives it 35 kB/s, below the slowest link a transfer is given time for
     (:data:`gossip.linkrate.MIN_RATE`, 50 kB/s), so on a thin link a payload's own deadline,
     which follows the link, decides first. Below about 35 kB/s (280 kbit/s) raise both.
     A peer that stops sending mid-payload is dropped by the stall deadline

@@ -41,8 +41,8 @@ SETTINGS = [
     "checkpoint.interval=2",
     "checkpoint.keep=2",
     "task.progress_interval=2",
-    "averaging.connect_timeout=2",
-    "averaging.handshake_timeout=2",
+    "timeouts.connect=2",
+    "timeouts.handshake=2",
     # Each daemon is dialed through its proxy, which hides the dialer's source address, and a
     # dial-back goes to the source address: the daemons are reachable, so they say so.
     "node.reachable=true",

@@ -17,12 +17,12 @@ EXCHANGES = 1000  # exchanges measured after it
 GROWTH = 0.05  # most relative growth of resident memory allowed over them
 FAST_AS_IT_CAN = [
     "averaging.interval=0.01",  # both sides offer all the time; collisions answer BUSY
-    "swarm.peer_rate=1000",  # the default per-peer limit (10/s) is for honest swarms
-    "swarm.peer_burst=1000",
+    "limits.peer_rate=1000",  # the default per-peer limit (10/s) is for honest swarms
+    "limits.peer_burst=1000",
     # and so is the budget of members' offers per host (two per round of ours, at most two
     # saved): a pair offering as fast as it can is answered busy most of the time under it.
     "averaging.trust_after=0",
-    "metrics.every=5",
+    "metrics.interval=5",
 ]
 
 

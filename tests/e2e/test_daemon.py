@@ -149,9 +149,9 @@ def test_sigterm_checkpoints_and_leaves(tmp_path: Path) -> None:
         wait_for(lambda: alive_in_status(a, b_peer) == "left", 30, [a], "a to see b leave")
 
 
-def test_eval_every_evaluates_while_training(tmp_path: Path) -> None:
+def test_eval_interval_evaluates_while_training(tmp_path: Path) -> None:
     with DaemonSwarm(tmp_path) as swarm:
-        a = swarm.add("a", settings=["task.eval_every=0.5"]).start()
+        a = swarm.add("a", settings=["task.eval_interval=0.5"]).start()
         wait_for(lambda: len(a.of("eval")) >= 3, START, [a], "3 evaluations while training")
         running = a.of("eval")
         assert a.last("stop") is None
@@ -161,7 +161,7 @@ def test_eval_every_evaluates_while_training(tmp_path: Path) -> None:
         evaluation = a.status()["evaluation"]
         assert set(evaluation["metrics"]) == {"accuracy", "loss"}
         assert evaluation["step"] >= running[-1]["step"] and 0 <= evaluation["age_s"] < 30
-        # Spaced by eval_every (at chunk boundaries), not once per chunk.
+        # Spaced by eval_interval (at chunk boundaries), not once per chunk.
         gaps = [later["time"] - earlier["time"] for earlier, later in zip(running, running[1:])]
         assert min(gaps) >= 0.45, gaps
         a.signal(signal.SIGTERM)

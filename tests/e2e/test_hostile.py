@@ -23,7 +23,7 @@ import torch
 import trio
 
 from daemon import checkpoint
-from daemon.config import SwarmSection
+from daemon.config import LimitsSection
 from daemon.task import Context
 from daemon.tasks import digits
 from gossip import Identity
@@ -36,7 +36,7 @@ from daemon.testing import START, Daemon, DaemonSwarm, wait_for
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 DEADLINE = 2.0  # s: the daemons' handshake, record and transfer deadlines (see SETTINGS)
-SETTINGS = [f"averaging.handshake_timeout={DEADLINE:g}", f"averaging.record_timeout={DEADLINE:g}",
+SETTINGS = [f"timeouts.handshake={DEADLINE:g}", f"timeouts.record={DEADLINE:g}",
             f"averaging.transfer_timeout={DEADLINE:g}", "checkpoint.interval=2"]
 FLOOD = 500  # half-open connections held against b
 HANDSHAKE_BUFFER = MAX_HANDSHAKE_MESSAGE  # the most a responder buffers for one message
@@ -46,7 +46,7 @@ MiB = 1 << 20
 # buffer plus 16 KiB of socket, task and key state, a few copies of the (19 KB) model for the
 # exchanges, and 48 MiB for the allocator and for the daemon's own growth (checkpoints, logs,
 # metrics) over the run, which the pre-attack figure does not include.
-RSS_BOUND = SwarmSection().max_handshakes_per_host * (HANDSHAKE_BUFFER + 16 * 1024) + 48 * MiB
+RSS_BOUND = LimitsSection().max_handshakes_per_host * (HANDSHAKE_BUFFER + 16 * 1024) + 48 * MiB
 QUICK = 1.0  # s: a refusal that needs no deadline comes this fast (in practice < 0.1 s)
 
 
@@ -187,7 +187,7 @@ def test_garbage_and_4gib_lengths_close_the_connection_unread(bench: Bench) -> N
     b, mark, tries = bench.b, bench.mark(), 10
     before = vm_hwm(b)
     # A fresh identity each time: what closes the channel is the garbage, never the per-peer
-    # limit on how often one peer may open channels (swarm.peer_rate, peer_burst).
+    # limit on how often one peer may open channels (limits.peer_rate, peer_burst).
     outcomes = run(each, [lambda: bench.hostile().garbage(b.address),
                           lambda: bench.hostile().huge_record(b.address),
                           lambda: bench.hostile().huge_prefix(b.address)] * tries)
@@ -287,7 +287,7 @@ def test_half_open_connections_leave_the_node_responsive_and_bounded(bench: Benc
     a, b, mark = bench.a, bench.b, bench.mark()
     # The flood comes from one host (127.0.0.1), the honest daemons from addresses of
     # their own: b admits at most max_handshakes_per_host of the flood at once.
-    limit = SwarmSection().max_handshakes_per_host
+    limit = LimitsSection().max_handshakes_per_host
     base_fds, base_rss = b.open_files(), vm_hwm(b)
     fds: list[int] = []
 

@@ -44,7 +44,7 @@ SECONDS = float(os.environ.get("POISONING_SECONDS", "15"))
 RATIO = 30.0  # the poison's norm, in model norms
 TOLERANCE = 0.01  # one accuracy point
 EVALS = 5  # evaluations averaged for a node's accuracy
-SETTINGS = ["task.options.lr=0.05", "task.eval_every=1", "checkpoint.interval=2",
+SETTINGS = ["task.options.lr=0.05", "task.eval_interval=1", "checkpoint.interval=2",
             "checkpoint.keep=1000"]
 
 

@@ -18,8 +18,9 @@ import torch
 import trio
 
 import gossip
-from daemon import checkpoint, cli, config as config_module, logs
-from daemon.cli import format_status, main
+from daemon import checkpoint, cli, config as config_module, init as init_module, logs
+from daemon.cli import main
+from daemon.status import format_status
 from daemon.control import serve_control
 from daemon.keys import JoinLine, read_swarm_key
 
@@ -111,7 +112,7 @@ def test_init_with_task_and_advertise(tmp_path: Path, capsys: pytest.CaptureFixt
 
 def test_init_on_a_wildcard_guesses_advertise(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cli, "guess_address", lambda: "192.0.2.7")
+    monkeypatch.setattr(init_module, "guess_address", lambda: "192.0.2.7")
     assert main(["init", "--swarm", "s", "--dir", str(tmp_path)]) == 0  # listen 0.0.0.0:7070
     out = capsys.readouterr().out
     assert "node.advertise = 192.0.2.7:7070 (guessed" in out
@@ -119,7 +120,7 @@ def test_init_on_a_wildcard_guesses_advertise(tmp_path: Path, capsys: pytest.Cap
 
 
 def test_guess_address_is_an_ip() -> None:
-    host = cli.guess_address()
+    host = init_module.guess_address()
     assert re.fullmatch(r"\d+\.\d+\.\d+\.\d+", host)
 
 
@@ -246,6 +247,30 @@ def test_check_config_reads_the_env_variable(node_dir: Path, capsys: pytest.Capt
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(config_module.ENV, str(node_dir / "gossipd.toml"))
     assert main(["check-config"]) == 0
+
+
+@pytest.mark.parametrize("env, says", [
+    ({"WORLD_SIZE": "2", "RANK": "x"}, "WORLD_SIZE is set but RANK or LOCAL_RANK is missing"),
+    ({"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "4"},
+     "torchrun spans 2 processes over several machines"),
+    ({"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}, None),
+], ids=["malformed", "several-machines", "torchrun"])
+def test_check_config_places_the_process_as_run_does(node_dir: Path,
+                                                     capsys: pytest.CaptureFixture[str],
+                                                     monkeypatch: pytest.MonkeyPatch,
+                                                     env: dict[str, str], says: str | None) -> None:
+    # Under torchrun's variables, check-config resolves this process's device from them, as
+    # run does (daemon.startup.resolve_device), and refuses what run refuses.
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    code = main(["check-config", "-c", str(node_dir / "gossipd.toml"), "--set",
+                 "task.device=cpu"])
+    if says is None:
+        assert code == 0
+        assert "task.device cpu is cpu here" in capsys.readouterr().err
+    else:
+        assert code == 2
+        assert says in one_line_error(capsys, "check-config")
 
 
 def rewrite(path: Path, old: str, new: str) -> None:
@@ -545,7 +570,7 @@ def test_status_with_a_bad_config(tmp_path: Path, capsys: pytest.CaptureFixture[
 
 
 def status_reply(**changes: Any) -> dict[str, Any]:
-    """A reply shaped like daemon/service.py's _Service.status (after a JSON round trip)."""
+    """A reply shaped like daemon.status.status_reply's (after a JSON round trip)."""
     reply: dict[str, Any] = {
         "peer": "aaaabbbbccccddddeeeeffffgg", "address": "10.0.0.1:7070", "swarm": "lab",
         "task": "daemon.tasks.digits:task", "schema": "6b258ea925054d0b695d3dba4bc4c382",
@@ -618,7 +643,7 @@ def test_format_status_before_anything_happened() -> None:
     ({"own_steps_total": None}, "training  400 own steps since start, 76800 samples"),
     ({"own_steps_total": 400}, "training  400 own steps since start, 76800 samples"),
     ({"evaluation": None, "eval_every": 0.0},
-     "eval      none yet (task.eval_every is 0: once, when stopping)"),
+     "eval      none yet (task.eval_interval is 0: once, when stopping)"),
 ])
 def test_format_status_says_only_what_it_knows(changes: dict[str, Any], line: str) -> None:
     assert any(x.startswith(line) for x in format_status(status_reply(**changes)).splitlines())

@@ -18,10 +18,12 @@ from daemon.config import (
     CheckpointSection,
     Config,
     ConfigError,
+    LimitsSection,
     MetricsSection,
     NodeSection,
     SwarmSection,
     TaskSection,
+    TimeoutsSection,
 )
 from gossip.config import CODECS
 
@@ -40,8 +42,8 @@ name = "lab"
 [task]
 entry = "examples.digits:task"
 """
-SECTIONS = [NodeSection, SwarmSection, TaskSection, AveragingSection, CheckpointSection,
-            MetricsSection]
+SECTIONS = [NodeSection, SwarmSection, TaskSection, AveragingSection, TimeoutsSection,
+            LimitsSection, CheckpointSection, MetricsSection]
 PEER = "abcdefghijklmnopqrstuvwxyz"[:24] + "23"  # 26 characters of the base32 alphabet
 
 
@@ -102,7 +104,8 @@ def test_int_is_accepted_for_a_float_and_becomes_one():
     {"node": {"listen": "[::1]:0"}},
     {"swarm": {"bootstrap": ["10.0.0.1:7070", "10.0.0.1:7070", "[fe80::1]:7070"]}},
     {"swarm": {"allow": [PEER], "profile": "wan"}},
-    {"swarm": {"max_connections": 1, "peer_rate": 0.5, "peer_burst": 1}},
+    {"limits": {"max_connections": 1, "peer_rate": 0.5, "peer_burst": 1}},
+    {"timeouts": {"connect": 1, "handshake": 0.5, "record": 60}},
     {"node": {"dial_from": "127.0.0.2"}},
     {"node": {"dial_from": "::1", "listen": "[::1]:0"}},
     {"averaging": {"interval": 0, "clip": 0, "quarantine": 0, "mixing": "samples",
@@ -131,11 +134,11 @@ BAD = [
     ({"swarm": {"allow": [PEER.upper()]}}, "swarm.allow[0]", "expected a peer id"),
     ({"swarm": {"allow": [PEER, PEER[:-1]]}}, "swarm.allow[1]", "expected a peer id"),
     ({"swarm": {"profile": "lan2"}}, "swarm.profile", "expected lan or wan, got 'lan2'"),
-    ({"swarm": {"max_connections": 0}}, "swarm.max_connections", "expected an integer >= 1"),
-    ({"swarm": {"peer_rate": 0}}, "swarm.peer_rate", "expected a number > 0"),
-    ({"swarm": {"max_handshakes_per_host": 0}}, "swarm.max_handshakes_per_host",
+    ({"limits": {"max_connections": 0}}, "limits.max_connections", "expected an integer >= 1"),
+    ({"limits": {"peer_rate": 0}}, "limits.peer_rate", "expected a number > 0"),
+    ({"limits": {"max_handshakes_per_host": 0}}, "limits.max_handshakes_per_host",
      "expected an integer >= 1"),
-    ({"swarm": {"peer_burst": 0.5}}, "swarm.peer_burst", "expected an integer, got float"),
+    ({"limits": {"peer_burst": 0.5}}, "limits.peer_burst", "expected an integer, got float"),
     ({"node": {"dial_from": "eth0"}}, "node.dial_from", "expected an IP address"),
     ({"task": {"entry": ""}}, "task.entry", "required"),
     ({"task": {"entry": "module_only"}}, "task.entry", "'module:function'"),
@@ -171,12 +174,14 @@ BAD = [
     ({"averaging": {"clip": -0.1}}, "averaging.clip", "expected a number >= 0"),
     ({"averaging": {"max_norm_ratio": 0}}, "averaging.max_norm_ratio", "expected a number > 0"),
     ({"averaging": {"strikes": 0}}, "averaging.strikes", "expected an integer >= 1"),
-    ({"averaging": {"record_timeout": 0}}, "averaging.record_timeout", "expected a number > 0"),
+    ({"timeouts": {"record": 0}}, "timeouts.record", "expected a number > 0"),
+    ({"timeouts": {"connect": math.inf}}, "timeouts.connect", "expected a finite number"),
     ({"averaging": {"min_rate": -1e6}}, "averaging.min_rate", "expected a number > 0"),
     ({"checkpoint": {"keep": 0}}, "checkpoint.keep", "expected an integer >= 1"),
     ({"checkpoint": {"interval": 0}}, "checkpoint.interval", "expected a number > 0"),
     ({"metrics": {"prometheus": "9100"}}, "metrics.prometheus", "bad address '9100'"),
-    ({"metrics": {"every": 0}}, "metrics.every", "expected a number > 0"),
+    ({"metrics": {"interval": 0}}, "metrics.interval", "expected a number > 0"),
+    ({"task": {"eval_interval": -1}}, "task.eval_interval", "expected a number >= 0"),
 ]
 
 
@@ -223,6 +228,54 @@ def test_a_renamed_key_says_what_to_write_instead(tmp_path):
         config.load(path)
     with pytest.raises(ConfigError, match=f"^--set task.progress_every=5: {expected}"):
         config.load(write(tmp_path, MINIMAL, "other.toml"), ["task.progress_every=5"])
+
+
+# Every key renamed since: *_every counts steps and *_interval seconds everywhere, and the
+# library's timeouts and limits have tables of their own, as in NodeConfig. Old keys are
+# refused with the hint (exit 2 from the CLI), as task.progress_every is.
+_SAME = "the same seconds: a key ending in _interval counts seconds, one in _every steps"
+_TIMEOUTS = "the same value, in the [timeouts] table, as in the library's NodeConfig.timeouts"
+_LIMITS = "the same value, in the [limits] table, as in the library's NodeConfig.limits"
+RENAMED = [
+    ("task.eval_every", "task.eval_interval", _SAME),
+    ("metrics.every", "metrics.interval", _SAME),
+    ("averaging.connect_timeout", "timeouts.connect", _TIMEOUTS),
+    ("averaging.handshake_timeout", "timeouts.handshake", _TIMEOUTS),
+    ("averaging.record_timeout", "timeouts.record", _TIMEOUTS),
+    ("swarm.max_connections", "limits.max_connections", _LIMITS),
+    ("swarm.max_handshakes_per_host", "limits.max_handshakes_per_host", _LIMITS),
+    ("swarm.peer_rate", "limits.peer_rate", _LIMITS),
+    ("swarm.peer_burst", "limits.peer_burst", _LIMITS),
+]
+
+
+@pytest.mark.parametrize("old, new, note", RENAMED, ids=[old for old, _, _ in RENAMED])
+def test_each_renamed_key_names_its_new_one(tmp_path, old, new, note):
+    section, key = old.split(".")
+    expected = f"{old}: no longer a key; did you mean {new} ({note})?"
+    with pytest.raises(ConfigError) as info:
+        config.from_dict(minimal(**{section: {key: 5}}), source="old.toml")
+    assert str(info.value) == f"old.toml: {expected}" and info.value.key == old
+    with pytest.raises(ConfigError) as info:
+        config.load(write(tmp_path, MINIMAL), [f"{old}=5"])
+    assert str(info.value) == f"--set {old}=5: {expected}"
+    new_section, new_key = new.split(".")
+    loaded = config.from_dict(minimal(**{new_section: {new_key: 5}}))
+    assert getattr(getattr(loaded, new_section), new_key) == 5  # the new key takes the value
+
+
+def test_a_file_of_old_keys_names_every_rename_in_one_line():
+    # A file written by `gossipd init` before the renames holds all of them: one error per
+    # run would take as many runs to fix.
+    old = {}
+    for key, _, _ in RENAMED:
+        section, name = key.split(".")
+        old.setdefault(section, {})[name] = 5
+    with pytest.raises(ConfigError) as info:
+        config.from_dict(minimal(**old), source="old.toml")
+    text = str(info.value)
+    assert "\n" not in text and text.startswith(f"old.toml: {len(RENAMED)} keys were renamed")
+    assert all(f"{key} -> {new}" in text for key, new, _ in RENAMED)
 
 
 def test_section_that_is_not_a_table_is_an_error():
@@ -493,14 +546,13 @@ def test_every_codec_is_one_the_library_knows(codec):
 
 
 def test_node_config_takes_the_timeouts_by_their_library_names():
-    cfg = config.from_dict(minimal(averaging={"connect_timeout": 1, "handshake_timeout": 2,
-                                              "record_timeout": 3}))
+    cfg = config.from_dict(minimal(timeouts={"connect": 1, "handshake": 2, "record": 3}))
     assert cfg.node_config().timeouts == gossip.Timeouts(connect=1.0, handshake=2.0, record=3.0)
 
 
 def test_node_config_takes_the_limits():
-    cfg = config.from_dict(minimal(swarm={"max_connections": 3, "max_handshakes_per_host": 2,
-                                          "peer_rate": 0.5, "peer_burst": 4}))
+    cfg = config.from_dict(minimal(limits={"max_connections": 3, "max_handshakes_per_host": 2,
+                                           "peer_rate": 0.5, "peer_burst": 4}))
     assert cfg.node_config().limits == gossip.Limits(max_connections=3, max_handshakes_per_host=2,
                                                      peer_rate=0.5, peer_burst=4)
 
@@ -514,7 +566,7 @@ def test_membership_profile():
 
 def test_node_config_of_the_defaults_is_the_librarys():
     """Where the daemon keeps the library's defaults, its node config is the library's own
-    (the TOML-only spellings included: every, interval, mixing and the *_timeout keys)."""
+    (the TOML-only spellings included: every, interval and mixing)."""
     node = config.from_dict(minimal()).node_config()
     assert node == gossip.NodeConfig(listen="127.0.0.1:7070", reachable=None)
 

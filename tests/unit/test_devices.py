@@ -14,12 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
+import trio
 
 from daemon import cli, processes
 from daemon.config import ConfigError, from_dict, load, render
 from daemon.keys import write_swarm_key
 from daemon.processes import Placement
-from daemon.service import StartupError, prepare
+from daemon.service import open_prepared
+from daemon.startup import StartupError, resolve_device
 from gossip.devices import DeviceError, resolve, valid_name
 
 NAMES = ["auto", "cpu", "cuda", "cuda:0", "cuda:1", "cuda:3"]
@@ -168,12 +170,16 @@ def start_device(directory: Path, monkeypatch: pytest.MonkeyPatch) -> str:
         spawned.append(size)
         return []
 
+    async def start() -> None:
+        async with open_prepared(config, argv=("run",)):
+            pass  # pragma: no cover
+
     with monkeypatch.context() as patch:
         patch.setattr(processes, "set_threads", record)
         patch.setattr(processes, "spawn_followers", spawn)
         config = load(directory / "gossipd.toml", [])
         with pytest.raises(StartupError) as caught:
-            prepare(config, argv=("run",))
+            trio.run(start)
     if str(caught.value) != "stop here":
         assert not spawned  # a device this machine lacks is refused before any follower
         return str(caught.value)
@@ -199,14 +205,14 @@ def test_check_config_run_and_followers_resolve_alike(tmp_path: Path,
         # each follower resolves its own GPU the same way
         for rank in range(1, nprocs):
             where = Placement(rank, nprocs, rank, "gossipd")
-            assert processes.node_device(device, where) == expected[rank]
+            assert resolve_device(device, where) == expected[rank]
         assert all(d.type == "cpu" or d.index is not None for d in expected)
     else:
         assert "task.device" in refused and refused.count("\n") == 1
         assert started.startswith("task.device") and started in refused
         for rank in range(1, nprocs):
-            with pytest.raises(DeviceError):
-                processes.node_device(device, Placement(rank, nprocs, rank, "gossipd"))
+            with pytest.raises(StartupError, match=r"^task.device"):
+                resolve_device(device, Placement(rank, nprocs, rank, "gossipd"))
 
 
 def test_check_config_says_which_device(tmp_path: Path, capsys: pytest.CaptureFixture[str],

@@ -1,5 +1,5 @@
 """What the join line carries about the task: its options (daemon.keys, bounded and strict)
-and never a path on the machine that wrote it (daemon.cli: init, init --join, join-line)."""
+and never a path on the machine that wrote it (daemon.init: init, init --join, join-line)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from daemon import cli, config as config_module
+from daemon import config as config_module, init as init_module
 from daemon.cli import main
 from daemon.keys import MAX_OPTIONS, JoinLine, KeyFileError, decode_options, encode_options
 
@@ -180,12 +180,12 @@ def test_an_absolute_task_path_travels_as_the_file_name_with_a_warning(
 
 
 def test_a_module_entry_travels_as_it_is() -> None:
-    assert cli.shareable_entry("pkg.mod:task") == ("pkg.mod:task", "")
+    assert init_module.shareable_entry("pkg.mod:task") == ("pkg.mod:task", "")
 
 
 @pytest.mark.parametrize("entry", ["tasks/mine.py:task", "mine.py:task", "../mine.py:task"])
 def test_a_relative_task_file_travels_as_it_is_with_a_warning(entry: str) -> None:
-    shared, warning = cli.shareable_entry(entry)
+    shared, warning = init_module.shareable_entry(entry)
     target = entry.rpartition(":")[0]
     assert shared == entry
     assert warning == (f"warning: task.entry {entry} is a file of this node's; a volunteer's "
@@ -303,7 +303,7 @@ def test_init_set_is_checked_like_the_config(tmp_path: Path,
 def test_no_guessable_address_is_refused_rather_than_loopback_in_the_line(
         tmp_path: Path, capsys: pytest.CaptureFixture[str],
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cli, "guess_address", lambda: "127.0.0.1")  # no route off the machine
+    monkeypatch.setattr(init_module, "guess_address", lambda: "127.0.0.1")  # no route off the machine
     assert main(["init", "--swarm", "lab", "--dir", str(tmp_path / "x")]) == 2  # 0.0.0.0:7070
     err = one_line_error(capsys)
     assert "cannot tell this machine's address" in err and "--advertise HOST:PORT" in err
@@ -336,8 +336,8 @@ def test_nothing_machine_local_travels(tmp_path: Path, capsys: pytest.CaptureFix
              "--set", "node.control=/run/alice.sock", "--set", "node.dial_from=10.1.2.3",
              "--set", "node.reachable=true", "--set", "task.device=cuda:1",
              "--set", "task.threads=3", "--set", "checkpoint.dir=/mnt/ckpt",
-             "--set", "metrics.prometheus=10.1.2.3:9100", "--set", "swarm.max_connections=9"]
-    monkeypatch.setattr(cli, "guess_address", lambda: "192.0.2.7")
+             "--set", "metrics.prometheus=10.1.2.3:9100", "--set", "limits.max_connections=9"]
+    monkeypatch.setattr(init_module, "guess_address", lambda: "192.0.2.7")
     out, _ = run(capsys, "init", "--swarm", "lab", "--dir", str(a), "--listen", "0.0.0.0:7070",
                  *local)
     assert (tmp_path / "alice" / "alice.key").is_file()
@@ -346,7 +346,7 @@ def test_nothing_machine_local_travels(tmp_path: Path, capsys: pytest.CaptureFix
         assert word not in text, word
     assert JoinLine.parse(text).bootstrap == ("192.0.2.7:7070",)
 
-    monkeypatch.setattr(cli, "guess_address", lambda: "198.51.100.4")
+    monkeypatch.setattr(init_module, "guess_address", lambda: "198.51.100.4")
     run(capsys, "init", "--join", text, "--dir", str(b), "--listen", "0.0.0.0:7171")
     joined = config_module.load(b / "gossipd.toml")
     defaults = config_module.Config(complete=False)
@@ -355,7 +355,7 @@ def test_nothing_machine_local_travels(tmp_path: Path, capsys: pytest.CaptureFix
     assert joined.swarm.bootstrap == ("192.0.2.7:7070",)
     for section in ("checkpoint", "metrics"):
         assert getattr(joined, section) == getattr(defaults, section)
-    assert (joined.task.device, joined.task.threads, joined.swarm.max_connections) == (
+    assert (joined.task.device, joined.task.threads, joined.limits.max_connections) == (
         "auto", 0, 256)
 
 

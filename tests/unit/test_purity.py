@@ -46,6 +46,7 @@ ALLOWED = frozenset({
 ALSO_ALLOWED = {
     "identity": {"os", "stat", "pathlib"},  # the node's key file: Identity.load and save
     "seal": {"os"},  # os.urandom, for each datagram's nonce
+    "config": {"datetime"},  # the date and time types a free-form table holds; never the clock
     "codec": {"sys"},  # sys.byteorder: the codecs assume a little-endian host
 }
 

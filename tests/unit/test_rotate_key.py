@@ -15,10 +15,11 @@ import pytest
 import trio
 
 from daemon import config as config_module
-from daemon.cli import format_status, main
+from daemon.cli import main
 from daemon.control import serve_control
 from daemon.keys import KeyFileError, load_swarm, read_swarm_key, write_swarm_key
 from daemon.rotation import RotationError, rotation_status, set_swarm_key
+from daemon.status import format_status
 from gossip.handshake import Swarm
 from tests.unit.test_cli import init, one_line_error, status_reply
 

@@ -1,6 +1,7 @@
 """The daemon without a swarm: the training loop's (daemon.train.Training) progress line is paced
-by time on a mock clock, whatever the speed of the steps; ``prepare`` binds ``node.listen``
-before it imports the task, and says what each slow phase of start-up is waiting for."""
+by time on a mock clock, whatever the speed of the steps; ``open_prepared`` binds
+``node.listen`` before it imports the task, says what each slow phase of start-up is waiting
+for, and releases what it opened on the way out, a failed start's included."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from daemon.config import Config, from_dict
 from daemon.keys import write_swarm_key
 from daemon.checkpoint import Checkpointer
 from daemon.processes import Speaker
-from daemon.service import Prepared, StartupError, _first_shard, prepare
+from daemon.service import Prepared, _first_shard, open_prepared
+from daemon.startup import GlobalStep, StartupError
 from daemon.task import Shard
 from daemon.cadence import Stop
 from daemon.train import Chunk, Training
@@ -236,18 +238,12 @@ def task(ctx):
 """
 
 
-def close(prepared: Prepared) -> None:
-    assert prepared.network is not None
-    prepared.network.release()
-    prepared.control.close()
-
-
-def test_prepare_says_what_it_imports_and_builds(tmp_path: Path,
-                                                 caplog: pytest.LogCaptureFixture) -> None:
+async def test_prepare_says_what_it_imports_and_builds(tmp_path: Path,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
     (tmp_path / "tiny.py").write_text(TINY_TASK)
     with caplog.at_level(logging.INFO, logger="daemon.service"):
-        prepared = prepare(node_config(tmp_path, "127.0.0.1:0", "./tiny.py:task"))
-    close(prepared)
+        async with open_prepared(node_config(tmp_path, "127.0.0.1:0", "./tiny.py:task")):
+            pass
     said = [r.getMessage() for r in caplog.records if r.name == "daemon.service"]
     assert said == [
         f"importing task entry=./tiny.py:task file={tmp_path / 'tiny.py'}",
@@ -256,20 +252,42 @@ def test_prepare_says_what_it_imports_and_builds(tmp_path: Path,
     ]
 
 
-def test_prepare_keeps_node_listen_bound_for_the_node(tmp_path: Path) -> None:
+async def test_prepare_keeps_node_listen_bound_for_the_node_and_releases_it(
+        tmp_path: Path) -> None:
     (tmp_path / "tiny.py").write_text(TINY_TASK)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    prepared = prepare(node_config(tmp_path, f"127.0.0.1:{port}", "tiny.py:task"))
-    try:
+    async with open_prepared(node_config(tmp_path, f"127.0.0.1:{port}", "tiny.py:task")) as p:
+        assert isinstance(p, Prepared) and p.found is None and p.followers == ()
         with socket.socket() as other, pytest.raises(OSError):
             other.bind(("127.0.0.1", port))  # held from now until the node takes it
-    finally:
-        close(prepared)
+        assert (tmp_path / "control.sock").exists()
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", port))  # given back on the way out
+    assert not (tmp_path / "control.sock").exists()
+    assert p.control.fileno() == -1
 
 
-def test_a_listen_address_in_use_is_reported_before_the_task_is_imported(
+async def test_a_failed_start_releases_what_it_opened(tmp_path: Path) -> None:
+    # The events log is open and the listen address reserved when the task fails to build.
+    (tmp_path / "bad.py").write_text("def task(ctx):\n    raise ValueError('no')\n")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    config = from_dict({"node": {"listen": f"127.0.0.1:{port}"}, "swarm": {"name": "s"},
+                        "task": {"entry": "bad.py:task", "device": "cpu"},
+                        "metrics": {"log": "events.jsonl"}}, tmp_path)
+    write_swarm_key(tmp_path / "swarm.key", bytes(32))
+    with pytest.raises(StartupError, match=r"^bad.py:task failed: ValueError\('no'\)$"):
+        async with open_prepared(config):
+            pass  # pragma: no cover
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", port))
+    assert not (tmp_path / "control.sock").exists()
+
+
+async def test_a_listen_address_in_use_is_reported_before_the_task_is_imported(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     # The task file would fail loudly if it were imported: it is never reached.
     (tmp_path / "loud.py").write_text("raise SystemExit('imported')\n")
@@ -279,14 +297,30 @@ def test_a_listen_address_in_use_is_reported_before_the_task_is_imported(
         listen = f"127.0.0.1:{holder.getsockname()[1]}"
         config = node_config(tmp_path, listen, "loud.py:task")
         with caplog.at_level(logging.INFO), pytest.raises(StartupError) as caught:
-            prepare(config)
+            async with open_prepared(config):
+                pass  # pragma: no cover
     assert str(caught.value) == f"node.listen {listen}: address already in use"
     assert not caplog.records
     assert not (tmp_path / "control.sock").exists()  # claimed, then given back
 
 
-def test_a_listen_host_that_is_not_ours_is_one_line(tmp_path: Path) -> None:
+async def test_a_listen_host_that_is_not_ours_is_one_line(tmp_path: Path) -> None:
     config = node_config(tmp_path, "192.0.2.1:7070", "m:f")  # TEST-NET-1: nobody's address
     with pytest.raises(StartupError, match=r"^node.listen 192.0.2.1:7070: not an address of "
                                            r"this machine$"):
-        prepare(config)
+        async with open_prepared(config):
+            pass  # pragma: no cover
+
+
+def test_the_global_step_reads_the_checkpoint_then_the_node_then_the_started_group() -> None:
+    step = GlobalStep()
+    assert step() == 0
+    step.start_at(40)
+    assert step() == 40
+    group = SimpleNamespace(started=False, global_step=7)
+    step.follow_group(group)  # type: ignore[arg-type]
+    assert step() == 40  # not started yet: the group's step is not the node's
+    step.follow_node(SimpleNamespace(global_step=41))  # type: ignore[arg-type]
+    assert step() == 41
+    group.started = True
+    assert step() == 7  # every process of the node reads the same

@@ -1,5 +1,7 @@
 """The library's settings (gossip.config): every one documented and checked in its one
-declaration, the daemon's config built from them, and the NodeConfig presets. Pure: no trio."""
+declaration, the one engine that also declares and checks the daemon's config (arrays, tables,
+words), the daemon's config built from the library's declarations, and the NodeConfig presets.
+Pure: no trio."""
 
 from __future__ import annotations
 
@@ -8,9 +10,9 @@ import math
 
 import pytest
 
-from daemon.config import AveragingSection, SwarmSection
-from gossip.config import (AveragingConfig, Limits, MembershipConfig, NodeConfig, Timeouts,
-                           problem)
+from daemon.config import AveragingSection, LimitsSection, TimeoutsSection
+from gossip.config import (AveragingConfig, Invalid, Limits, MembershipConfig, NodeConfig,
+                           Timeouts, checked, one_of, problem, setting, want)
 
 SETTINGS = (AveragingConfig, MembershipConfig, Timeouts, Limits)
 FIELDS = [(cls, f) for cls in SETTINGS for f in dataclasses.fields(cls)]
@@ -103,17 +105,22 @@ def test_the_daemons_averaging_defaults_are_the_librarys(name: str) -> None:
     assert ours == library
 
 
-@pytest.mark.parametrize("name", ["max_connections", "max_handshakes_per_host", "peer_rate",
-                                  "peer_burst"])
-def test_the_daemons_limits_are_the_librarys(name: str) -> None:
-    f = {f.name: f for f in dataclasses.fields(SwarmSection)}[name]
-    assert f.metadata["source"] == (Limits, name)
-    ours, library = _library_default(SwarmSection, name)
-    assert ours == library
+@pytest.mark.parametrize("section, cls", [(TimeoutsSection, Timeouts), (LimitsSection, Limits)])
+def test_the_daemons_timeouts_and_limits_tables_are_the_librarys(section: type,
+                                                                 cls: type) -> None:
+    # The same names, in the same order, each key the library's setting with its default.
+    names = [f.name for f in dataclasses.fields(cls)]
+    assert [f.name for f in dataclasses.fields(section)] == names
+    assert section.section == cls.section
+    for name in names:
+        f = {f.name: f for f in dataclasses.fields(section)}[name]
+        assert f.metadata["source"] == (cls, name)
+        ours, library = _library_default(section, name)
+        assert ours == library
 
 
 def test_a_shared_key_has_the_librarys_doc_and_check() -> None:
-    for section in (AveragingSection, SwarmSection):
+    for section in (AveragingSection, TimeoutsSection, LimitsSection):
         for f in dataclasses.fields(section):
             if f.metadata["source"] is not None:
                 cls, name = f.metadata["source"]
@@ -125,6 +132,63 @@ def test_a_shared_key_has_the_librarys_doc_and_check() -> None:
 def test_only_the_toml_spellings_are_declared_in_the_daemon() -> None:
     own = {f.name for f in dataclasses.fields(AveragingSection) if f.metadata["source"] is None}
     assert own == {"every", "interval", "mixing"}
+
+
+# --- the engine's kinds beyond the library's: words, arrays and tables ----------------------
+
+@dataclasses.dataclass
+class _Program:
+    """A program's own settings, declared with the library's engine."""
+
+    interval: float = setting(1.0, "s", want(lambda v: v > 0, "a number > 0"))
+    hosts: tuple = setting((), "names", one_of("a", "b"))
+    options: dict = setting({}, "free-form")
+    mode: object = setting("auto", "on, off or auto", words=("auto",), kind=bool)
+
+
+def _field(name: str) -> dataclasses.Field:
+    return {f.name: f for f in dataclasses.fields(_Program)}[name]
+
+
+def test_checked_converts_to_the_settings_type() -> None:
+    assert type(checked(_field("interval"), 3)) is float
+    assert checked(_field("hosts"), ["a", "b"]) == ("a", "b")
+    options = {"x": (1, 2), "y": {"z": "w"}}
+    copy = checked(_field("options"), options)
+    assert copy == {"x": [1, 2], "y": {"z": "w"}} and copy["y"] is not options["y"]
+    assert checked(_field("mode"), "auto") == "auto" and checked(_field("mode"), False) is False
+    assert _Program().options == {} and _Program().options is not _Program().options
+
+
+@pytest.mark.parametrize("name, value, where, message", [
+    ("interval", 0, "", "expected a number > 0, got 0.0"),  # checked after the conversion
+    ("interval", "1", "", "expected a number, got '1'"),
+    ("hosts", "a", "", "expected an array of strings, got 'a'"),
+    ("hosts", ["a", 2], "[1]", "expected a string, got 2"),
+    ("hosts", ["a", "c"], "[1]", "expected a or b, got 'c'"),
+    ("options", [1], "", "expected a table, got [1]"),
+    ("options", {"a": [1, object()]}, ".a[1]", "expected a TOML value, got <object"),
+    ("options", {1: 2}, "", "expected string keys, got 1"),
+    ("mode", "Auto", "", "expected a boolean or \"auto\", got 'Auto'"),
+])
+def test_checked_says_what_is_wrong_and_where(name: str, value: object, where: str,
+                                              message: str) -> None:
+    with pytest.raises(Invalid) as info:
+        checked(_field(name), value)
+    assert info.value.where == where and str(info.value).startswith(message)
+
+
+def test_problem_checks_the_value_as_given() -> None:
+    # The library's classes keep what they are given, and say so in its own terms.
+    assert problem(_field("interval"), 0) == "expected a number > 0, got 0"
+    kept = AveragingConfig(interval=3).interval
+    assert kept == 3 and type(kept) is int
+    assert problem(_field("hosts"), ["a", "c"]) == "[1]: expected a or b, got 'c'"
+
+
+def test_checked_writes_a_wrong_value_as_told() -> None:
+    with pytest.raises(Invalid, match="^expected a number, got string '1'$"):
+        checked(_field("interval"), "1", describe=lambda v: f"string {v!r}")
 
 
 # --- presets --------------------------------------------------------------------------------

@@ -39,14 +39,14 @@ def config(**task: Any) -> Any:
 
 
 def test_cadence_of_the_config() -> None:
-    c = Cadence.of(config(chunk=0.5, progress_interval=5, eval_every=30, max_steps=100), True)
+    c = Cadence.of(config(chunk=0.5, progress_interval=5, eval_interval=30, max_steps=100), True)
     assert c == Cadence(chunk=0.5, progress=5.0, checkpoint=60.0, evaluate=30.0, max_steps=100)
 
 
-@pytest.mark.parametrize("eval_every, can_evaluate", [(0, True), (0, False), (30, False)])
-def test_no_evaluation_unless_asked_for_and_the_task_has_one(eval_every: float,
+@pytest.mark.parametrize("eval_interval, can_evaluate", [(0, True), (0, False), (30, False)])
+def test_no_evaluation_unless_asked_for_and_the_task_has_one(eval_interval: float,
                                                              can_evaluate: bool) -> None:
-    assert Cadence.of(config(eval_every=eval_every), can_evaluate).evaluate == math.inf
+    assert Cadence.of(config(eval_interval=eval_interval), can_evaluate).evaluate == math.inf
 
 
 def test_max_steps_bounds_each_chunk_and_ends_the_run() -> None:
