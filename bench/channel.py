@@ -26,7 +26,8 @@ import time
 
 import trio
 
-from gossip.channel import MAX_RECORD, connect, serve
+from gossip.channel import MAX_RECORD
+from gossip.endpoints import connect, serve
 from gossip.handshake import CIPHERS, DEFAULT_CIPHER, Swarm
 from gossip.identity import Identity
 from gossip.network import TcpNetwork

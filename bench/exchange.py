@@ -247,7 +247,7 @@ class SizeBench(Bench):
     TCP transfers, a full-duplex TCP transfer of each codec's payload bytes."""
 
     def __init__(self, link: Link, model, key: bytes) -> None:
-        from gossip import StateSchema
+        from gossip.lowlevel import StateSchema
 
         super().__init__(link, model, key,
                          tuple(CODECS) + tuple(f"tcp {codec}" for codec in CODECS))

@@ -39,7 +39,7 @@ from daemon.task import Context, Shard
 from daemon.tasks import charlm, digits
 from gossip import AveragingConfig, NodeConfig, Swarm
 from gossip.node import SwarmNode, open_swarm
-from gossip.simnet import SimNetwork
+from gossip.testing.simnet import SimNetwork
 
 NODES = 4
 STEP_TIME = 0.05  # virtual s per step

@@ -8,7 +8,7 @@ Links: 10, 50 and 1,000 Mbit/s each way, round trips of 20 to 200 ms, 1% loss. M
 codec's bytes per parameter).
 
 **Scaled simulation.** The library's code (channels, the exchange protocol, whole nodes for
-the swarms) runs on :class:`gossip.SimNetwork` under trio's MockClock: an hour of link costs
+the swarms) runs on :class:`gossip.testing.SimNetwork` under trio's MockClock: an hour of link costs
 only the CPU of its messages. A 1B-parameter payload (8 GB in fp32) does not fit in memory
 twice per node, so every simulation moves SIM_NUMEL parameters (1 MB in fp32) over a link
 whose rate is cut by ``f = real payload / simulated payload``, and whose TCP window by the
@@ -97,11 +97,11 @@ import trio.testing
 
 from common import progress, save_json, table
 import gossip.endpoints
-from gossip import (AveragingConfig, MembershipConfig, NodeConfig, SimNetwork, Swarm, Timeouts,
-                    open_swarm)
+from gossip import AveragingConfig, MembershipConfig, NodeConfig, Swarm, Timeouts, open_swarm
+from gossip.testing import SimNetwork
 from gossip import exchange as protocol
 from gossip.averaging import Result
-from gossip.channel import connect, serve
+from gossip.endpoints import connect, serve
 from gossip.exchange import Deadlines, Result
 from gossip.identity import Identity
 from gossip.messages import Accept, Offer

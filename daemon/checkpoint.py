@@ -63,7 +63,7 @@ from typing import Any, BinaryIO
 import torch
 import trio
 
-from gossip import MAX_COUNT
+from gossip.lowlevel import MAX_COUNT
 
 from .files import TEMP_SUFFIX, atomic_write
 from .logs import RUN

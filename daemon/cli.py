@@ -24,11 +24,12 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from gossip import CIPHERS
+from gossip.lowlevel import CIPHERS
+
+from .exits import EXIT_FAILED, EXIT_NOT_READY, EXIT_NOT_RUNNING, EXIT_OK, EXIT_USAGE
 
 __all__ = ["main"]
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_RUNNING, EXIT_NOT_READY = 0, 1, 2, 3, 4
 NEW_SWARM_TASK = "daemon.tasks.digits:task"
 
 log = logging.getLogger("daemon")

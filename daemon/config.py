@@ -61,7 +61,9 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
 import gossip
-from gossip import MAX_SHARDS, parse_address
+import gossip.lowlevel
+from gossip import MAX_SHARDS
+from gossip.lowlevel import parse_address
 from gossip.config import (AT_LEAST_1, COUNT, NON_NEGATIVE, POSITIVE, Check, Invalid,
                            arguments_for, checked, one_of, setting, setting_of, want)
 from gossip.devices import NAMES, valid_name
@@ -72,7 +74,8 @@ from .toml import BARE_KEY, describe, render
 __all__ = [
     "ENV", "DEFAULT_PATH", "ConfigError", "NodeSection", "SwarmSection", "TaskSection",
     "AveragingSection", "TimeoutsSection", "LimitsSection", "CheckpointSection",
-    "MetricsSection", "Config", "load", "from_dict", "parse_override", "render",
+    "MetricsSection", "Config", "load", "from_dict", "parse_override", "apply_override",
+    "render",
 ]
 
 ENV = "GOSSIPD_CONFIG"  # names the config file when no path is given
@@ -202,7 +205,7 @@ class SwarmSection(_Section):
     cipher: str = setting("aesgcm", "channel cipher, the same on every node (a node of the other "
                           "cipher cannot connect): aesgcm (fastest on machines with AES "
                           "instructions) or chachapoly (for swarms of machines without them)",
-                          one_of(*gossip.CIPHERS))
+                          one_of(*gossip.lowlevel.CIPHERS))
     bootstrap: tuple[str, ...] = setting((), "host:port of some members to join through; empty: "
                                          "this node starts the swarm", _address(dialable=True))
     allow: tuple[str, ...] = setting((), "peer ids allowed to exchange with us; empty: anyone "
@@ -486,7 +489,7 @@ def load(path: str | os.PathLike | None = None, overrides: Sequence[str] = (), *
         raise ConfigError(f"{source}: cannot read: {exc.strerror}") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{source}: invalid TOML: {exc}") from None
-    applied = [(text, _apply_override(data, text)) for text in overrides]
+    applied = [(text, apply_override(data, text)) for text in overrides]
     try:
         return _build(data, Path(os.path.abspath(path)).parent, complete)
     except ConfigError as exc:
@@ -573,7 +576,7 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     return parts[0], ".".join(parts[1:]), value
 
 
-def _apply_override(data: dict, text: str) -> str:
+def apply_override(data: dict, text: str) -> str:
     """Set the override's value in the parsed file ``data``; returns its dotted key."""
     section, key, value = parse_override(text)
     *tables, last = [section, *key.split(".")]

@@ -21,9 +21,11 @@ from typing import Any
 import torch
 
 import gossip
-from gossip import NodeGroup, Replica
+from gossip import NodeGroup
+from gossip.lowlevel import Replica
 
 from .config import Config
+from .exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from .processes import (COLLECTIVE_TIMEOUT, Placement, ProcessesError, agree_shard,
                         die_with_parent, init_group, leave_group, set_threads)
 from .startup import GlobalStep, StartupError, build_task, resolve_device
@@ -33,8 +35,6 @@ from .train import Batches, resume
 __all__ = ["follow"]
 
 log = logging.getLogger(__name__)
-
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
 def follow(config: Config, where: Placement) -> int:

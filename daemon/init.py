@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import Any
 
 import gossip
-from gossip import DEFAULT_CIPHER, format_address, parse_address
+from gossip.lowlevel import DEFAULT_CIPHER, format_address, parse_address
 
-from .config import WILDCARDS, Config, ConfigError, _apply_override, from_dict, render
+from .config import WILDCARDS, Config, ConfigError, apply_override, from_dict, render
 from .entry import entry_file, is_file_entry, parse_entry
 from .keys import JoinLine, KeyFileError, read_swarm_key, write_new, write_swarm_key
 
@@ -150,7 +150,7 @@ def _config(args: argparse.Namespace, swarm: _Swarm, directory: Path, config_pat
     line = swarm.line
     try:
         for text in args.set:
-            _apply_override(data, text)  # as `gossipd run --set` does to the file's table
+            apply_override(data, text)  # as `gossipd run --set` does to the file's table
         config = from_dict(data, directory.resolve(), str(config_path))
         # A new swarm's first line names this node; a joiner's, the swarm it joins through.
         join = JoinLine.of(config, swarm.key, config.swarm.bootstrap if line else

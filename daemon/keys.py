@@ -19,7 +19,7 @@ tables, arrays, text, booleans, finite numbers and 64-bit integers, nested at mo
 
 Nothing machine-local travels. The addresses are ones other machines dial (the node's
 advertised address, never a wildcard host or port 0); a task file named by an absolute path
-travels as its name alone (``daemon.cli.shareable_entry``); the writer's identity, data
+travels as its name alone (``daemon.init.shareable_entry``); the writer's identity, data
 directory, control socket, listen address and device stay on its machine. A line is refused
 whole if any field is malformed, unknown (a newer gossipd's setting, which this one would
 silently drop) or given twice.
@@ -43,7 +43,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, quote, unquote
 
-from gossip import DEFAULT_CIPHER, MAX_SHARDS, Swarm, parse_address
+from gossip import MAX_SHARDS, Swarm
+from gossip.lowlevel import DEFAULT_CIPHER, parse_address
 
 from .config import WILDCARDS, AveragingSection, Config, ConfigError, SwarmSection
 from .files import atomic_write

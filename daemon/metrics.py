@@ -32,7 +32,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.metrics_core import Metric
 
 import gossip
-from gossip import parse_address
+from gossip.lowlevel import parse_address
 
 __all__ = ["Metrics", "MetricsLog", "MetricsLogReader"]
 

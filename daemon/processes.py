@@ -53,7 +53,8 @@ import torch.distributed as dist
 import trio
 
 import gossip
-from gossip import NodeGroup, Replica
+from gossip import NodeGroup
+from gossip.lowlevel import Replica
 
 from .logs import RUN
 
@@ -131,11 +132,25 @@ def placement(processes: int, env: Any = None) -> Placement:
     return Placement(rank, size, local, "gossipd" if env.get(SPAWNED) else "torchrun")
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 nobody listens on (for the group's rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port on ``host`` that nobody uses for TCP or UDP right now: the group's rendezvous
+    needs TCP, a daemon both. Another process may still take it before it is bound: tests on
+    a shared machine should use an address of their own (``127.0.0.x``).
+
+    Raises:
+        OSError: no such port was found in 100 tries.
+    """
+    for _ in range(100):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as tcp:
+            tcp.bind((host, 0))
+            port = tcp.getsockname()[1]
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
+                try:
+                    udp.bind((host, port))
+                except OSError:
+                    continue
+                return int(port)
+    raise OSError(f"no port free for both TCP and UDP on {host}")
 
 
 def spawn_followers(argv: Sequence[str], size: int, port: int) -> list[subprocess.Popen]:

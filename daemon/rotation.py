@@ -35,7 +35,6 @@ only, or nothing is written and the error says what to set by hand.
 from __future__ import annotations
 
 import json
-import os
 import re
 import secrets
 import sys
@@ -44,9 +43,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gossip import Holds, Swarm
+from gossip import Swarm
+from gossip.lowlevel import Holds
 
 from .control import ControlError, query
+from .files import atomic_write
 from .keys import JoinLine, read_swarm_key, replace_swarm_key, same_owner, write_new
 
 if sys.version_info >= (3, 11):
@@ -187,19 +188,11 @@ def set_swarm_key(config_path: Path, value: str) -> str:
 
 
 def _replace_text(path: Path, text: str) -> None:
-    """Write ``text`` over ``path``: to a temporary file beside it (same mode and, for root,
-    owner), fsynced, then renamed over it."""
-    temporary = path.with_name(path.name + ".new")
+    """Write ``text`` over ``path`` atomically (:func:`daemon.files.atomic_write`), with the
+    same mode and, for root, the same owner."""
     try:
-        mode = path.stat().st_mode & 0o777
-        temporary.unlink(missing_ok=True)
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        same_owner(temporary, path)
-        os.replace(temporary, path)
+        atomic_write(path, text.encode("utf-8"), mode=path.stat().st_mode & 0o777,
+                     owner_like=path)
     except OSError as exc:
         raise RotationError(f"cannot write {path}: {exc.strerror or exc}") from None
 

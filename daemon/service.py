@@ -50,7 +50,8 @@ import torch
 import trio
 
 import gossip
-from gossip import format_address, one_error
+import gossip.lowlevel
+from gossip.lowlevel import format_address, one_error
 
 from . import checkpoint, processes, sharding
 from .cadence import Stop
@@ -60,7 +61,7 @@ from .keys import KeyFileError, encode_options, load_swarm
 from .logs import LiveLine
 from .metrics import Metrics, MetricsLog
 from .startup import GlobalStep, StartupError, build_task, resolve_device
-from .status import PeerSteps, status_reply
+from .status import StepReports, status_reply
 from .task import Shard, Task, TaskError, entry_file, load_entry
 from .train import Resumed, Trainer, Training, first_batches, resume
 
@@ -87,7 +88,7 @@ class Prepared:
     found: Resumed | None  # the checkpoint resumed (None: none)
     step: GlobalStep  # what the task's Context.global_step reads
     control: socket.socket  # the control socket, bound and listening
-    network: gossip.TcpNetwork  # node.listen already bound (reserved) on it
+    network: gossip.lowlevel.TcpNetwork  # node.listen already bound (reserved) on it
     metrics: Metrics
     log_file: MetricsLog | None
     followers: tuple[subprocess.Popen, ...]  # the processes we started
@@ -119,7 +120,7 @@ def _acquire(stack: AsyncExitStack, config: Config, argv: tuple[str, ...] | None
     control = _claim_control(stack, config)
     # Bound now and kept for the node, before the slow phases below: an address in use is
     # reported within moments of launch, and nobody can take it while the task loads.
-    network = gossip.TcpNetwork(config.node.dial_from or None)
+    network = gossip.lowlevel.TcpNetwork(config.node.dial_from or None)
     stack.callback(network.release)  # what the node did not take, if it never opened
     try:
         network.reserve(config.node.listen)
@@ -341,7 +342,7 @@ class _Service:
         self.speaker = processes.Speaker(prepared.group, prepared.followers, self.stop)
         self.first_exchange = True
         self.signals = 0
-        self.peer_steps = PeerSteps()  # what exchanges and the download said (gossipd status)
+        self.peer_steps = StepReports()  # what exchanges and the download said (gossipd status)
 
     async def watch_signals(self) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:

@@ -50,7 +50,8 @@ import random
 from collections.abc import Iterable
 from pathlib import Path
 
-from gossip import MAX_SHARDS, Roster
+from gossip import MAX_SHARDS
+from gossip.lowlevel import Roster
 
 from .files import atomic_write
 

@@ -16,13 +16,13 @@ announcement is gossiped to every member), so a peer that trains thousands of st
 is listed thousands of steps behind: a joiner saw its donor listed at step 0 just after
 downloading that donor's state at step 4,357. Yet every exchange tells the peer's step, both
 ways (its ``Offer`` or ``Accept``: :attr:`gossip.Exchange.step`), and a download tells the
-donor's. :class:`PeerSteps` keeps the latest of these per peer, and :meth:`PeerSteps.of`
+donor's. :class:`StepReports` keeps the latest of these per peer, and :meth:`StepReports.of`
 answers with whichever is newer, that or the announcement, with its age. A peer this node
 never exchanges with is as fresh as its announcements.
 
 Newer wins, not higher: a peer that restarts from an older checkpoint goes back, and its
 next word says so. Times are ``trio.current_time()``, the clock of
-:attr:`gossip.Member.heard`. Memory: one entry per member of the roster (:meth:`PeerSteps.keep`
+:attr:`gossip.Member.heard`. Memory: one entry per member of the roster (:meth:`StepReports.keep`
 drops the others).
 """
 
@@ -44,10 +44,10 @@ if TYPE_CHECKING:
     from .processes import Speaker
     from .train import Training
 
-__all__ = ["PeerSteps", "Source", "format_status", "not_ready", "status_reply"]
+__all__ = ["StepReports", "Source", "format_status", "not_ready", "status_reply"]
 
 
-class PeerSteps:
+class StepReports:
     """The step each peer last told this node outside membership, and when."""
 
     def __init__(self) -> None:
@@ -80,7 +80,7 @@ class Source(Protocol):
     node: gossip.SwarmNode | None
     training: Training | None
     metrics: Metrics
-    peer_steps: PeerSteps
+    peer_steps: StepReports
     speaker: Speaker
     checkpoints: Checkpointer
     started: float  # time.monotonic() at start

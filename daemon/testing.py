@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -37,6 +36,7 @@ from daemon.checkpoint import checkpoints
 from daemon.config import from_dict, render
 from daemon.keys import write_swarm_key
 from daemon.metrics import MetricsLogReader
+from daemon.processes import free_port
 
 __all__ = ["Daemon", "DaemonSwarm", "wait_for", "free_port", "FAST", "POLL", "START"]
 
@@ -52,23 +52,6 @@ FAST = (  # quick rounds and progress; one torch thread each, so several share t
     "metrics.interval=0.5",
     "task.options.lr=0.002",
 )
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port on ``host`` that is free for both TCP and UDP right now (a daemon needs both).
-    Another process may still take it before the daemon binds: tests on a shared machine
-    should use an address of their own (``127.0.0.x``)."""
-    for _ in range(100):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as tcp:
-            tcp.bind((host, 0))
-            port = tcp.getsockname()[1]
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
-                try:
-                    udp.bind((host, port))
-                except OSError:
-                    continue
-                return port
-    raise OSError(f"no port free for both TCP and UDP on {host}")
 
 
 class Daemon:

@@ -54,7 +54,8 @@ import torch
 import trio
 
 import gossip
-from gossip import Counters, NodeGroup, check_correction, check_outer
+from gossip import NodeGroup
+from gossip.lowlevel import Counters, check_correction, check_outer
 
 from . import checkpoint, sharding
 from .cadence import Cadence, Stop, due
@@ -65,7 +66,7 @@ if TYPE_CHECKING:
     from .config import Config
     from .metrics import Metrics
     from .processes import Speaker
-    from .status import PeerSteps
+    from .status import StepReports
 
 __all__ = ["Batches", "Chunk", "Resumed", "Trainer", "Training", "first_batches", "resume"]
 
@@ -144,7 +145,7 @@ class Batches:
                 just ended, say); training would spin without a step.
         """
         shard = f"{self._shard.index}/{self._shard.count}"
-        if self._drawn == 0:  # a first pass with no batch (prepare() draws one to catch it)
+        if self._drawn == 0:  # a first pass with no batch (open_prepared draws one to catch it)
             raise TaskError(f"task.batches(shard {shard}) yields no batch")
         ended, self._drawn = self._drawn, 0
         self._batches = iter(self.task.batches(self._shard))
@@ -350,7 +351,7 @@ class Training:
     def __init__(self, config: Config, node: gossip.SwarmNode, trainer: Trainer, stop: Stop,
                  checkpoints: checkpoint.Checkpointer, speaker: Speaker, metrics: Metrics,
                  event: Callable[..., None], *, live: LiveLine | None = None,
-                 peer_steps: PeerSteps | None = None, choose_shard: bool = False,
+                 peer_steps: StepReports | None = None, choose_shard: bool = False,
                  resumed_step: int | None = None, started: float = 0.0) -> None:
         self.config, self.node, self.trainer, self.stop = config, node, trainer, stop
         self.checkpoints, self.speaker, self.metrics, self.event = (checkpoints, speaker,

@@ -44,7 +44,7 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Iterator
 
 import trio
 
@@ -64,9 +64,6 @@ from .identity import PeerId
 from .messages import Message
 from .network import peer_host
 from .wire import FRAME_HEADER, decode, encode, frame_length
-
-if TYPE_CHECKING:
-    from .endpoints import FIRST_MESSAGE_TIMEOUT, ChannelHandler, connect, handshake, serve  # noqa: F401
 
 __all__ = [
     "MAX_RECORD", "CLOSE_GRACE", "Timeouts", "ChannelStatistics", "SecureChannel", "Reader",
@@ -417,16 +414,3 @@ class SecureChannel(trio.abc.AsyncResource):
             return
         self._closed = True
         await trio.aclose_forcefully(self._stream)
-
-
-# The endpoints moved to gossip.endpoints, which imports this module: loaded on first use, so
-# that `from gossip.channel import connect` goes on working without an import cycle.
-_MOVED = frozenset({"FIRST_MESSAGE_TIMEOUT", "ChannelHandler", "connect", "handshake", "serve"})
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        from . import endpoints
-
-        return getattr(endpoints, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

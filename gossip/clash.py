@@ -31,7 +31,8 @@ from typing import Callable, NoReturn
 
 import trio
 
-from .channel import SecureChannel, connect
+from .channel import SecureChannel
+from .endpoints import connect
 from .config import NodeConfig
 from .errors import GossipError, IdentityClash, PeerGone
 from .groups import phase_deadline

@@ -26,7 +26,7 @@ likes. Two limits close that gap:
   would otherwise keep them out by holding the slots, whereas now each honest connection has
   until the next ``max_handshakes_per_host`` connections from its host arrive to complete its
   handshake (:class:`Admission`). Connections that never send it are closed by the server's
-  first-message deadline (:data:`gossip.channel.FIRST_MESSAGE_TIMEOUT`).
+  first-message deadline (:data:`gossip.endpoints.FIRST_MESSAGE_TIMEOUT`).
 * ``peer_rate`` / ``peer_burst``: inbound channels one authenticated peer may open, as a
   token bucket (``peer_burst`` at once, refilled at ``peer_rate`` per second). A channel
   over the budget is closed after the handshake, before its first message is read. An

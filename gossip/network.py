@@ -6,7 +6,7 @@ pass the same conformance suite (``tests/conformance.py``, run by
 ``tests/unit/test_tcp_network.py`` and ``tests/sim/test_simnet.py``):
 
 * :class:`TcpNetwork`: real sockets through trio.
-* :class:`gossip.simnet.SimNetwork`: an in-memory network on trio's clock (works under
+* :class:`gossip.testing.simnet.SimNetwork`: an in-memory network on trio's clock (works under
   ``trio.testing.MockClock``) with per-link latency, bandwidth, loss, resets, partitions and
   crashes, all drawn from a seeded RNG.
 

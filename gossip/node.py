@@ -219,7 +219,7 @@ async def open_swarm(
             average (:class:`~gossip.config.NodeConfig`; ``NodeConfig.local()`` for nodes on
             one machine or a simulated network). The rest are objects and callbacks.
         identity: the node key; a fresh one if omitted.
-        network: real TCP by default; a :class:`~gossip.simnet.SimNetwork` host in tests.
+        network: real TCP by default; a :class:`~gossip.testing.simnet.SimNetwork` host in tests.
         task: metadata published to joiners with the state (JSON-like values), or a
             function returning it at each download.
         rng: the node's only source of randomness (seed it in tests).

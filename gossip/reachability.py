@@ -66,7 +66,8 @@ from typing import Awaitable, Callable
 import trio
 
 from .address import format_address, parse_address
-from .channel import SecureChannel, connect
+from .channel import SecureChannel
+from .endpoints import connect
 from .config import NodeConfig, Timeouts
 from .errors import GossipError, PeerTimeout
 from .groups import one_error, phase_deadline

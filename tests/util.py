@@ -11,7 +11,7 @@ if sys.version_info < (3, 11):
 else:
     from builtins import BaseExceptionGroup  # noqa: F401 - re-exported for the tests
 
-from gossip.channel import handshake
+from gossip.endpoints import handshake
 from gossip.handshake import Swarm
 from gossip.identity import Identity
 

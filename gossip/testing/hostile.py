@@ -32,7 +32,8 @@ import torch
 import trio
 
 from ..address import parse_address
-from ..channel import MAX_RECORD, SecureChannel, handshake
+from ..channel import MAX_RECORD, SecureChannel
+from ..endpoints import handshake
 from ..config import Timeouts
 from ..errors import GossipError, PeerTimeout
 from ..groups import first_error, one_error

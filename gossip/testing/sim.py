@@ -3,7 +3,7 @@
 Theory of operation
 -------------------
 :func:`open_sim_swarm` runs ``n`` nodes (:func:`gossip.open_swarm`), each on its own host of
-one :class:`~gossip.simnet.SimNetwork`, in a nursery it owns, and hands the test a
+one :class:`~gossip.testing.simnet.SimNetwork`, in a nursery it owns, and hands the test a
 :class:`SimSwarm` that scripts faults in the words of the scenario: ``crash``, ``restart``,
 ``stop``, ``pause``, ``partition``, ``slow``, ``set_link``, ``nat``. Run it under
 ``trio.testing.MockClock(autojump_threshold=0)`` (pytest-trio's ``autojump_clock``): every
@@ -68,7 +68,7 @@ from ..identity import Identity, PeerId
 from ..member import State
 from ..node import SwarmNode, open_swarm
 from ..replica import Counters
-from ..simnet import SimNetwork
+from .simnet import SimNetwork
 from ..tensors import StateSchema, snapshot
 from .simnode import SimExchange, SimNode, capture
 
@@ -100,7 +100,7 @@ class SimSwarm:
 
     Attributes:
         nodes: every node, running or down, by index.
-        net: the :class:`~gossip.simnet.SimNetwork`, for anything this class does not say.
+        net: the :class:`~gossip.testing.simnet.SimNetwork`, for anything this class does not say.
         rng: seeded from ``seed``, for the test's own choices (which node to crash, when).
         exchanges: every exchange that ended at any node, in order.
     """

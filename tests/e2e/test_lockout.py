@@ -11,7 +11,7 @@ import functools
 import pytest
 import trio
 
-from gossip.channel import FIRST_MESSAGE_TIMEOUT, connect, serve
+from gossip.endpoints import FIRST_MESSAGE_TIMEOUT, connect, serve
 from gossip.config import Limits
 from gossip.identity import Identity
 from gossip.network import TcpNetwork

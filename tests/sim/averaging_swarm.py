@@ -24,7 +24,7 @@ from gossip.config import AveragingConfig, MembershipConfig, NodeConfig, Timeout
 from gossip.errors import PeerGone
 from gossip.identity import Identity
 from gossip.node import SwarmNode, open_swarm
-from gossip.simnet import SimNetwork
+from gossip.testing.simnet import SimNetwork
 from gossip.tensors import StateSchema, snapshot
 from tests.util import SWARM, Signal
 

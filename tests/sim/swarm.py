@@ -21,7 +21,7 @@ from gossip.handshake import Swarm
 from gossip.identity import Identity, PeerId
 from gossip.membership import Member, State
 from gossip.roster import Roster, open_roster
-from gossip.simnet import SimNetwork
+from gossip.testing.simnet import SimNetwork
 from tests.util import SWARM
 
 PORT = 7000

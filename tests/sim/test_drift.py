@@ -26,7 +26,7 @@ from trio.testing import MockClock
 
 from gossip.config import AveragingConfig, NodeConfig
 from gossip.node import SwarmNode, open_swarm
-from gossip.simnet import SimNetwork
+from gossip.testing.simnet import SimNetwork
 from gossip.testing import SimNode, SimSwarm, open_sim_swarm
 from tests.sim.digits import BATCH, LR, MOMENTUM, Trainer, accuracy, digits, make_model, shards
 from tests.sim.quadratic import Quadratics

@@ -48,7 +48,7 @@ from gossip.handshake import PROTOCOL_VERSION
 from gossip.identity import Identity
 from gossip.messages import MemberState
 from gossip.node import open_swarm
-from gossip.simnet import SimNetwork
+from gossip.testing.simnet import SimNetwork
 from gossip.testing.hostile import HostilePeer, Reaction
 from tests.sim.digits import BATCH, Trainer, accuracy, digits, make_model, shards
 from tests.util import SWARM

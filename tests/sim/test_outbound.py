@@ -14,7 +14,7 @@ import torch
 import trio
 
 from gossip import AveragingConfig, Result, State, open_swarm
-from gossip.simnet import SimNetwork
+from gossip.testing.simnet import SimNetwork
 from gossip.testing import open_sim_swarm
 from tests.util import SWARM, local
 

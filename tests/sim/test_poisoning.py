@@ -32,7 +32,7 @@ from trio.testing import MockClock
 from gossip import tensors
 from gossip.config import NodeConfig
 from gossip.node import open_swarm
-from gossip.simnet import SimNetwork
+from gossip.testing.simnet import SimNetwork
 from gossip.testing.hostile import HostilePeer, Reaction
 from tests.sim.digits import BATCH, Trainer, accuracy, digits, make_model, shards
 from tests.util import SWARM

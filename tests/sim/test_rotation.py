@@ -24,7 +24,7 @@ from gossip.handshake import Swarm
 from gossip.identity import PeerId
 from gossip.membership import State
 from gossip.rotation import Holds
-from gossip.simnet import SimNetwork
+from gossip.testing.simnet import SimNetwork
 from tests.sim.swarm import SimNode, SimSwarm
 from tests.sim.test_membership import everyone_alive
 

@@ -18,7 +18,7 @@ from trio.testing import MockClock
 from gossip.averaging import Result
 from gossip.errors import PeerGone
 from gossip.network import MAX_DATAGRAM, Handler, Network
-from gossip.simnet import MAX_DATAGRAM_QUEUE, SimDatagramEndpoint, SimNetwork
+from gossip.testing.simnet import MAX_DATAGRAM_QUEUE, SimDatagramEndpoint, SimNetwork
 from gossip.testing import open_sim_swarm
 from tests.conformance import (
     CHECKS,

@@ -29,7 +29,7 @@ from gossip.handshake import PROTOCOL_VERSION
 from gossip.identity import Identity
 from gossip.messages import MemberState
 from gossip.node import SwarmNode, open_swarm
-from gossip.simnet import SimNetwork
+from gossip.testing.simnet import SimNetwork
 from gossip.standing import MEMBER_BURST, MEMBER_SHARE, by_host
 from gossip.testing.hostile import HostilePeer, Reaction
 from tests.util import SWARM, Signal

@@ -30,7 +30,7 @@ from gossip.identity import Identity
 from gossip.messages import MAX_COUNT, MemberState
 from gossip.node import SwarmNode, open_swarm
 from gossip.replica import Counters
-from gossip.simnet import SimNetwork
+from gossip.testing.simnet import SimNetwork
 from gossip.testing.hostile import HostilePeer
 from tests.util import SWARM
 

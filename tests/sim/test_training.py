@@ -18,7 +18,7 @@ few classes by about the learning rate times a gradient, and the decay makes tho
 vanish by the end, as schedules do in real training. Every replica starts from the same
 initialization (the first node's; the others download it when they join).
 
-The swarm: four nodes on one :class:`~gossip.simnet.SimNetwork` under the autojump clock,
+The swarm: four nodes on one :class:`~gossip.testing.simnet.SimNetwork` under the autojump clock,
 each running :data:`STEPS` local steps on its own shard. A step's compute runs inline, then
 ``node.step()`` adds the queued deltas and the trainer sleeps :data:`STEP_TIME` virtual
 seconds, the step's compute time, so the background rounds (one every :data:`INTERVAL`
@@ -55,7 +55,7 @@ from trio.testing import MockClock
 
 from gossip.config import AveragingConfig, MembershipConfig, NodeConfig
 from gossip.node import SwarmNode, open_swarm
-from gossip.simnet import SimNetwork
+from gossip.testing.simnet import SimNetwork
 from tests.sim.digits import BATCH, Trainer, accuracy, digits, held_out_loss, make_model, shards
 from tests.util import SWARM
 

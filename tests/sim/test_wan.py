@@ -3,7 +3,7 @@
 A volunteer's 5 Mbit/s line with a 200 ms round trip and 1% loss must carry a 100 MB model
 both ways with every setting at its default, and a peer that stops, or trickles, must still
 be dropped promptly (:mod:`gossip.linkrate`). Real nodes (``open_swarm``) on a
-:class:`~gossip.SimNetwork` under the autojump clock: minutes of link time cost seconds.
+:class:`~gossip.testing.SimNetwork` under the autojump clock: minutes of link time cost seconds.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import torch
 import trio
 from trio.testing import MockClock
 
-from gossip import AveragingConfig, SimNetwork, Swarm, open_swarm
+from gossip import AveragingConfig, Swarm, open_swarm
+from gossip.testing import SimNetwork
 from gossip.averaging import Exchange, Result
 from gossip.config import NodeConfig
 from gossip.linkrate import MIN_RATE, STALL

@@ -29,7 +29,7 @@ from gossip.handshake import SIGNATURE_PREFIX, NoiseHandshake, Swarm, x25519_pub
 from gossip.identity import Identity
 from gossip.messages import Close, Hello
 from gossip.network import TcpNetwork
-from gossip.simnet import SimNetwork
+from gossip.testing.simnet import SimNetwork
 from gossip.wire import FRAME_HEADER, encode, encode_frame
 
 from tests.util import ALICE, BOB, SWARM, BaseExceptionGroup, Tap, pair
@@ -449,16 +449,3 @@ async def test_oversized_handshake_frame_is_refused_before_reading_it():
     with pytest.raises(HandshakeError, match="exceeds the limit of 65535"):
         await handshake(s2, identity=BOB, swarm=SWARM, initiator=False)
     assert await s1.receive_some() == b""  # closed
-
-
-def test_the_endpoints_are_importable_from_channel_too() -> None:
-    import gossip.channel
-    import gossip.endpoints
-
-    for name in gossip.endpoints.__all__:
-        assert getattr(gossip.channel, name) is getattr(gossip.endpoints, name), name
-    from gossip.channel import connect as dial  # the from-import form works too
-
-    assert dial is connect
-    with pytest.raises(AttributeError, match="no_such_name"):
-        gossip.channel.no_such_name  # noqa: B018

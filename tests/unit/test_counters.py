@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from trio.testing import MockClock
 
 import gossip
+import gossip.lowlevel
 from daemon import checkpoint
 from daemon.metrics import Metrics
 from gossip import tensors
@@ -33,7 +34,7 @@ from gossip.identity import PeerId
 from gossip.member import Member, State
 from gossip.messages import MAX_COUNT, MAX_WEIGHT, Alive, Offer, StateInfo
 from gossip.replica import Counters, Replica
-from gossip.simnet import SimNetwork
+from gossip.testing.simnet import SimNetwork
 from gossip.standing import step_ceiling, step_move
 from gossip.wire import decode, encode
 
@@ -68,7 +69,7 @@ def encode_unchecked(cls: type, fields: list) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def lone_stats() -> tuple[gossip.AveragingStatistics, gossip.RosterStatistics]:
+def lone_stats() -> tuple[gossip.AveragingStatistics, gossip.lowlevel.RosterStatistics]:
     """A real node's statistics, as the template the property test fills with counters."""
     async def main() -> tuple:
         net = SimNetwork(seed=1)
@@ -141,9 +142,9 @@ def test_any_counter_the_decoder_accepts_flows_through_merge_checkpoint_metrics_
 
 @dataclasses.dataclass
 class _Roster:
-    stats: gossip.RosterStatistics
+    stats: gossip.lowlevel.RosterStatistics
 
-    def statistics(self) -> gossip.RosterStatistics:
+    def statistics(self) -> gossip.lowlevel.RosterStatistics:
         return self.stats
 
 

@@ -6,8 +6,9 @@ second and more): each runs here in a fresh interpreter, the only honest ``sys.m
 and reports what it loaded. No timing is asserted: a loaded machine would make that flaky,
 and the imports are what decide it.
 
-``gossip/__init__.py`` loads each public name on first use, from its ``_API`` table; its
-``TYPE_CHECKING`` block says the same for type checkers, and must not drift from the table.
+``gossip/__init__.py`` and ``gossip/lowlevel.py`` load each public name on first use, from
+their ``_API`` tables; their ``TYPE_CHECKING`` blocks say the same for type checkers, and must
+not drift from the tables.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 import pytest
 
 import gossip
+import gossip.lowlevel
 from daemon.cli import main
 from tests.unit.test_cli import status_reply
 
@@ -94,22 +96,25 @@ def test_init_and_keygen_import_neither(tmp_path: Path, kind: str) -> None:
 # --- gossip's public API -------------------------------------------------------------------
 
 
-def test_the_type_checking_block_names_the_api_table() -> None:
-    tree = ast.parse(Path(gossip.__file__).read_text())
+@pytest.mark.parametrize("namespace", [gossip, gossip.lowlevel], ids=["gossip", "lowlevel"])
+def test_the_type_checking_block_names_the_api_table(namespace) -> None:
+    tree = ast.parse(Path(namespace.__file__).read_text())
     (block,) = [node for node in tree.body if isinstance(node, ast.If)
                 and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"]
     declared = {(node.module, alias.name) for node in block.body
                 if isinstance(node, ast.ImportFrom) for alias in node.names}
-    assert declared == {(module, name) for module, names in gossip._API.items()
+    assert declared == {(module, name) for module, names in namespace._API.items()
                         for name in names}
 
 
-def test_every_public_name_loads_from_its_module() -> None:
-    for module, names in gossip._API.items():
+@pytest.mark.parametrize("namespace", [gossip, gossip.lowlevel], ids=["gossip", "lowlevel"])
+def test_every_public_name_loads_from_its_module(namespace) -> None:
+    for module, names in namespace._API.items():
         for name in names:
-            value = getattr(gossip, name)
+            value = getattr(namespace, name)
             assert value is getattr(sys.modules[f"gossip.{module}"], name), name
-    assert set(gossip.__all__) <= set(dir(gossip))
+    assert set(namespace.__all__) <= set(dir(namespace))
     with pytest.raises(AttributeError, match="no_such_name"):
-        gossip.no_such_name  # noqa: B018
+        namespace.no_such_name  # noqa: B018
     from gossip import Identity, open_swarm  # noqa: F401  (the from-import form works too)
+    from gossip.lowlevel import Replica, connect  # noqa: F401

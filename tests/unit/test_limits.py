@@ -14,7 +14,7 @@ from trio.testing import MockClock
 
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
-from gossip.channel import FIRST_MESSAGE_TIMEOUT, connect, serve
+from gossip.endpoints import FIRST_MESSAGE_TIMEOUT, connect, serve
 from gossip.config import Limits, NodeConfig, Timeouts
 from gossip.errors import GossipError
 from gossip.handshake import NoiseHandshake
@@ -22,7 +22,7 @@ from gossip.identity import Identity
 from gossip.limits import Admission, RateLimit
 from gossip.messages import Close, StateRequest
 from gossip.roster import open_roster
-from gossip.simnet import SimNetwork
+from gossip.testing.simnet import SimNetwork
 from gossip.wire import encode_frame
 from tests.util import SWARM
 

@@ -21,10 +21,11 @@ from prometheus_client.openmetrics.exposition import generate_latest as generate
 from trio.testing import MockClock
 
 import gossip
+import gossip.lowlevel
 from daemon import metrics as metrics_module
 from daemon.metrics import RATE_WINDOW, Metrics, MetricsLog
 from gossip.config import NodeConfig
-from gossip.simnet import SimNetwork
+from gossip.testing.simnet import SimNetwork
 from tests.util import Signal
 
 PEER = gossip.Identity.generate().peer_id
@@ -182,7 +183,7 @@ async def test_totals_sum_up_the_run_for_the_stop_event(autojump_clock: MockCloc
     m = Metrics()
     async with gossip.open_swarm(torch.nn.Linear(2, 2), gossip.Swarm.generate("t"), A,
                                  network=net.host("a"),
-                                 counters=gossip.Counters(step=100, samples=800, weight=1.0)
+                                 counters=gossip.lowlevel.Counters(step=100, samples=800, weight=1.0)
                                  ) as node:
         await node.wait_ready()
         assert m.totals(node) == {"step": 100, "steps": 0, "samples": 0, "loss": None,

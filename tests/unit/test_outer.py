@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gossip import AveragingConfig, check_outer
+from gossip import AveragingConfig
+from gossip.lowlevel import check_outer
 from gossip.outer import Outer, check_outer_state
 from gossip.replica import Replica
 from gossip.tensors import REDUCE_CHUNK

@@ -9,7 +9,8 @@ impure comes in through them.
 The imports are read from the source (``ast``), not from ``sys.modules``: importing a module
 to look at it would load everything it reaches, and an import inside a function counts as
 much as one at the top. (``gossip/__init__.py``, which every ``import gossip.<module>`` runs
-first, imports nothing at load time: ``test_imports.py`` checks it.)
+first, imports nothing at load time but ``gossip.lazy``, a few lines of the standard library:
+``test_imports.py`` checks it.)
 """
 
 from __future__ import annotations

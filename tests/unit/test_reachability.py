@@ -7,14 +7,14 @@ import functools
 import pytest
 import trio
 
-from gossip.channel import connect, serve
+from gossip.endpoints import connect, serve
 from gossip.config import Timeouts
 from gossip.identity import Identity
 from gossip.messages import Close, DialBack
 from gossip.errors import GossipError
 from gossip.reachability import (GAP, MAX_REMEMBERED, MAX_RUNNING, RATE, DialBacks, answer,
                                  ask, budget, dial_back_address)
-from gossip.simnet import SimNetwork
+from gossip.testing.simnet import SimNetwork
 from tests.util import SWARM
 
 NONCE = bytes(range(16))

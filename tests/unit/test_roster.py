@@ -18,7 +18,7 @@ from gossip.messages import Alive, Close, Ping, StateRequest
 from gossip.network import TcpNetwork
 from gossip.roster import open_roster
 from gossip.seal import Sealer
-from gossip.simnet import SimNetwork
+from gossip.testing.simnet import SimNetwork
 from gossip.wire import encode
 from tests.util import SWARM
 

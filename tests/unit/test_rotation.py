@@ -14,13 +14,13 @@ import trio
 import trio.testing
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
-from gossip.channel import connect, handshake, serve
+from gossip.endpoints import connect, handshake, serve
 from gossip.errors import HandshakeClosed, HandshakeError, LocalProtocolError, WireError
 from gossip.handshake import NoiseHandshake, Swarm, read_first_message
 from gossip.identity import Identity
 from gossip.rotation import MAX_ADDRESSES, Holds, PeerKeys
 from gossip.seal import Sealer
-from gossip.simnet import SimNetwork
+from gossip.testing.simnet import SimNetwork
 from tests.util import ALICE, BOB
 
 OLD, NEW, OTHER = bytes(range(32)), bytes(range(1, 33)), bytes(32)

@@ -26,7 +26,8 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
-from gossip import Identity, Swarm, TcpNetwork, send_state, serve, tensors
+from gossip import Identity, Swarm, tensors
+from gossip.lowlevel import TcpNetwork, send_state, serve
 from gossip.config import MembershipConfig, NodeConfig
 from gossip.membership import State
 from gossip.roster import open_roster

@@ -8,7 +8,7 @@ where it comes from. Nothing here starts a task or touches a socket: every delay
 ``trio.sleep`` or a deadline, so a whole swarm runs under ``trio.testing.MockClock`` with
 autojump, and one virtual second costs no wall time.
 
-Streams are lazy. A connection is two :class:`~gossip.simhost._Pipe` objects, one per
+Streams are lazy. A connection is two :class:`~gossip.testing.simhost._Pipe` objects, one per
 direction, each a queue of byte strings stamped with the virtual time they *arrive*;
 ``receive_some`` returns the head once the clock has passed its stamp and otherwise parks
 until then (or until something changes). No task carries bytes anywhere. Arrival is::
@@ -78,8 +78,8 @@ from typing import Callable, Iterable, Union
 
 import trio
 
-from .errors import PeerGone
-from .network import format_address, parse_address
+from ..errors import PeerGone
+from ..network import format_address, parse_address
 from .simhost import (
     _NEVER,
     SEGMENT,

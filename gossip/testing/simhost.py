@@ -1,4 +1,4 @@
-"""What one host of a :class:`gossip.simnet.SimNetwork` sees: :class:`SimHost` (a
+"""What one host of a :class:`gossip.testing.simnet.SimNetwork` sees: :class:`SimHost` (a
 :class:`gossip.network.Network`), its :class:`SimStream` connections and its
 :class:`SimDatagramEndpoint` sockets.
 
@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Callable
 
 import trio
 
-from .errors import PeerGone
-from .network import MAX_DATAGRAM, Handler, format_address, parse_address, run_handler
+from ..errors import PeerGone
+from ..network import MAX_DATAGRAM, Handler, format_address, parse_address, run_handler
 
 if TYPE_CHECKING:
     from .simnet import SimNetwork, _HostState
@@ -103,7 +103,7 @@ class _ConflictDetector:
 
 
 class SimHost:
-    """Host ``name`` of a :class:`~gossip.simnet.SimNetwork`; get it from ``net.host(name)``.
+    """Host ``name`` of a :class:`~gossip.testing.simnet.SimNetwork`; get it from ``net.host(name)``.
 
     Implements :class:`gossip.network.Network`. Binds only ``"<name>:port"``; others raise
     ``OSError(EADDRNOTAVAIL)``, a port in use ``OSError(EADDRINUSE)``.
