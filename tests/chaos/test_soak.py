@@ -40,7 +40,15 @@ def test_memory_and_descriptors_stay_flat_over_a_thousand_exchanges(tmp_path) ->
         start = a.committed()
         wait_for(lambda: a.committed() >= start + EXCHANGES, 480, both,
                  f"{EXCHANGES} more exchanges")
-        after = {d.name: (d.memory()["rss"], d.open_files()) for d in both}
+        rss = {d.name: d.memory()["rss"] for d in both}
+        # Exchanges in flight hold channels (ours, and a peer's offer being answered busy: two
+        # at once happens), so one reading may be up to two high. A leak is a count that never
+        # comes back: wait for each to come back within one of where it stood.
+        for d in both:
+            fd0 = before[d.name][1]
+            wait_for(lambda d=d, fd0=fd0: d.open_files() <= fd0 + 1, 30, both,
+                     f"{d.name}'s descriptors back within one of {fd0}")
+        after = {d.name: (rss[d.name], d.open_files()) for d in both}
         total = a.committed()
         failed = sum(e["result"] != "committed" for e in a.of("exchange"))
 
@@ -54,5 +62,5 @@ def test_memory_and_descriptors_stay_flat_over_a_thousand_exchanges(tmp_path) ->
     for name in before:
         (rss0, fd0), (rss1, fd1) = before[name], after[name]
         assert rss1 < rss0 * (1 + GROWTH), f"{name}: resident memory grew {rss1 / rss0 - 1:.1%}"
-        # An exchange in flight holds one channel: the count may differ by that, no more.
-        assert abs(fd1 - fd0) <= 1, f"{name}: descriptors went from {fd0} to {fd1}"
+        # Came back within one (waited for above); one in flight may have opened since.
+        assert fd1 <= fd0 + 2, f"{name}: descriptors went from {fd0} to {fd1}"
