@@ -25,8 +25,8 @@ from gossip.membership import (
     Membership,
     PushPullWith,
     Send,
-    helper_wait,
 )
+from gossip.probing import helper_wait
 from gossip.messages import (
     MAX_PARTS,
     MAX_COUNT,

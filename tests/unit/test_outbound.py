@@ -7,7 +7,8 @@ import random
 
 from gossip.config import MembershipConfig
 from gossip.member import State
-from gossip.membership import OVERDUE_HEARTBEATS, Membership, PushPullWith
+from gossip.membership import Membership, PushPullWith
+from gossip.probing import OVERDUE_HEARTBEATS
 from gossip.messages import Ack, Alive, Dead, Ping, PingReq, Suspect
 from gossip.suspicion import suspicion_bounds
 from tests.unit.test_membership import ADDR, ME, PEERS, alive, datagrams, feed, sent
