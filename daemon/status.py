@@ -98,7 +98,8 @@ def status_reply(source: Source, now: float) -> dict[str, Any]:
     source.peer_steps.keep(m.peer for m in members)
     peers = [{"peer": m.peer, "address": m.address, "state": m.state.name.lower(),
               **source.peer_steps.of(m, now), "ready": m.ready,
-              "shard": m.shard if m.shards else None, "reachable": m.reachable}
+              "shard": m.shard if m.shards else None, "reachable": m.reachable,
+              "codec": node.codec_with(m.peer)}
              for m in members]
     evaluation = None
     if training.evaluation is not None:
@@ -199,7 +200,8 @@ def format_status(s: dict[str, Any]) -> str:
         age = f" ({m['step_age_s']:.0f} s ago)" if m.get("step_age_s") is not None else ""
         lines.append(f"  {m['peer'][:8]}  {m['address']:<22} {m['state']:<8} step {m['step']}"
                      + age + ("" if m["ready"] else "  not ready")
-                     + ("  outbound only" if m.get("reachable") is False else ""))
+                     + ("  outbound only" if m.get("reachable") is False else "")
+                     + (f"  {m['codec']}" if m.get("codec") else ""))
     return "\n".join(lines)
 
 

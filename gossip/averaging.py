@@ -63,13 +63,14 @@ from typing import Awaitable, Callable
 import torch
 import trio
 
-from . import exchange
+from . import exchange, lowbit
 from .channel import SecureChannel
 from .config import AveragingConfig, Limits
 from .correction import ESTIMATE_CLIP
 from .errors import BadMessage, GossipError, PeerGone, PeerTimeout
 from .exchange import Deadlines
 from .exchange_state import Outcome, Refusal, Result
+from .feedback import Codecs
 from .groups import one_error
 from .identity import PeerId
 from .limits import RateLimit
@@ -112,6 +113,7 @@ class _Side:
     phase: str  # what a failure is blamed on: connect, offer (initiator) or accept
     channel: SecureChannel | None = None  # once connected
     told: int | None = None  # the peer's step, once its Offer or Accept says it
+    codec: str | None = None  # of both payloads, once the Offer says it
 
 
 _Talk = Callable[[_Side, torch.Tensor, torch.Tensor, Counters, "trio.Event | None"],
@@ -153,6 +155,8 @@ class Averaging:
         limits = limits or Limits()
         self._pace = RateLimit(PACE * limits.peer_rate, max(1, limits.peer_burst // 2))
         self._tally = Tally()
+        self.codecs = Codecs(replica.schema.numel, config.codec, config.codec_steps,
+                             config.interval)
         self.ready = trio.Event()
         self._deadlines = deadlines(config)
         self._rates = rates  # per peer host: what its link carried
@@ -248,6 +252,7 @@ class Averaging:
         await self.ready.wait()
         self._roster.set_meta(step=self.replica.counters().step)
         self._trust.round()
+        self.codecs.stepped(self.replica.local_steps, trio.current_time())
         # A peer that failed or refused is not tried again this round. One that was busy
         # may be, when nobody untried is left: two nodes whose rounds start at the same
         # instant are busy with their own offers, and the randomized backoff lets one of
@@ -320,6 +325,10 @@ class Averaging:
         peer = channel.peer
         refusal = self._trust.refusal(offer, peer)
         rank = self._trust.offerer(peer)
+        if refusal is None and lowbit.is_lowbit(offer.codec) and not self.codecs.warm():
+            # Our periods would be as coarse as the weights: our own rounds measure the
+            # spread first (gossip.feedback), and the offerer tries another peer.
+            refusal = Refusal(Result.BUSY, "no spread measured yet")
         if refusal is None:
             refusal = self._later(rank, channel.host)
         if refusal is not None:
@@ -373,11 +382,11 @@ class Averaging:
                     outcome = await talk(side, own, theirs, mine, ready)
             if outcome.peer is not None:
                 side.told = outcome.peer.step
-            result = await self._settle(peer, outcome, mine, side.rank, own, theirs, started,
-                                        initiated=side.initiated)
+            result = await self._settle(peer, outcome, mine, side, own, theirs, started)
             theirs = None  # handed over
         except GossipError as exc:
             failure = exc
+            self.codecs.failed()
             result = self._failure(peer, side.phase, exc)
             if isinstance(exc, (PeerGone, PeerTimeout)) and side.phase == "connect":
                 self._roster.report_failure(peer)
@@ -402,14 +411,16 @@ class Averaging:
         self._roster.proved(channel)
         async with channel:
             side.phase = "offer"
-            offer = Offer(self.replica.schema.fingerprint, self.config.codec, mine.step,
+            side.codec = self.codecs.offer(1 + side.corrected, self._rates.measured(channel.host),
+                                           self._rates.known())
+            offer = Offer(self.replica.schema.fingerprint, side.codec, mine.step,
                           mine.samples, self._my_weight(mine), side.corrected)
-            check, difference = self._checker(own, theirs, mine, side.rank, ready,
+            check, difference = self._checker(own, theirs, mine, side, ready,
                                               self._trust.senior(member.peer),
                                               self.config.clip)
             return await exchange.initiate(channel, offer, own, theirs, self.replica.schema,
                                            check, self._link_deadlines(channel), ready,
-                                           difference.advance)
+                                           difference.advance, self.codecs.encoder(side.codec))
 
     async def _accept(self, channel: SecureChannel, offer: Offer, side: _Side,
                       own: torch.Tensor, theirs: torch.Tensor, mine: Counters,
@@ -417,12 +428,13 @@ class Averaging:
         """The responder's middle of :meth:`_exchange`: take ``offer``."""
         peer = channel.peer
         accept = Accept(mine.step, mine.samples, self._my_weight(mine), side.corrected)
-        check, difference = self._checker(own, theirs, mine, side.rank, ready,
+        side.codec = offer.codec
+        check, difference = self._checker(own, theirs, mine, side, ready,
                                           self._trust.senior(peer),
                                           self._trust.clip(peer, len(self._histories[0])))
         return await exchange.respond(channel, offer, accept, own, theirs, self.replica.schema,
                                       check, self._link_deadlines(channel), ready,
-                                      difference.advance)
+                                      difference.advance, self.codecs.encoder(offer.codec))
 
     async def _snapshot(self, nursery: trio.Nursery, own: torch.Tensor,
                         parts: int) -> tuple[Counters, trio.Event | None]:
@@ -451,7 +463,7 @@ class Averaging:
         return counters[0], ready
 
     def _checker(self, own: torch.Tensor, theirs: torch.Tensor, mine: Counters,
-                 rank: Standing, ready: trio.Event | None, senior: float,
+                 side: _Side, ready: trio.Event | None, senior: float,
                  clip: float) -> tuple[exchange.Check, Difference]:
         """The checks of a received payload (:func:`gossip.mixing.judge`), for the exchange,
         and the pass over the state that they start while the payload arrives (fed by the
@@ -459,7 +471,8 @@ class Averaging:
         fraction of the mixing weight the peer's state gets (:meth:`Trust.senior
         <gossip.trust.Trust.senior>`); ``clip``: the state's clip (:meth:`Trust.clip
         <gossip.trust.Trust.clip>`)."""
-        config = self.config
+        config, rank = self.config, side.rank
+        coverage = self.codecs.coverage(side.codec or "fp32")
         difference = Difference(theirs, own, self.replica.schema.numel,
                                 (lambda: True) if ready is None else ready.is_set)
 
@@ -476,17 +489,19 @@ class Averaging:
                                  standing=rank,
                                  correction=self.replica.correction_rate() * config.weight,
                                  gradient_scale=self.replica.gradient_scale,
-                                 difference=difference, estimate_clip=estimate_clip)
+                                 difference=difference, estimate_clip=estimate_clip,
+                                 coverage=coverage)
 
         return check, difference
 
-    async def _settle(self, peer: PeerId, outcome: Outcome, mine: Counters, rank: Standing,
-                      own: torch.Tensor, theirs: torch.Tensor, started: float, *,
-                      initiated: bool) -> Result:
+    async def _settle(self, peer: PeerId, outcome: Outcome, mine: Counters, side: _Side,
+                      own: torch.Tensor, theirs: torch.Tensor, started: float) -> Result:
         """Tally an exchange that ended without failing and, if it committed, queue what
         it brought (through the outer step, if the replica keeps one). ``own`` is the
         snapshot we sent; ``theirs`` is handed over: queued, or given back."""
+        rank, initiated = side.rank, side.initiated
         if outcome.ending is not Result.COMMITTED:
+            self.codecs.failed()
             self.replica.release(theirs)
             if outcome.ending is Result.INVALID:
                 return self._invalid(peer, outcome.reason)
@@ -496,7 +511,10 @@ class Averaging:
                 self._trust.quarantine.bar(peer, trio.current_time())
             return self._refused(peer, outcome)
         verdict, bid = outcome.verdict, outcome.peer
-        assert isinstance(verdict, Verdict) and bid is not None
+        assert isinstance(verdict, Verdict) and bid is not None and side.codec is not None
+        # The spreads, before the outer step turns `theirs` into the change to queue.
+        await offload(self.replica, self.codecs.committed, side.codec, theirs, outcome.parts)
+        self.codecs.used(str(peer), side.codec)
         if verdict.state.scale > 0:  # else a newcomer's: it learns from us, we take nothing
             weight = (merged_weight(self._my_weight(mine), bid.weight) if self.config.by_samples
                       else None)

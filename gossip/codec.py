@@ -35,20 +35,27 @@ from typing import TYPE_CHECKING, NoReturn
 
 import torch
 
-from . import int8
+from . import int8, lowbit
 from .config import CODECS
 from .errors import SchemaMismatch
 
 if TYPE_CHECKING:
     from .schema import StateSchema
 
-__all__ = ["CODECS", "StateDecoder", "itemsize", "encoded_nbytes", "encode_chunks", "check_flat"]
+__all__ = ["CODECS", "StateDecoder", "itemsize", "encoded_nbytes", "encode_chunks", "check_flat",
+           "known"]
 
 # Element-wise wire codecs: name -> element dtype. Each element is little-endian on the wire.
 _CODEC_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Every wire codec is named in gossip.config.CODECS, which the averaging.codec setting checks;
 # "int8" is blockwise (gossip.int8), so it has no dtype above.
 assert CODECS == (*_CODEC_DTYPES, "int8"), "gossip.config.CODECS and the encoders differ"
+
+
+def known(codec: object) -> bool:
+    """Whether ``codec`` names a wire codec: one of :data:`CODECS` or a ``mod`` codec
+    (:mod:`gossip.lowbit`, with its fragment: ``mod4``, ``mod4/8:3``)."""
+    return codec in CODECS or lowbit.is_lowbit(codec)
 
 
 def itemsize(codec: str) -> int:
@@ -73,10 +80,13 @@ def encoded_nbytes(codec: str, numel: int, parts: int = 1) -> int:
     Raises:
         ValueError: unknown codec, or a negative or non-integer ``numel`` or ``parts``.
     """
-    dtype = _codec_dtype(codec)
+    spec = lowbit.parse(codec) if lowbit.is_lowbit(codec) else None
+    dtype = None if spec is not None else _codec_dtype(codec)
     for name, value in (("numel", numel), ("parts", parts)):
         if type(value) is not int or value < 0:
             raise ValueError(f"{name} must be a non-negative int, not {value!r}")
+    if spec is not None:
+        return lowbit.payload_nbytes(spec, numel, parts) if parts else 0
     return parts * (int8.nbytes(numel) if dtype is None else numel * dtype.itemsize)
 
 
@@ -163,16 +173,58 @@ def encode_chunks(
         RuntimeError: a big-endian host.
     """
     _require_little_endian()
-    dtype = _codec_dtype(codec)
     check_flat(flat)
     if type(parts) is not int or parts < 1 or flat.numel() % parts:
         raise ValueError(f"parts must be a positive int dividing {flat.numel()}, not {parts!r}")
+    if lowbit.is_lowbit(codec):
+        if type(max_record) is not int or max_record < 1:
+            raise ValueError(f"max_record must be an int >= 1, not {max_record!r}")
+        return _records(lowbit_payload(flat, codec, parts), max_record)
+    dtype = _codec_dtype(codec)
     least = int8.CELL if dtype is None else dtype.itemsize
     if type(max_record) is not int or max_record < least:
         raise ValueError(f"max_record must be an int >= {least}, not {max_record!r}")
     if dtype is None:
         return int8.encode(flat, parts, max_record, generator)
     return _encode(flat, dtype, max_record // dtype.itemsize)
+
+
+def lowbit_payload(flat: torch.Tensor, codec: str, parts: int = 1,
+                   spreads: list[torch.Tensor | None] | None = None,
+                   residual: torch.Tensor | None = None) -> torch.Tensor:
+    """The whole ``mod`` payload of ``parts`` vectors of ``flat`` (a CPU byte tensor): the
+    state's cells (:func:`gossip.lowbit.encode`), then each later vector's carried blocks as
+    ``int8`` cells, rounded stochastically.
+
+    Args:
+        spreads: ``[spread]``: the largest difference last seen in each block of the state
+            (:func:`gossip.lowbit.periods`), or None: periods from the values alone.
+        residual: the state's error feedback (its first ``numel`` values are used): added to
+            the state sent, and set, on the blocks sent, to what rounding left out of them.
+    """
+    spec = lowbit.parse(codec)
+    numel = flat.numel() // parts
+    state = flat[:numel]
+    values = state if residual is None else state + residual[:numel]
+    spread = None if spreads is None else spreads[0]
+    theta = lowbit.periods(values, spread)[lowbit.selected(spec, numel).to(values.device)]
+    out = [lowbit.encode(values, spec, theta, None if residual is None else residual[:numel])]
+    for index in range(1, parts):
+        # The estimate: int8 cells of the same blocks, rounded stochastically as int8 is in
+        # exchanges (gossip.lowbit: a gradient is not close to the receiver's own).
+        carried = lowbit.gather(flat[index * numel : (index + 1) * numel], spec).contiguous()
+        if carried.numel():
+            size = int8.nbytes(carried.numel())
+            out.extend(torch.frombuffer(bytearray(record), dtype=torch.uint8) for record in
+                       int8.encode(carried, 1, max(size, int8.CELL), int8.dither(flat.device)))
+    return torch.cat(out) if out else torch.empty(0, dtype=torch.uint8)
+
+
+def _records(payload: torch.Tensor, max_record: int) -> Iterator[memoryview]:
+    """``payload`` (a CPU byte tensor) as read-only views of at most ``max_record`` bytes."""
+    view = _host_view(payload).toreadonly()
+    for start in range(0, len(view), max_record):
+        yield view[start : start + max_record]
 
 
 def _encode(flat: torch.Tensor, dtype: torch.dtype, per: int) -> Iterator[memoryview]:
@@ -201,7 +253,24 @@ def _encode(flat: torch.Tensor, dtype: torch.dtype, per: int) -> Iterator[memory
         yield scratch_view[: n * size]
 
 
-class StateDecoder:
+class _Received:
+    """How much of a payload of known size has come: the part both decoders share."""
+
+    total_bytes: int
+    _received: int
+
+    @property
+    def remaining_bytes(self) -> int:
+        """Bytes still expected."""
+        return self.total_bytes - self._received
+
+    @property
+    def done(self) -> bool:
+        """Whether the whole payload has been fed."""
+        return self._received == self.total_bytes
+
+
+class StateDecoder(_Received):
     """Decode a streamed ``codec`` payload for ``schema`` into a flat float32 buffer.
 
     The payload size, :func:`encoded_nbytes`, is known before anything is read, so a caller
@@ -261,16 +330,6 @@ class StateDecoder:
         # int8 into a device output: each record is copied over, then dequantized there.
         self._device_scratch = (torch.empty(0, dtype=torch.uint8, device=out.device)
                                 if self._dtype is None and out.device.type != "cpu" else None)
-
-    @property
-    def remaining_bytes(self) -> int:
-        """Bytes still expected."""
-        return self.total_bytes - self._received
-
-    @property
-    def done(self) -> bool:
-        """Whether the whole payload has been fed."""
-        return self._received == self.total_bytes
 
     @property
     def decoded(self) -> int:
@@ -406,3 +465,115 @@ class StateDecoder:
     def _fail(self, message: str) -> NoReturn:
         self._error = message
         raise SchemaMismatch(message)
+
+
+class LowbitDecoder(_Received):
+    """Decode a ``mod`` payload (:mod:`gossip.lowbit`) against the receiver's own vectors.
+
+    The interface of :class:`StateDecoder` (:meth:`feed`, :meth:`window` and :meth:`wrote`,
+    :attr:`remaining_bytes`, :attr:`done`, :meth:`result`), but records may cut the payload
+    anywhere: it is a few bytes a value, so it is gathered whole and decoded by
+    :meth:`finish` once the ``reference`` (the receiver's own payload, ``parts`` vectors of the
+    schema, not changed) is final. Until then :attr:`decoded` is 0.
+
+    Raises:
+        ValueError: ``codec`` is not a ``mod`` codec, or ``reference`` and ``out`` are not
+            contiguous 1-D float32 tensors of ``parts`` vectors of the schema.
+    """
+
+    def __init__(self, schema: StateSchema, codec: str, reference: torch.Tensor,
+                 out: torch.Tensor | None = None, *, parts: int = 1) -> None:
+        self._spec = lowbit.parse(codec)
+        if type(parts) is not int or parts < 1:
+            raise ValueError(f"parts must be an int >= 1, not {parts!r}")
+        if out is None:
+            out = torch.zeros(parts * schema.numel, dtype=torch.float32)
+        for name, tensor in (("out", out), ("reference", reference)):
+            check_flat(tensor)
+            if tensor.numel() != parts * schema.numel:
+                raise SchemaMismatch(f"{name} has {tensor.numel()} elements, {parts} part(s) of "
+                                     f"the schema have {parts * schema.numel}")
+        self._out, self._reference = out, reference
+        self._numel, self._parts = schema.numel, parts
+        self.total_bytes = encoded_nbytes(codec, schema.numel, parts)
+        self._payload = torch.empty(self.total_bytes, dtype=torch.uint8)
+        self._view = _host_view(self._payload) if self.total_bytes else memoryview(bytearray())
+        self._received = 0
+        self._window = 0  # bytes the last window() offered
+        self._finished = False
+        self._error: str | None = None
+
+    @property
+    def decoded(self) -> int:
+        return self._parts * self._numel if self._finished else 0
+
+    def feed(self, record: bytes | bytearray | memoryview) -> None:
+        data = memoryview(record).cast("B")
+        self._check(len(data))
+        self._view[self._received : self._received + len(data)] = data
+        self._received += len(data)
+
+    def window(self, limit: int) -> memoryview | None:
+        if self._error is not None:
+            return None
+        self._window = min(limit, self.remaining_bytes)
+        return self._view[self._received : self._received + self._window]
+
+    def wrote(self, nbytes: int) -> None:
+        self._check(nbytes)
+        if nbytes > self._window:
+            raise ValueError(f"wrote {nbytes} bytes into a window of {self._window}")
+        self._window = 0
+        self._received += nbytes
+
+    def _check(self, nbytes: int) -> None:
+        if self._error is not None:
+            raise SchemaMismatch(f"decoder already failed: {self._error}")
+        if nbytes > self.remaining_bytes or (nbytes == 0 and self.total_bytes):
+            self._error = (f"record of {nbytes} bytes with {self.remaining_bytes} of a "
+                           f"{self.total_bytes}-byte payload remaining")
+            raise SchemaMismatch(self._error)
+
+    def finish(self) -> None:
+        """Decode the whole payload against the reference (CPU-heavy: in a thread).
+
+        Raises:
+            SchemaMismatch: the payload is incomplete, or a cell's period is refused.
+        """
+        if not self.done:
+            raise SchemaMismatch(f"incomplete payload: {self._received} of {self.total_bytes}")
+        if self._finished:
+            return
+        spec, numel = self._spec, self._numel
+        size = lowbit.nbytes(spec, numel)
+        try:
+            lowbit.decode_into(self._payload[:size], spec, self._reference[:numel],
+                               self._out[:numel])
+        except ValueError as exc:
+            self._error = f"vector 0: {exc}"
+            raise SchemaMismatch(self._error) from None
+        rest = lowbit.estimate_nbytes(spec, numel)
+        for index in range(1, self._parts):
+            part = slice(index * numel, (index + 1) * numel)
+            self._out[part].copy_(self._reference[part])
+            carried = lowbit.gather(self._reference[part], spec).clone()
+            if carried.numel():
+                start = size + (index - 1) * rest
+                # A copy: int8 cells are read as float32 scales, which must be 4-byte aligned.
+                record = self._payload[start : start + rest].to(carried.device, copy=True)
+                blocks_, tail = divmod(carried.numel(), int8.BLOCK)
+                int8.decode_into(record, carried, blocks_, tail)
+                lowbit.scatter(carried, spec, self._out[part])
+        self._finished = True
+
+    def result(self) -> torch.Tensor:
+        """The decoded flat state (:meth:`finish` first).
+
+        Raises:
+            SchemaMismatch: not finished, or failed.
+        """
+        if self._error is not None:
+            raise SchemaMismatch(f"decoder already failed: {self._error}")
+        if not self._finished:
+            raise SchemaMismatch("a mod payload is decoded by finish() against the reference")
+        return self._out

@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import math
+import re
 import reprlib
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
@@ -54,6 +55,24 @@ __all__ = [
 # Every wire codec of exchanged states: fp32 (exact), bf16 and fp16 element-wise, int8 in
 # blocks (gossip.int8). gossip.tensors checks its encoders against this list.
 CODECS: tuple[str, ...] = ("fp32", "bf16", "fp16", "int8")
+# The mod codecs below 8 bits (gossip.lowbit) as a setting: mod<b>, b bits a value, or
+# mod<b>/<F>, one F-th of the blocks per exchange (the node names the fragment in its offer).
+# mod3 and mod2 decode, but are no settings: with periods of 2 x MARGIN (8) times the spread
+# last seen, their rounding (a whole spread and more) is as large as the differences it codes,
+# and the spread each exchange then measures never shrinks: swarms drifted apart in tests.
+MOD_SETTING = re.compile(r"mod(4)(?:/([1-9][0-9]?))?")
+# averaging.codec = "auto": the first of these whose exchange fits codec_steps of our steps
+# at the peer's measured rate (the last one if none does).
+AUTO_CODECS: tuple[str, ...] = ("fp32", "bf16", "int8", "mod4", "mod4/2", "mod4/4", "mod4/8",
+                                "mod4/16")
+
+
+def codec_setting(value: object) -> bool:
+    """Whether ``value`` is a valid ``averaging.codec``."""
+    if value in CODECS or value == "auto":
+        return True
+    match = MOD_SETTING.fullmatch(value) if isinstance(value, str) else None
+    return match is not None and (match[2] is None or 2 <= int(match[2]) <= 64)
 DEFAULT_LEAK = 0.01  # λ: the fraction of the correction that fades at each committed exchange
 
 
@@ -253,9 +272,18 @@ class AveragingConfig(_Settings):
                             want(lambda v: 0 < v <= 1, "a number in (0, 1]"))
     by_samples: bool = setting(False, "push-sum: weigh both sides by the samples they trained "
                                "on; False: fixed mixing, own += weight * (peer - own)")
-    codec: str = setting("fp32", "wire format of exchanged states: fp32 (exact, 4 bytes a "
+    codec: str = setting("fp32", "wire format of the states we offer: fp32 (exact, 4 bytes a "
                          "parameter), bf16 or fp16 (2), int8 (~1.06: blocks of 64 values "
-                         "against one scale; for thin links)", one_of(*CODECS))
+                         "against one scale), mod4 (4.25 bits: "
+                         "coded against the receiver's own state), mod4/<F> (one F-th of "
+                         "the blocks per exchange, F in 2..64: mod4/8 is 1/60 of fp32), or "
+                         "\"auto\": per peer, the first of fp32, bf16, int8, mod4, mod4/2, "
+                         "/4, /8, /16 whose exchange fits codec_steps of our training steps at "
+                         "the link's measured rate. We take offers in any of them",
+                         want(codec_setting, "fp32, bf16, fp16, int8, mod4, "
+                              "mod4/<F> (F in 2..64) or auto"))
+    codec_steps: float = setting(20.0, "with codec = \"auto\": the training steps an exchange "
+                                 "may take, at the link's measured rate (> 0)", POSITIVE)
     correction: bool = setting(True, "keep a drift correction (added to the gradients; its "
                                "estimate travels with the weights): what keeps nodes on skewed "
                                "data from drifting apart. Costs two model-sized buffers on the "

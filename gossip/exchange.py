@@ -52,14 +52,15 @@ import torch
 import trio
 
 from .channel import SecureChannel
-from .codec import encoded_nbytes
+from . import lowbit
+from .codec import encoded_nbytes, lowbit_payload
 from .errors import GossipError, PeerTimeout, RemoteProtocolError, SchemaMismatch
 from .exchange_state import ExchangeState, Outcome, Result, Side, Verdict
 from .groups import first_error, phase_deadline, phase_deadline_at
 from .linkrate import STALL
 from .messages import Accept, Close, Offer
 from .schema import StateSchema
-from .transfer import receive_state, send_state
+from .transfer import offload, receive_state, send_state
 
 __all__ = ["Deadlines", "Outcome", "Result", "Verdict", "Check", "initiate", "respond"]
 
@@ -87,6 +88,9 @@ class Deadlines:
 
 
 Check = Callable[[torch.Tensor, int, "Offer | Accept"], Awaitable[Verdict]]
+# A mod codec's payload from our snapshot (gossip.codec.lowbit_payload with the node's periods
+# and error feedback); called in a worker thread once the snapshot is whole.
+Encoder = Callable[[torch.Tensor], torch.Tensor]
 """``check(theirs, parts, peer)`` judges the received payload (``theirs`` holds ``parts``
 vectors; ``peer`` is the peer's ``Offer`` or ``Accept``) and returns a :class:`Verdict`; it
 may turn ``theirs`` into whatever it needs in place."""
@@ -95,7 +99,8 @@ may turn ``theirs`` into whatever it needs in place."""
 async def initiate(channel: SecureChannel, offer: Offer, own: torch.Tensor,
                    theirs: torch.Tensor, schema: StateSchema, check: Check,
                    deadlines: Deadlines, ready: trio.Event | None = None,
-                   on_decoded: Callable[[int], None] | None = None) -> Outcome:
+                   on_decoded: Callable[[int], None] | None = None,
+                   encoder: Encoder | None = None) -> Outcome:
     """Offer an exchange on ``channel`` and, if the peer accepts, swap payloads and commit.
 
     Args:
@@ -106,6 +111,8 @@ async def initiate(channel: SecureChannel, offer: Offer, own: torch.Tensor,
         ready: set once ``own`` holds the whole snapshot (None: it does already).
         on_decoded: called as the peer's payload arrives, with how many leading elements of
             ``theirs`` are final (:func:`~gossip.transfer.receive_state`).
+        encoder: for a ``mod`` codec, makes our payload from ``own`` (:data:`Encoder`);
+            None: periods from the values alone, no error feedback.
 
     Raises:
         PeerTimeout: a phase's deadline passed.
@@ -118,13 +125,15 @@ async def initiate(channel: SecureChannel, offer: Offer, own: torch.Tensor,
     ended = state.answered(answer, schema)  # a SchemaInfo: a Close follows, unread
     if ended is not None:
         return ended
-    return await _swap(channel, state, own, theirs, schema, check, deadlines, ready, on_decoded)
+    return await _swap(channel, state, own, theirs, schema, check, deadlines, ready, on_decoded,
+                       encoder)
 
 
 async def respond(channel: SecureChannel, offer: Offer, accept: Accept, own: torch.Tensor,
                   theirs: torch.Tensor, schema: StateSchema, check: Check,
                   deadlines: Deadlines, ready: trio.Event | None = None,
-                  on_decoded: Callable[[int], None] | None = None) -> Outcome:
+                  on_decoded: Callable[[int], None] | None = None,
+                  encoder: Encoder | None = None) -> Outcome:
     """Take ``offer`` (already judged acceptable by the caller): say ``accept``, swap
     payloads and commit. Arguments and errors as :func:`initiate`; ``accept.correction``
     must be true only if ``offer.correction`` is and ``own`` holds an estimate (else a
@@ -132,13 +141,15 @@ async def respond(channel: SecureChannel, offer: Offer, accept: Accept, own: tor
     state = ExchangeState(Side.RESPONDER, offer, accept)
     with phase_deadline(deadlines.offer, channel.peer.short, "accept"):
         await channel.send_message(accept)
-    return await _swap(channel, state, own, theirs, schema, check, deadlines, ready, on_decoded)
+    return await _swap(channel, state, own, theirs, schema, check, deadlines, ready, on_decoded,
+                       encoder)
 
 
 async def _swap(channel: SecureChannel, state: ExchangeState, own: torch.Tensor,
                 theirs: torch.Tensor, schema: StateSchema, check: Check,
                 deadlines: Deadlines, ready: trio.Event | None,
-                on_decoded: Callable[[int], None] | None) -> Outcome:
+                on_decoded: Callable[[int], None] | None,
+                encoder: Encoder | None = None) -> Outcome:
     """Both payloads at once, the check, the commit."""
     codec, parts = state.offer.codec, state.parts
     size = parts * schema.numel
@@ -150,7 +161,11 @@ async def _swap(channel: SecureChannel, state: ExchangeState, own: torch.Tensor,
         if ready is not None:
             await ready.wait()
         try:
-            await send_state(channel, mine, schema, codec)
+            payload = None
+            if lowbit.is_lowbit(codec):
+                make = encoder or (lambda flat: lowbit_payload(flat, codec, state.parts))
+                payload = await offload(schema.numel, make, mine)
+            await send_state(channel, mine, schema, codec, payload=payload)
         except GossipError as exc:  # PeerGone, or ChannelClosed: the receive failed
             lost.append(exc)
 
@@ -162,7 +177,8 @@ async def _swap(channel: SecureChannel, state: ExchangeState, own: torch.Tensor,
                 nursery.start_soon(send)
                 with channel.stall_guard(deadlines.stall):
                     await receive_state(channel, schema, codec, into, parts=parts,
-                                        on_decoded=on_decoded)
+                                        on_decoded=on_decoded, reference=mine,
+                                        reference_ready=ready)
         if lost:
             raise lost[0]
     except PeerTimeout as exc:

@@ -89,6 +89,10 @@ class LinkRates:
         """The mean rate of transfers with ``host``, bytes/s; None if never measured."""
         return self._rates.get(host)
 
+    def known(self) -> list[float]:
+        """The mean rates of every host measured, bytes/s."""
+        return list(self._rates.values())
+
     def rate(self, host: str) -> float:
         """The rate a transfer with ``host`` is given time for, bytes/s:
         ``max(floor, measured / SLACK)``."""

@@ -307,6 +307,7 @@ def make_delta(
     floor: float = 0.0,
     difference: Difference | None = None,
     reach: float | None = None,
+    coverage: float = 1.0,
 ) -> Delta:
     """Check a received flat state and turn it, in place, into the difference to queue.
 
@@ -319,6 +320,10 @@ def make_delta(
     a vector whose own norm may legitimately be near zero). ``difference``: the same pass,
     already under way as the payload arrived (over ``received`` and ``own`` exactly).
     ``reach``: the most the history's median counts for in the clip bound (None: no limit).
+    ``coverage``: the fraction of the values the payload carried (a fragment's, in (0, 1]:
+    the others are our own); its distance counts as ``‖received − own‖ / √coverage``, what
+    the whole vector would likely have given, so that fragments and whole payloads share
+    one history and one bound.
     """
     if difference is not None and not difference.covers(received, own):
         raise ValueError("the difference is not over these buffers")
@@ -326,7 +331,7 @@ def make_delta(
                                    else difference.sums())
     if not finite:
         return Delta(math.nan, "non-finite values")
-    distance, own_norm = math.sqrt(distance_sq), math.sqrt(own_sq)
+    distance, own_norm = math.sqrt(distance_sq / coverage), math.sqrt(own_sq)
     if not math.isfinite(distance):
         return Delta(distance, "difference overflows float32")
     reference = max(history.norm_reference(own_norm), floor)
@@ -359,6 +364,7 @@ def judge(
     gradient_scale: float = 0.0,
     difference: Difference | None = None,
     estimate_clip: float | None = None,
+    coverage: float = 1.0,
 ) -> Verdict:
     """:func:`make_delta` for each part of a payload: the state, then (``parts`` 2) the
     correction's estimate, each against its own history, so that neither bound is driven by
@@ -378,11 +384,12 @@ def judge(
 
     ``difference``: the state's pass (the first part), already under way as it arrived.
     ``estimate_clip``: the estimate's own clip, when it is tighter than ``clip`` (see
-    :data:`gossip.correction.ESTIMATE_CLIP`); None: ``clip``."""
+    :data:`gossip.correction.ESTIMATE_CLIP`); None: ``clip``. ``coverage``: the fraction of
+    each vector the payload carried (:func:`make_delta`)."""
     n = received.numel() // parts
     state = make_delta(received[:n], own[:n], coefficient, histories[0], clip=clip,
                        max_norm_ratio=max_norm_ratio, standing=standing, record=False,
-                       difference=difference)
+                       difference=difference, coverage=coverage)
     estimate = None
     if parts == 2 and state.refused is None:
         reach = REACH * gradient_scale if gradient_scale > 0 else None
@@ -391,7 +398,7 @@ def judge(
         estimate = make_delta(received[n:], own[n:2 * n], correction, histories[1],
                               clip=clip if estimate_clip is None else estimate_clip,
                               max_norm_ratio=max_norm_ratio, standing=standing,
-                              record=False, floor=floor, reach=reach)
+                              record=False, floor=floor, reach=reach, coverage=coverage)
     verdict = Verdict(state, estimate)
     if standing is Standing.CHOSEN and verdict.refused is None:
         histories[0].record(state)

@@ -128,6 +128,11 @@ class SwarmNode:
     def statistics(self) -> AveragingStatistics:
         return self._averaging.statistics(downloads_served=self._downloads.served)
 
+    def codec_with(self, peer: PeerId | str) -> str | None:
+        """The wire codec of our last committed exchange with ``peer`` (either side), if we
+        remember one (``averaging.codec = "auto"`` picks one per peer)."""
+        return self._averaging.codecs.last(str(peer))
+
     # ---- internals --------------------------------------------------------------------
 
     async def _handle(self, channel: SecureChannel, first: Message) -> None:

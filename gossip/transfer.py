@@ -17,17 +17,21 @@ Sending and receiving may run at the same time on one channel (full duplex).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
+import trio
 
 from .channel import MAX_RECORD, SecureChannel
 from .errors import PeerGone, RemoteProtocolError, SchemaMismatch
 from .messages import Close, StateHeader
-from . import int8
+from .replica import OFFLOAD_NUMEL
+from . import int8, lowbit
+from .codec import LowbitDecoder, lowbit_payload
 from .tensors import StateDecoder, StateSchema, encode_chunks, encoded_nbytes
 
-__all__ = ["send_state", "receive_state"]
+__all__ = ["send_state", "receive_state", "offload"]
 
 
 async def send_state(
@@ -38,6 +42,7 @@ async def send_state(
     *,
     step: int = 0,
     samples: int = 0,
+    payload: torch.Tensor | None = None,
 ) -> None:
     """Send a flat state (from :func:`gossip.tensors.snapshot`; or several of the schema's
     size back to back) as header plus records.
@@ -47,9 +52,13 @@ async def send_state(
     :class:`PeerGone`: the peer is gone, nothing more can be sent, and what it sent before it
     went can still be received.
 
+    ``payload``: for a ``mod`` codec, the encoding already made (a CPU byte tensor, by
+    :func:`gossip.codec.lowbit_payload` with the sender's periods and error feedback); without
+    it ``flat`` is encoded with periods from its values alone.
+
     Raises:
-        ValueError: an unknown codec, or ``flat``'s size is not a multiple of the schema's
-            (nothing is sent then).
+        ValueError: an unknown codec, or ``flat``'s size is not a multiple of the schema's,
+            or a ``payload`` of the wrong size (nothing is sent then).
     """
     parts, rest = divmod(flat.numel(), schema.numel) if schema.numel else (1, flat.numel())
     if rest:
@@ -62,8 +71,19 @@ async def send_state(
         samples=samples,
         nbytes=encoded_nbytes(codec, schema.numel, parts),
     )
+    if payload is not None and payload.numel() != header.nbytes:
+        raise ValueError(f"a payload of {payload.numel()} bytes for {header.nbytes}")
     try:
         await channel.send_message(header)
+        if payload is not None:
+            for record in _slices(payload):
+                await channel.send(record)
+            return
+        if lowbit.is_lowbit(codec):
+            encoded = await offload(schema.numel, lowbit_payload, flat, codec, parts)
+            for record in _slices(encoded):
+                await channel.send(record)
+            return
         # int8 rounds stochastically, so that the rounding errors of successive exchanges
         # are independent and average out (gossip.int8).
         generator = int8.dither(flat.device) if codec == "int8" else None
@@ -78,6 +98,21 @@ async def send_state(
         raise
 
 
+async def offload(numel: int, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` (CPU work over a whole payload) in a worker thread for a schema of
+    :data:`~gossip.replica.OFFLOAD_NUMEL` elements or more, inline for a smaller one, as
+    :func:`gossip.replica.offload` does: simulated swarms then stay on trio's virtual clock."""
+    if numel < OFFLOAD_NUMEL:
+        return fn(*args)
+    return await trio.to_thread.run_sync(fn, *args)
+
+
+def _slices(payload: torch.Tensor) -> Iterator[memoryview]:
+    view = memoryview(payload.numpy()).cast("B").toreadonly()
+    for start in range(0, len(view), MAX_RECORD):
+        yield view[start : start + MAX_RECORD]
+
+
 async def receive_state(
     channel: SecureChannel,
     schema: StateSchema,
@@ -85,6 +120,8 @@ async def receive_state(
     out: torch.Tensor | None = None,
     parts: int = 1,
     on_decoded: Callable[[int], None] | None = None,
+    reference: torch.Tensor | None = None,
+    reference_ready: trio.Event | None = None,
 ) -> tuple[StateHeader, torch.Tensor]:
     """Receive a state sent by :func:`send_state` into a flat float32 buffer (of ``parts``
     times the schema's size).
@@ -92,6 +129,10 @@ async def receive_state(
     ``on_decoded(n)`` is called after each record, with how many leading elements of the
     output hold their final values (to work on them while they are in cache and the rest is
     on the wire).
+
+    A ``mod`` codec decodes against ``reference``, the receiver's own payload (``parts``
+    vectors), once ``reference_ready`` is set (if given): the bytes are read first, then
+    decoded in a worker thread.
 
     Returns:
         The header (the sender's step and sample counts) and the flat state.
@@ -106,7 +147,8 @@ async def receive_state(
         RemoteProtocolError: anything other than a header where one is due.
     """
     try:
-        return await _receive_state(channel, schema, codec, out, parts, on_decoded)
+        return await _receive_state(channel, schema, codec, out, parts, on_decoded, reference,
+                                    reference_ready)
     except BaseException:
         # Including a cancellation by the caller's deadline between records: the rest of the
         # state may still arrive, and would be read as messages.
@@ -117,6 +159,7 @@ async def receive_state(
 async def _receive_state(
     channel: SecureChannel, schema: StateSchema, codec: str, out: torch.Tensor | None,
     parts: int, on_decoded: Callable[[int], None] | None,
+    reference: torch.Tensor | None = None, reference_ready: trio.Event | None = None,
 ) -> tuple[StateHeader, torch.Tensor]:
     message = await channel.receive_message()
     if isinstance(message, Close):
@@ -134,6 +177,20 @@ async def _receive_state(
             f"{channel.peer.short} announced {message.nbytes} bytes of {message.codec}; "
             f"expected {expected} bytes of {codec}"
         )
+    if lowbit.is_lowbit(codec):
+        if reference is None:
+            raise ValueError(f"a {codec} payload decodes against a reference")
+        lowbits = LowbitDecoder(schema, codec, reference, out, parts=parts)
+        while not lowbits.done:
+            window = lowbits.window(MAX_RECORD)
+            assert window is not None
+            lowbits.wrote(await channel.receive_into(window))
+        if reference_ready is not None:
+            await reference_ready.wait()
+        await offload(schema.numel, lowbits.finish)
+        if on_decoded is not None:
+            on_decoded(lowbits.decoded)
+        return message, lowbits.result()
     decoder = StateDecoder(schema, codec, out, parts=parts)
     while not decoder.done:
         # Each record is decrypted straight into the state (fp32 into host memory) or into a

@@ -37,6 +37,7 @@ import logging
 
 import trio
 
+from .codec import known
 from .config import AveragingConfig
 from .exchange_state import Refusal, Result
 from .identity import PeerId
@@ -137,8 +138,8 @@ class Trust:
             log.debug("averaging offer of another schema peer=%s theirs=%s ours=%s", peer.short,
                      offer.fingerprint.hex(), self._schema.fingerprint_hex)
             return _never("schema differs from ours (another model, or other task options)")
-        if offer.codec != self._config.codec:
-            return _never(f"codec {offer.codec!r} is not ours ({self._config.codec!r})")
+        if not known(offer.codec):
+            return _never(f"codec {offer.codec!r} is not one we know")
         if (offer.weight > 0) != self._config.by_samples:
             return _never("mixing modes differ (push-sum by samples vs fixed weight)")
         if self.quarantine.barred(peer, trio.current_time()):

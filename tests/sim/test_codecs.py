@@ -1,6 +1,7 @@
 """Every wire codec end to end: a simulated swarm on quadratics, drift correction on (so each
 payload is two vectors: the state and the correction's estimate), commits its exchanges and
-settles where the fp32 swarm does, within the codec's rounding."""
+settles where the fp32 swarm does, within the codec's rounding. The mod codecs and "auto"
+too: each node's first exchanges are int8, until its periods are measured."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ NODES = 4
 SIZE = 200  # three whole int8 blocks and a short one of 8
 
 
-@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("codec", (*CODECS, "mod4", "auto"))
 async def test_a_swarm_commits_and_settles_in_every_codec(autojump_clock: MockClock,
                                                           codec: str) -> None:
     swarm = Quadratics(NODES, SIZE, seed=5)

@@ -33,7 +33,8 @@ DEADLINE = 60.0  # s for anything on real sockets: generous, the machine may be 
 BAD_VALUES = [
     ("interval", 0.0), ("interval", -1.0), ("interval", math.inf), ("interval", math.nan),
     ("weight", 0.0), ("weight", -0.5), ("weight", 1.5), ("weight", math.nan),
-    ("codec", "fp8"), ("codec", "FP32"), ("codec", ""),
+    ("codec", "fp8"), ("codec", "FP32"), ("codec", ""), ("codec", "mod5"), ("codec", "mod3"), ("codec", "mod4/1"),
+    ("codec", "mod4/8:1"), ("codec_steps", 0.0), ("codec_steps", -1.0),
     ("attempts", 0), ("attempts", -1), ("attempts", 1.5), ("attempts", True),
     ("backoff", 0.0), ("backoff", -1.0), ("backoff", math.inf), ("backoff", math.nan),
     ("backoff", "1"),
@@ -83,7 +84,8 @@ def test_every_field_has_a_bad_value_in_the_table() -> None:
 
 @pytest.mark.parametrize("changes", [
     {}, {"interval": None}, {"interval": 0.01}, {"weight": 1.0}, {"weight": 1e-6},
-    {"codec": "bf16"}, {"codec": "fp16"}, {"clip": 0.0}, {"quarantine": 0.0},
+    {"codec": "bf16"}, {"codec": "fp16"}, {"codec": "mod4/8"}, {"codec": "auto"},
+    {"clip": 0.0}, {"quarantine": 0.0},
     {"trust_after": 0.0},
     {"download_wait": 0.0}, {"clip_window": 1, "clip_min_history": 1},
     {"clip_window": 8, "clip_min_history": 8}, {"start": "own"}, {"start": "download"},
@@ -281,11 +283,11 @@ async def test_a_large_models_snapshot_overlaps_the_offer_and_lands_on_the_midpo
 
 async def test_a_large_models_refused_offer_leaves_it_untouched() -> None:
     # Refused while the copy may still run: the buffers come back once it is done, and the
-    # next exchange (with a peer of the same codec) commits as usual.
+    # next exchange (with a peer of the same mixing mode) commits as usual.
     model_a, model_b = large(23), large(24)
     s_a = flat(model_a)
-    async with two_nodes(model_a, model_b, AveragingConfig(codec="fp32", correction=False),
-                         AveragingConfig(codec="bf16", correction=False)) as (a, b, _):
+    async with two_nodes(model_a, model_b, AveragingConfig(correction=False),
+                         AveragingConfig(by_samples=True, correction=False)) as (a, b, _):
         with trio.fail_after(DEADLINE):
             assert await a.average_now() is Result.REJECTED
             assert await b.average_now() is Result.REJECTED
@@ -337,11 +339,32 @@ async def test_push_sum_pair_lands_on_the_sample_weighted_mean() -> None:
             assert stats.step == 2
 
 
-async def test_a_differing_codec_is_rejected_and_quarantined() -> None:
+async def test_an_offer_is_taken_in_any_codec_the_responder_knows() -> None:
+    # The initiator's codec is both payloads': B offers bf16 to A, which offers fp32.
     model_a, model_b = mlp(11), mlp(12)
     s_a, s_b = flat(model_a), flat(model_b)
-    async with two_nodes(model_a, model_b, AveragingConfig(codec="fp32"),
-                         AveragingConfig(codec="bf16")) as (a, b, _):
+    plain = dataclasses.replace(PLAIN, correction=False)
+    async with two_nodes(model_a, model_b, plain,
+                         dataclasses.replace(plain, codec="bf16")) as (a, b, done):
+        await exchange(b, a, done)
+        a.step()
+        b.step()
+        # Each moves halfway to what it received: the other's state in bf16.
+        torch.testing.assert_close(flat(model_a), (s_a + s_b.bfloat16().float()) / 2)
+        torch.testing.assert_close(flat(model_b), (s_b + s_a.bfloat16().float()) / 2)
+        await exchange(a, b, done)  # fp32 now, exact: they hold the same state
+        a.step()
+        b.step()
+        torch.testing.assert_close(flat(model_a), flat(model_b), rtol=0, atol=0)
+
+
+async def test_an_unknown_codec_is_rejected_and_quarantined() -> None:
+    model_a, model_b = mlp(11), mlp(12)
+    s_a, s_b = flat(model_a), flat(model_b)
+    async with two_nodes(model_a, model_b, AveragingConfig(), AveragingConfig()) as (a, b, _):
+        # What a peer of a later version could offer: a codec neither knows.
+        for node in (a, b):
+            node._averaging.codecs.offer = lambda *args: "fp8"
         with trio.fail_after(DEADLINE):
             assert await b.average_now() is Result.REJECTED
             stats = b.statistics()
@@ -403,10 +426,10 @@ async def test_every_exchange_is_reported_at_both_ends_as_it_ends() -> None:
             assert exchange.distance == pytest.approx(distance, rel=1e-5)
             assert exchange.duration > 0
 
-        # Another codec: C's offers are refused before any payload, by A and then by B (the
-        # round tries the next peer). Those are exchanges that ended (REJECTED) for C, and
+        # Another mixing mode: C's offers are refused before any payload, by A and then by B
+        # (the round tries the next peer). Those are exchanges that ended (REJECTED) for C, and
         # none for the nodes that never took them up.
-        c = await enter_node(stack, model_c, dataclasses.replace(own, codec="bf16"),
+        c = await enter_node(stack, model_c, dataclasses.replace(own, by_samples=True),
                              [a.address], "c", record("c"))
         with trio.fail_after(DEADLINE):
             await until(lambda: len(c.roster.alive(ready=True)) == 2, c)

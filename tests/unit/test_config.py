@@ -169,7 +169,7 @@ BAD = [
     ({"averaging": {"weight": 1.5}}, "averaging.weight", "expected a number in (0, 1]"),
     ({"averaging": {"weight": True}}, "averaging.weight", "expected a number, got boolean"),
     ({"averaging": {"mixing": "mean"}}, "averaging.mixing", "expected fixed or samples"),
-    ({"averaging": {"codec": "int4"}}, "averaging.codec", "expected fp32, bf16, fp16 or int8"),
+    ({"averaging": {"codec": "int4"}}, "averaging.codec", "expected fp32, bf16, fp16, int8, mod4, mod4/<F> (F in 2..64) or auto"),
     ({"averaging": {"start": "never"}}, "averaging.start", "expected auto, own or download"),
     ({"averaging": {"clip": -0.1}}, "averaging.clip", "expected a number >= 0"),
     ({"averaging": {"max_norm_ratio": 0}}, "averaging.max_norm_ratio", "expected a number > 0"),

@@ -296,7 +296,7 @@ def test_init_set_is_checked_like_the_config(tmp_path: Path,
                                             capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["init", "--swarm", "lab", "--dir", str(tmp_path / "x"), "--listen",
                  "127.0.0.1:7070", "--set", "averaging.codec=fp8"]) == 2
-    assert "averaging.codec: expected fp32, bf16, fp16 or int8" in one_line_error(capsys)
+    assert "averaging.codec: expected fp32, bf16, fp16, int8, mod4, mod4/<F> (F in 2..64) or auto" in one_line_error(capsys)
     assert not (tmp_path / "x").exists()
 
 

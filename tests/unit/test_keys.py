@@ -230,7 +230,7 @@ def test_join_line_with_every_setting_round_trips_in_a_fixed_order() -> None:
 
 @pytest.mark.parametrize("field, match", [
     ("profile=WAN", r"profile= \(swarm.profile: expected lan or wan, got 'WAN'\)"),
-    ("codec=fp8", r"codec= \(averaging.codec: expected fp32, bf16, fp16 or int8"),
+    ("codec=fp8", r"codec= \(averaging.codec: expected fp32, bf16, fp16, int8"),
     ("codec=", "codec= "),
     ("mixing=push-sum", r"mixing= \(averaging.mixing: expected fixed or samples"),
     ("weight=0", r"weight= \(averaging.weight: expected a number in \(0, 1\]"),

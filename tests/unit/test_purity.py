@@ -30,7 +30,7 @@ PURE = frozenset({
     "membership", "handshake", "wire", "mixing", "suspicion", "broadcast", "pushpull",
     "member", "probing", "effects", "seal", "limits", "linkrate", "config",
     "messages", "errors", "identity", "address", "rotation", "standing", "tensors", "int8",
-    "schema", "codec", "mismatch", "correction", "spacing", "exchange_state",
+    "schema", "codec", "mismatch", "correction", "spacing", "exchange_state", "lowbit",
 })
 
 # What a pure module may import from outside gossip: the standard library's computation, the

@@ -56,7 +56,7 @@ def test_an_infinite_time_means_never_where_it_can() -> None:
     (AveragingConfig, "every", "fast", "expected an integer, \"auto\" or None, got 'fast'"),
     (AveragingConfig, "every", "Auto", "expected an integer, \"auto\" or None, got 'Auto'"),
     (AveragingConfig, "every", 2.5, "expected an integer, \"auto\" or None, got 2.5"),
-    (AveragingConfig, "codec", "fp8", "expected fp32, bf16, fp16 or int8, got 'fp8'"),
+    (AveragingConfig, "codec", "fp8", "expected fp32, bf16, fp16, int8, mod4, mod4/<F> (F in 2..64) or auto, got 'fp8'"),
     (AveragingConfig, "clip_min_history", 33,
      "expected at most averaging.clip_window (32), got 33"),
     (MembershipConfig, "probe_timeout", 1.0,
