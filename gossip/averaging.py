@@ -326,8 +326,9 @@ class Averaging:
         refusal = self._trust.refusal(offer, peer)
         rank = self._trust.offerer(peer)
         if refusal is None and lowbit.is_lowbit(offer.codec) and not self.codecs.warm():
-            # Our periods would be as coarse as the weights: our own rounds measure the
-            # spread first (gossip.feedback), and the offerer tries another peer.
+            # Our periods would be as coarse as the weights: our next commit measures the
+            # spread (gossip.feedback), and the offerer tries another peer meanwhile.
+            self.codecs.asked()
             refusal = Refusal(Result.BUSY, "no spread measured yet")
         if refusal is None:
             refusal = self._later(rank, channel.host)

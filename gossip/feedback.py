@@ -71,6 +71,9 @@ class Codecs:
         self._idle = interval or IDLE_BUDGET
         self._family = lowbit.parse_setting(setting) if lowbit.is_lowbit_setting(setting) else None
         self._turn = 0  # the next fragment of a fragmented setting
+        # Whether commits measure spreads: a node that may offer a mod codec, or one asked to
+        # answer one (asked()).
+        self._measure = self._family is not None or setting == "auto"
         self._pace = Spacing()  # for the step time
         self._spreads: list[torch.Tensor | None] = [None]  # the state's
         self._residual: torch.Tensor | None = None
@@ -100,6 +103,11 @@ class Codecs:
             if encoded_nbytes(_wire(name), self.numel, parts) <= budget * rate:
                 return self._named(name, parts)
         return self._named(AUTO_CODECS[-1], parts)
+
+    def asked(self) -> None:
+        """A peer offered a ``mod`` codec: measure spreads from now on, even if our own
+        setting never offers one (until then a commit costs no pass over the state)."""
+        self._measure = True
 
     def warm(self) -> bool:
         """Whether every block of the state has a spread measured: a ``mod`` payload of ours
@@ -160,6 +168,8 @@ class Codecs:
         its ``parts`` vectors (as the checks left it, before any clipping). Takes the spreads
         of the blocks it carried and, for a ``mod`` codec, the residual it left."""
         del parts  # only the state has periods (the estimate travels in int8)
+        if not self._measure:
+            return
         spec = lowbit.parse(codec) if lowbit.is_lowbit(codec) else None
         rows = _absmax(difference[: self.numel])
         spread = self._spreads[0]

@@ -107,9 +107,12 @@ def test_the_residual_is_kept_only_when_the_exchange_commits() -> None:
     assert not torch.equal(encode(state), first)
 
 
-def test_a_fixed_codec_node_measures_spreads_too() -> None:
+def test_a_fixed_codec_node_measures_spreads_once_asked() -> None:
     # It answers mod offers of its peers, with a payload of its own in their codec.
     codecs = Codecs(NUMEL, "fp32")
+    codecs.committed("fp32", torch.full((NUMEL,), 0.01), 1)
+    assert not codecs.warm()  # nobody asked: no pass over the state
+    codecs.asked()  # a peer offered mod4: it was answered busy
     codecs.committed("fp32", torch.full((NUMEL,), 0.01), 1)
     assert codecs.warm()
 

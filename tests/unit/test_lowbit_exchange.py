@@ -127,3 +127,18 @@ async def test_auto_offers_what_the_unmeasured_link_gets() -> None:
         # No link measured yet (these payloads are too small to time): int8 measures it.
         assert a.codec_with(b.peer_id) == "int8"
         assert (await a.average_now()) is Result.COMMITTED
+
+
+async def test_a_fixed_codec_node_answers_mod_offers_once_it_has_measured() -> None:
+    model_a = mlp(15)
+    model_b = nudged(model_a, 6)
+    plain = dataclasses.replace(PLAIN, correction=False)
+    async with two_nodes(model_a, model_b, plain, MOD) as (a, b, done):
+        await exchange(b, a, done)  # B is cold: int8, which B measures
+        assert a.codec_with(b.peer_id) == "int8"
+        # A (fp32) has measured nothing: nobody had asked it for a mod payload.
+        assert (await b.average_now()) is Result.BUSY
+        await exchange(a, b, done)  # A's own fp32 round: A measures now
+        assert a.codec_with(b.peer_id) == "fp32"
+        await exchange(b, a, done)
+        assert a.codec_with(b.peer_id) == b.codec_with(a.peer_id) == "mod4"
