@@ -65,6 +65,7 @@ import trio
 
 from . import exchange, lowbit
 from .channel import SecureChannel
+from .codec import encoded_nbytes
 from .config import AveragingConfig, Limits
 from .correction import ESTIMATE_CLIP
 from .errors import BadMessage, GossipError, PeerGone, PeerTimeout
@@ -114,6 +115,7 @@ class _Side:
     channel: SecureChannel | None = None  # once connected
     told: int | None = None  # the peer's step, once its Offer or Accept says it
     codec: str | None = None  # of both payloads, once the Offer says it
+    nbytes: int | None = None  # of our payload, once both sides sent one
 
 
 _Talk = Callable[[_Side, torch.Tensor, torch.Tensor, Counters, "trio.Event | None"],
@@ -383,6 +385,8 @@ class Averaging:
                     outcome = await talk(side, own, theirs, mine, ready)
             if outcome.peer is not None:
                 side.told = outcome.peer.step
+            if outcome.parts and side.codec is not None:
+                side.nbytes = encoded_nbytes(side.codec, self.replica.schema.numel, outcome.parts)
             result = await self._settle(peer, outcome, mine, side, own, theirs, started)
             theirs = None  # handed over
         except GossipError as exc:
@@ -402,7 +406,7 @@ class Averaging:
             if side.channel is not None:
                 self._tally.carried(side.channel)
                 self._time_link(side.channel, started, failure)
-        self._ended(peer, side.initiated, result, started, side.told)
+        self._ended(peer, side, result, started)
         return result
 
     async def _offer(self, member: Member, side: _Side, own: torch.Tensor,
@@ -564,16 +568,15 @@ class Averaging:
             if buffer is not None:
                 self.replica.release(buffer)
 
-    def _ended(self, peer: PeerId, initiated: bool, result: Result, started: float,
-               step: int | None) -> None:
-        log.debug("averaging %s peer=%s result=%s", "round" if initiated else "answered",
-                  peer.short, result.value)
+    def _ended(self, peer: PeerId, side: _Side, result: Result, started: float) -> None:
+        log.debug("averaging %s peer=%s result=%s codec=%s", "round" if side.initiated
+                  else "answered", peer.short, result.value, side.codec)
         if result is Result.COMMITTED:
             self._last_partner = peer
         if self._on_exchange is not None:
             distance = self._tally.last_distance if result is Result.COMMITTED else None
-            self._on_exchange(Exchange(peer, initiated, result, trio.current_time() - started,
-                                       distance, step))
+            self._on_exchange(Exchange(peer, side.initiated, result, trio.current_time() - started,
+                                       distance, side.told, side.codec, side.nbytes))
 
     def _my_weight(self, counters: Counters) -> float:
         return counters.weight if self.config.by_samples else 0.0

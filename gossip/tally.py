@@ -42,6 +42,8 @@ class Exchange:
     duration: float  # seconds, from before the snapshot to the end
     distance: float | None  # ||peer - own|| when committed, else None
     step: int | None = None  # the peer's step as its Offer or Accept said; None: unheard
+    codec: str | None = None  # of both payloads, once the Offer named it
+    nbytes: int | None = None  # our payload's size (the peer's is the same) once both were due
 
 
 @dataclass(frozen=True)

@@ -417,7 +417,8 @@ class SimSwarm:
         now = trio.current_time()
         self.exchanges.append(SimExchange(
             now, now - exchange.duration, node, self._by_peer.get(exchange.peer),
-            exchange.initiated, exchange.result, exchange.distance))
+            exchange.initiated, exchange.result, exchange.distance, exchange.codec,
+            exchange.nbytes))
         self._changed.fire()
 
 

@@ -34,6 +34,8 @@ class SimExchange:
     initiated: bool  # ``node`` made the offer
     result: Result
     distance: float | None  # ||peer - own|| when committed
+    codec: str | None = None  # of both payloads, once the Offer named it
+    nbytes: int | None = None  # one payload's size, once both were due
 
 
 @dataclass(frozen=True)

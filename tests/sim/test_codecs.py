@@ -9,6 +9,7 @@ import pytest
 import torch
 from trio.testing import MockClock
 
+from gossip.codec import encoded_nbytes
 from gossip.config import AveragingConfig
 from gossip.tensors import CODECS
 from gossip.testing import open_sim_swarm
@@ -31,6 +32,12 @@ async def test_a_swarm_commits_and_settles_in_every_codec(autojump_clock: MockCl
         await sim.run_for(30.0)
         stats = [n.node.statistics() for n in sim.nodes if n.node]
         spread = sim.spread()
+        committed = [e for e in sim.exchanges if e.result.value == "committed"]
+    # Each reports its codec and its payload's size: the offered one, or int8 while cold.
+    used = {e.codec for e in committed}
+    assert used <= {codec, "int8"} | ({"fp32", "bf16", "mod4"} if codec == "auto" else set())
+    for e in committed:
+        assert e.nbytes in (encoded_nbytes(e.codec, SIZE, 1), encoded_nbytes(e.codec, SIZE, 2))
     assert all(s.committed > 10 and s.corrected > 10 for s in stats), stats
     assert all(s.invalid == 0 and s.failed == 0 for s in stats), stats
     # The optimum of the swarm is the mean target; the corrections take every node near it.
