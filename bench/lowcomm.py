@@ -48,6 +48,12 @@ Methods, side by side:
   Nesterov step (``outer=True``, ``outer_lr``, ``outer_momentum`` as :class:`AveragingConfig`
   sets them).
 
+- the codecs below 8 bits (:data:`CODECS`: ``mod4``, ``mod4/4``, ``mod4/8``, ``mod4/16``), at
+  H = 100 and 500 only: "gossip, outer step" with ``averaging.codec`` set to each, on every
+  node. Each node's first exchanges are ``int8`` (until its periods are measured), and the
+  drift correction's estimate travels as ``int8`` cells of the carried blocks, all of which
+  the bytes count.
+
 A training step takes ``STEP_TIME`` virtual seconds in the swarms, so a round at H = 1 overlaps
 the next step as it would on real links; H is imposed by ``every``, not by the links.
 
@@ -72,6 +78,15 @@ The LM's held-out set is the task's: 32 windows of 32 bytes, the same for every 
 - LM gap to DDP: ``(L - L_ddp) / L_ddp`` of the mean node loss, in % (JSON: a fraction).
 - vs DiLoCo: the method's mean node loss over DiLoCo's at the same H (below 1: better).
 - digits gap: DDP's accuracy minus the mean node accuracy, in points.
+- codecs: the gap to "gossip, outer step" in fp32 at the same H (LM: relative loss; digits:
+  points), and bytes per committed exchange and side over fp32's, measured: the payloads
+  (each exchange's codec and size as ``on_exchange`` reports them), and all a node sent
+  (handshakes, messages and refused offers too: about 2 KB an exchange, as much as a
+  ``mod4/16`` payload of this 30K-parameter model, nothing at 100M). The targets (H = 100,
+  payload bytes): the LM within 1% of fp32 at <= 1/16 of its bytes and within 3% at <= 1/50
+  (the best codec of each budget); the digits within 1 point at <= 1/16 (the LM's codec). JSON:
+  ``lm_lowbit_codec_h100``, ``lm_lowbit_loss_gap_h100``, ``lm_lowbit_bytes_ratio_h100`` (and
+  ``lm_lowbit50_*`` for 1/50), ``digits_lowbit_gap_h100_n8``, and each codec's gaps.
 
 Runs are independent and single-threaded, so they go to ``--jobs`` processes (one per core);
 the figures do not depend on how many.
@@ -118,6 +133,13 @@ CPU = torch.device("cpu")
 
 METHODS = {"ddp": "DDP (all-reduce)", "diloco": "DiLoCo", "today": "gossip as today",
            "outer": "gossip, outer step"}
+# The codecs below 8 bits (gossip.lowbit), each a method of its own: "gossip, outer step" with
+# averaging.codec set to it, at CODEC_HS only. Their bytes are measured, not assumed.
+CODECS = ("mod4", "mod4/4", "mod4/8", "mod4/16")
+CODEC_HS = (100, 500)
+SIXTEENTH, FIFTIETH = 1 / 16, 1 / 50  # the targets' byte budgets, of fp32's
+TARGET_LOWBIT_LM = (0.01, 0.03)  # relative loss gap to fp32 at H = 100, within each budget
+TARGET_LOWBIT_DIGITS = 1.0  # points below fp32, within 1/16 of its bytes
 
 Run = dict[str, Any]  # one run: per-node "loss" (and "accuracy"), "exchanges", "mean_model_*"
 
@@ -210,7 +232,8 @@ def run_diloco(work: Workload, seed: int, steps: int, h: int) -> Run:
     return {**evaluate(tasks), "exchanges": float(steps // h)}
 
 
-def run_gossip(work: Workload, seed: int, steps: int, h: int, outer: bool) -> Run:
+def run_gossip(work: Workload, seed: int, steps: int, h: int, outer: bool,
+               codec: str = "fp32") -> Run:
     """A sim swarm of N nodes until they have trained ``N * steps`` steps in all; every node
     is evaluated inside the step that reaches it, so none has stepped past it."""
     tasks, batches = build(work, seed)
@@ -229,7 +252,7 @@ def run_gossip(work: Workload, seed: int, steps: int, h: int, outer: bool) -> Ru
 
     async def main() -> None:
         # The outer step's settings are left to the library, so that the row follows them.
-        averaging = AveragingConfig(every=h, interval=None, start="own")
+        averaging = AveragingConfig(every=h, interval=None, start="own", codec=codec)
         if not outer:
             averaging = dataclasses.replace(averaging, outer=False)
         config = dataclasses.replace(NodeConfig.local(), averaging=averaging)
@@ -239,6 +262,15 @@ def run_gossip(work: Workload, seed: int, steps: int, h: int, outer: bool) -> Ru
             await sim.wait_until(lambda: bool(result))
             # Both sides report an exchange, so this is per node, started or answered.
             result["exchanges"] = sum(e.result is Result.COMMITTED for e in sim.exchanges) / N
+            # Bytes per committed exchange and side: its payload (the codec's, int8 while a
+            # node is cold), and all a node sent (handshakes, messages and refused offers
+            # too: about 2 KB an exchange, which at this model's 30K parameters is as much
+            # as a mod4/16 payload, and nothing at 100M).
+            committed = [e for e in sim.exchanges if e.result is Result.COMMITTED]
+            result["bytes_per_exchange"] = (sum(e.nbytes or 0 for e in committed)
+                                            / max(1, len(committed)))
+            sent = sum(n.node.statistics().bytes_sent for n in sim.nodes if n.node is not None)
+            result["wire_per_exchange"] = sent / max(1, len(committed))
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
     return result
@@ -253,6 +285,8 @@ def run(name: str, method: str, h: int, seed: int, steps: int) -> tuple[Run, flo
         result = run_ddp(work, seed, steps)
     elif method == "diloco":
         result = run_diloco(work, seed, steps, h)
+    elif method in CODECS:
+        result = run_gossip(work, seed, steps, h, outer=True, codec=method)
     else:
         result = run_gossip(work, seed, steps, h, outer=method == "outer")
     return result, time.perf_counter() - began, time.process_time() - cpu
@@ -266,7 +300,9 @@ def jobs(seeds: int) -> list[Job]:
     H first: a swarm's cost grows with its exchanges), so that the pool ends together."""
     out = [(w.name, m, h, seed) for w in WORKLOADS for m in METHODS
            for h in (HS[:1] if m == "ddp" else HS) for seed in range(1, seeds + 1)]
-    cost = {"today": 0, "outer": 0, "diloco": 1, "ddp": 2}
+    out += [(w.name, c, h, seed) for w in WORKLOADS for c in CODECS for h in CODEC_HS
+            for seed in range(1, seeds + 1)]
+    cost = {"today": 0, "outer": 0, "diloco": 1, "ddp": 2, **{c: 0 for c in CODECS}}
     return sorted(out, key=lambda j: (j[0] == "digits", cost[j[1]], j[2]))
 
 
@@ -274,7 +310,7 @@ def run_all(seeds: int, steps: int, workers: int,
             started: float) -> dict[str, dict[str, dict[int, list[Run]]]]:
     """Every run, in ``workers`` processes; returns the runs by workload, method, H, seed."""
     out: dict[str, dict[str, dict[int, list[Run]]]] = {
-        w.name: {m: {} for m in METHODS} for w in WORKLOADS}
+        w.name: {m: {} for m in (*METHODS, *CODECS)} for w in WORKLOADS}
     todo = jobs(seeds)
     # Each run is independent, so separate processes use every core. One torch thread each:
     # these models are small enough that a second thread made a step slower, not faster.
@@ -306,6 +342,9 @@ def summarize(runs: list[Run]) -> dict[str, float]:
     out = {"loss": mean([mean(r["loss"]) for r in runs]),
            "worst_loss": mean([max(r["loss"]) for r in runs]),
            "exchanges": mean([r["exchanges"] for r in runs])}
+    for key in ("bytes_per_exchange", "wire_per_exchange"):
+        if key in runs[0]:
+            out[key] = mean([r[key] for r in runs])
     if "accuracy" in runs[0]:
         out["accuracy"] = mean([mean(r["accuracy"]) for r in runs])
         out["worst_accuracy"] = mean([min(r["accuracy"]) for r in runs])
@@ -380,6 +419,91 @@ def verdicts(summary: Summary) -> dict[str, bool]:
             "digits_gap": summary["digits"]["outer"][TARGET_H]["gap"] <= TARGET_DIGITS}
 
 
+def lowbit(summary: Summary) -> dict[str, dict[str, dict[int, dict[str, float]]]]:
+    """Per workload, codec and H in CODEC_HS: its bytes per exchange over fp32's (the outer
+    step's run, measured the same way) and its gap to fp32 (LM: relative loss, a fraction;
+    digits: accuracy points below)."""
+    out: dict[str, dict[str, dict[int, dict[str, float]]]] = {}
+    for work in WORKLOADS:
+        mine = out[work.name] = {}
+        for codec in CODECS:
+            mine[codec] = {}
+            for h in CODEC_HS:
+                s, fp32 = summary[work.name][codec][h], summary[work.name]["outer"][h]
+                gap = (fp32["accuracy"] - s["accuracy"] if work.classifier
+                       else (s["loss"] - fp32["loss"]) / fp32["loss"])
+                mine[codec][h] = {"bytes_ratio": s["bytes_per_exchange"]
+                                  / fp32["bytes_per_exchange"],
+                                  "wire_ratio": s["wire_per_exchange"]
+                                  / fp32["wire_per_exchange"], "gap": gap,
+                                  "loss": s["loss"], **({"accuracy": s["accuracy"]}
+                                                        if work.classifier else {})}
+    return out
+
+
+def best(low: dict[str, dict[str, dict[int, dict[str, float]]]], budget: float) -> str | None:
+    """The codec with the smallest LM gap at H = 100 among those within ``budget`` of fp32's
+    bytes (on the IID LM), or None."""
+    fits = [c for c in CODECS if low["lm_iid"][c][TARGET_H]["bytes_ratio"] <= budget]
+    return min(fits, key=lambda c: low["lm_iid"][c][TARGET_H]["gap"], default=None)
+
+
+def lowbit_report(low: dict[str, dict[str, dict[int, dict[str, float]]]]) -> str:
+    """The codecs' table: rows (codec, figure), columns (workload, H)."""
+    columns = [(w, h) for w in WORKLOADS for h in CODEC_HS]
+    rows = []
+    for codec in CODECS:
+        for k, (key, name) in enumerate((("bytes_ratio", "payload / fp32's"),
+                                         ("wire_ratio", "all bytes / fp32's"),
+                                         ("gap", "gap to fp32"))):
+            cells = []
+            for work, h in columns:
+                value = low[work.name][codec][h][key]
+                cells.append(f"1/{1 / value:.1f}" if key != "gap" else
+                             f"{value:+.1f} pts" if work.classifier else f"{100 * value:+.2f}%")
+            rows.append([codec if k == 0 else "", name, *cells])
+    head = ["codec", "figure", *(f"{w.name} H={h}" for w, h in columns)]
+    return ("\nCodecs below 8 bits (gossip, outer step; gap to the same with fp32: LM relative "
+            "loss, digits points)\n" + table(head, rows))
+
+
+def lowbit_headline(low: dict[str, dict[str, dict[int, dict[str, float]]]]) -> dict[str, Any]:
+    """The JSON figures of the best codec within 1/16 and within 1/50 of fp32's bytes."""
+    out: dict[str, Any] = {}
+    for budget, prefix in ((SIXTEENTH, "lm_lowbit"), (FIFTIETH, "lm_lowbit50")):
+        codec = best(low, budget)
+        out[f"{prefix}_codec_h100"] = codec
+        lm = low["lm_iid"][codec][TARGET_H] if codec else None
+        out[f"{prefix}_loss_gap_h100"] = None if lm is None else round(lm["gap"], 4)
+        out[f"{prefix}_bytes_ratio_h100"] = None if lm is None else round(lm["bytes_ratio"], 4)
+        out[f"{prefix}_wire_ratio_h100"] = None if lm is None else round(lm["wire_ratio"], 4)
+    codec = out["lm_lowbit_codec_h100"]
+    out[f"digits_lowbit_gap_h100_n{N}"] = (
+        None if codec is None else round(low["digits"][codec][TARGET_H]["gap"], 2))
+    out[f"digits_lowbit_bytes_ratio_h100_n{N}"] = (
+        None if codec is None else round(low["digits"][codec][TARGET_H]["bytes_ratio"], 4))
+    for codec in CODECS:
+        name = codec.replace("/", "_")
+        for work in WORKLOADS:
+            out[f"{work.name}_{name}_gap_h100"] = round(low[work.name][codec][TARGET_H]["gap"], 4)
+    return out
+
+
+def lowbit_verdicts(lows: dict[str, Any]) -> str:
+    """The codecs' targets, in words."""
+    def said(value: float | None, limit: float) -> str:
+        return "none within the bytes" if value is None else (
+            "met" if value <= limit else "MISSED")
+
+    return (f"codec targets at H = {TARGET_H}: LM within {TARGET_LOWBIT_LM[0]:.0%} of fp32 at "
+            f"<= 1/16 of its bytes ({lows['lm_lowbit_codec_h100']}) "
+            f"{said(lows['lm_lowbit_loss_gap_h100'], TARGET_LOWBIT_LM[0])}; within "
+            f"{TARGET_LOWBIT_LM[1]:.0%} at <= 1/50 ({lows['lm_lowbit50_codec_h100']}) "
+            f"{said(lows['lm_lowbit50_loss_gap_h100'], TARGET_LOWBIT_LM[1])}; digits within "
+            f"{TARGET_LOWBIT_DIGITS:g} point at <= 1/16 "
+            f"{said(lows[f'digits_lowbit_gap_h100_n{N}'], TARGET_LOWBIT_DIGITS)}")
+
+
 def plot(summary: Summary) -> None:
     plt = pyplot()
     fig, axes = plt.subplots(1, len(WORKLOADS), figsize=(5 * len(WORKLOADS), 4.5))
@@ -441,6 +565,8 @@ def main() -> None:
           f"momentum {defaults.outer_momentum} (the library's defaults)")
     for work in WORKLOADS:
         print(report(work, summary[work.name]))
+    low = lowbit(summary)
+    print(lowbit_report(low))
     met = verdicts(summary)
     print(f"\nheld-out figures at the end of the budget, every node evaluated; mean over "
           f"seeds. gap to DDP: (L - L_ddp) / L_ddp of the mean node loss; pts below DDP: its "
@@ -457,8 +583,10 @@ def main() -> None:
               for runs in by_h.values() for r in runs)
     print(f"wall time {elapsed:.1f} s, {args.jobs} jobs; the runs' CPU time {cpu:.0f} s")
 
-    out = {**headline(summary), "targets_met": all(met.values()), "quick": args.quick,
-           "seconds": round(elapsed, 1)}
+    lowbits = lowbit_headline(low)
+    print(lowbit_verdicts(lowbits))
+    out = {**headline(summary), **lowbits, "targets_met": all(met.values()),
+           "quick": args.quick, "seconds": round(elapsed, 1)}
     save_json("lowcomm", {
         **out, "nodes": N, "hs": list(HS), "steps_per_node": steps, "seeds": seeds,
         "step_time": STEP_TIME, "lm_options": LM_OPTIONS, "jobs": args.jobs, "cpu_s": round(cpu),
@@ -466,7 +594,8 @@ def main() -> None:
         "gossip_averaging": {k: v for k, v in dataclasses.asdict(defaults).items()
                              if k in ("outer", "outer_lr", "outer_momentum", "correction",
                                       "weight", "codec")},
-        "verdicts": met,
+        "verdicts": met, "lowbit": {w: {c: {str(h): f for h, f in by_h.items()}
+                                        for c, by_h in by_c.items()} for w, by_c in low.items()},
         "summary": {w: {m: {str(h): s for h, s in by_h.items()} for m, by_h in by_m.items()}
                     for w, by_m in summary.items()},
         "per_seed": {w: {m: {str(h): r for h, r in by_h.items()} for m, by_h in by_m.items()}
