@@ -92,7 +92,7 @@ class Codecs:
         link (``rate``: bytes per second measured to the peer's host, None if never;
         ``known``: the rates measured to other hosts)."""
         if self.setting != "auto":
-            return self._named(self.setting, parts)
+            return self._named(self.setting)
         if rate is None:
             if not known:
                 return UNMEASURED
@@ -101,8 +101,8 @@ class Codecs:
         budget = self._idle if step is None else self._steps * step
         for name in AUTO_CODECS:
             if encoded_nbytes(_wire(name), self.numel, parts) <= budget * rate:
-                return self._named(name, parts)
-        return self._named(AUTO_CODECS[-1], parts)
+                return self._named(name)
+        return self._named(AUTO_CODECS[-1])
 
     def asked(self) -> None:
         """A peer offered a ``mod`` codec: measure spreads from now on, even if our own
@@ -116,7 +116,7 @@ class Codecs:
         spread = self._spreads[0]
         return spread is not None and not bool(torch.isnan(spread).any())
 
-    def _named(self, name: str, parts: int) -> str:
+    def _named(self, name: str) -> str:
         """A setting's wire name: a fragmented one's next fragment; ``int8`` instead of a
         ``mod`` codec while we are not :meth:`warm` (its exchange measures every block)."""
         if not lowbit.is_lowbit_setting(name):
@@ -126,7 +126,7 @@ class Codecs:
         spec = lowbit.parse_setting(name)
         if spec.fragments == 1:
             return spec.name
-        fragment, self._turn = self._turn % spec.fragments, (self._turn + 1) % 3840
+        fragment, self._turn = self._turn % spec.fragments, self._turn + 1
         return lowbit.Spec(spec.bits, spec.fragments, fragment).name
 
     def used(self, peer: str, codec: str) -> None:
