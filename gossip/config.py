@@ -55,8 +55,8 @@ __all__ = [
 # Every wire codec of exchanged states: fp32 (exact), bf16 and fp16 element-wise, int8 in
 # blocks (gossip.int8). gossip.tensors checks its encoders against this list.
 CODECS: tuple[str, ...] = ("fp32", "bf16", "fp16", "int8")
-# The mod codecs below 8 bits (gossip.lowbit) as a setting: mod<b>, b bits a value, or
-# mod<b>/<F>, one F-th of the blocks per exchange (the node names the fragment in its offer).
+# The mod codecs below 8 bits (gossip.lowbit) as a setting: mod4, 4 bits a value, or
+# mod4/<F>, one F-th of the blocks per exchange (the node names the fragment in its offer).
 # mod3 and mod2 decode, but are no settings: with periods of 2 x MARGIN (8) times the spread
 # last seen, their rounding (a whole spread and more) is as large as the differences it codes,
 # and the spread each exchange then measures never shrinks: swarms drifted apart in tests.

@@ -6,7 +6,7 @@ Theory of operation
 **The codec of an offer.** ``averaging.codec`` names what a node offers; the initiator's
 offer names the codec of both payloads and a responder takes any codec it knows, so a node on
 a thin link can send few bytes to a peer on a fast one. A fixed codec is offered as it is; a
-fragmented ``mod<b>/<F>`` names the fragment of each exchange in turn (``mod4/8:0``,
+fragmented ``mod4/<F>`` names the fragment of each exchange in turn (``mod4/8:0``,
 ``mod4/8:1``, ...), so that every block is carried once in ``F`` of the node's exchanges.
 ``"auto"`` picks per peer: the first of :data:`~gossip.config.AUTO_CODECS` whose payload
 crosses the link to that peer's host, at the rate its past exchanges carried
