@@ -49,3 +49,30 @@ async def test_a_swarm_commits_and_settles_in_every_codec(autojump_clock: MockCl
     # scale from their mean: a codec that broke the states or the estimates would show.
     assert float((center - optimum).norm()) < 0.2 * scale, (codec, center - optimum)
     assert spread < 0.2 * scale, (codec, spread)
+
+
+@pytest.mark.parametrize("bandwidth, then", [(1e5, "mod4"), (None, "fp32")])
+async def test_auto_picks_the_codec_the_measured_link_carries(
+        autojump_clock: MockClock, bandwidth: float | None, then: str) -> None:
+    # 260,000 parameters, below OFFLOAD_NUMEL (no worker threads on the virtual clock): an
+    # exchange is 1.04 MB in fp32, 276 KB in int8 (enough to time the link), 138 KB in mod4.
+    # Idle nodes give an exchange `interval` (2 s): at 100 KB/s only mod4 fits.
+    numel = 260_000
+    generator = torch.Generator().manual_seed(7)
+    start = torch.randn(numel, generator=generator)
+    models = []
+    for _ in range(2):
+        model = torch.nn.Linear(numel, 1, bias=False)
+        with torch.no_grad():
+            model.weight.copy_(start + 0.01 * torch.randn(numel, generator=generator))
+        models.append(model)
+    config = local(averaging=AveragingConfig(start="own", trust_after=0.0, codec="auto",
+                                             correction=False, every=None, interval=2.0))
+    async with open_sim_swarm(2, seed=7, model=lambda i: models[i], config=config,
+                              bandwidth=bandwidth) as sim:
+        await sim.run_for(60.0)
+        committed = [e for e in sim.exchanges if e.result.value == "committed"]
+    codecs = [e.codec for e in committed if e.initiated]
+    # Nothing measured: int8, which times the link; then what the rate allows.
+    assert codecs[0] == "int8" and len(codecs) >= 3, codecs
+    assert set(codecs[1:]) == {then}, codecs
