@@ -60,7 +60,8 @@ from .groups import first_error, phase_deadline, phase_deadline_at
 from .linkrate import STALL
 from .messages import Accept, Close, Offer
 from .schema import StateSchema
-from .transfer import offload, receive_state, send_state
+from .replica import offload_for
+from .transfer import receive_state, send_state
 
 __all__ = ["Deadlines", "Outcome", "Result", "Verdict", "Check", "initiate", "respond"]
 
@@ -164,7 +165,7 @@ async def _swap(channel: SecureChannel, state: ExchangeState, own: torch.Tensor,
             payload = None
             if lowbit.is_lowbit(codec):
                 make = encoder or (lambda flat: lowbit_payload(flat, codec, state.parts))
-                payload = await offload(schema.numel, make, mine)
+                payload = await offload_for(schema.numel, make, mine)
             await send_state(channel, mine, schema, codec, payload=payload)
         except GossipError as exc:  # PeerGone, or ChannelClosed: the receive failed
             lost.append(exc)

@@ -28,7 +28,8 @@ the drift correction's estimate):
   since its peer applied nothing.
 
 Both are made at the first ``mod`` exchange: the residual costs one float32 vector of the
-payload's size on the host, and one more during an exchange (the residual it would leave).
+state's size on the host; while a payload is out, the residual of the blocks it carries is
+kept as it stood, to be put back if the exchange fails.
 """
 
 from __future__ import annotations
@@ -77,7 +78,9 @@ class Codecs:
         self._pace = Spacing()  # for the step time
         self._spreads: list[torch.Tensor | None] = [None]  # the state's
         self._residual: torch.Tensor | None = None
-        self._pending: torch.Tensor | None = None
+        # While a payload is out: its spec and the residual of the blocks it carries before
+        # it replaced them.
+        self._pending: tuple[lowbit.Spec, torch.Tensor] | None = None
         self._used: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._lock = threading.Lock()
 
@@ -150,16 +153,16 @@ class Codecs:
             return None
 
         def encode(flat: torch.Tensor) -> torch.Tensor:
-            parts = flat.numel() // self.numel
+            parts, spec = flat.numel() // self.numel, lowbit.parse(codec)
             with self._lock:
+                self._restore()  # an exchange that ended neither way (cancelled)
                 if self._residual is None:
                     self._residual = torch.zeros(self.numel, dtype=torch.float32)
-                pending = self._residual.clone()
+                # The carried blocks' residual as it stands, put back if the exchange fails
+                # (its peer applied nothing): 1/F of the state, not a copy of it.
+                self._pending = (spec, lowbit.gather(self._residual, spec).clone())
                 spreads = self._spreads[:1]
-            payload = lowbit_payload(flat, codec, parts, spreads, residual=pending)
-            with self._lock:
-                self._pending = pending
-            return payload
+            return lowbit_payload(flat, codec, parts, spreads, residual=self._residual)
 
         return encode
 
@@ -168,6 +171,8 @@ class Codecs:
         its ``parts`` vectors (as the checks left it, before any clipping). Takes the spreads
         of the blocks it carried and, for a ``mod`` codec, the residual it left."""
         del parts  # only the state has periods (the estimate travels in int8)
+        with self._lock:
+            self._pending = None  # the payload's residual stands
         if not self._measure:
             return
         spec = lowbit.parse(codec) if lowbit.is_lowbit(codec) else None
@@ -180,15 +185,20 @@ class Codecs:
         else:
             chosen = lowbit.selected(spec, self.numel)
             spread[chosen] = rows[chosen]
-        with self._lock:
-            pending, self._pending = self._pending, None
-            if spec is not None and pending is not None and self._residual is not None:
-                self._residual[: pending.numel()] = pending
 
     def failed(self) -> None:
-        """The exchange ended without a commit: its residual is dropped."""
+        """The exchange ended without a commit: the residual its payload replaced is put
+        back."""
         with self._lock:
-            self._pending = None
+            self._restore()
+
+    def _restore(self) -> None:
+        """Put back the residual a payload replaced, if its exchange did not commit (the
+        lock held)."""
+        if self._pending is not None and self._residual is not None:
+            spec, saved = self._pending
+            lowbit.scatter(saved, spec, self._residual)
+        self._pending = None
 
     def coverage(self, codec: str) -> float:
         """The fraction of the state's values a payload in ``codec`` carries (1 but for

@@ -87,7 +87,7 @@ from .outer import Outer
 from .staging import Staging, device_of
 from .tensors import StateSchema
 
-__all__ = ["Replica", "Counters", "offload", "MAX_SPREAD", "OFFLOAD_NUMEL"]
+__all__ = ["Replica", "Counters", "offload", "offload_for", "MAX_SPREAD", "OFFLOAD_NUMEL"]
 
 OFFLOAD_NUMEL = 1 << 18  # models this large (1 MiB of float32) copy and mix in a thread
 MAX_SPREAD = 16  # steps a committed delta is spread over at most: momentum's memory
@@ -576,7 +576,13 @@ async def offload(replica: Replica, fn: Callable[..., Any], *args: Any, **kwargs
     """Run ``fn`` (a copy or arithmetic over the whole state) in a worker thread for a model
     of :data:`OFFLOAD_NUMEL` elements or more, inline for a smaller one: a thread hop costs
     more than copying a small model, and inline work keeps simulated swarms on trio's
-    virtual clock."""
-    if replica.schema.numel < OFFLOAD_NUMEL:
-        return fn(*args, **kwargs)
-    return await trio.to_thread.run_sync(lambda: fn(*args, **kwargs))
+    virtual clock (:func:`offload_for`)."""
+    return await offload_for(replica.schema.numel, lambda: fn(*args, **kwargs))
+
+
+async def offload_for(numel: int, fn: Callable[..., Any], *args: Any) -> Any:
+    """:func:`offload` for work over a schema of ``numel`` elements (a payload's encoding
+    or decoding, where no replica is at hand)."""
+    if numel < OFFLOAD_NUMEL:
+        return fn(*args)
+    return await trio.to_thread.run_sync(fn, *args)

@@ -18,7 +18,6 @@ Sending and receiving may run at the same time on one channel (full duplex).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import torch
 import trio
@@ -26,12 +25,12 @@ import trio
 from .channel import MAX_RECORD, SecureChannel
 from .errors import PeerGone, RemoteProtocolError, SchemaMismatch
 from .messages import Close, StateHeader
-from .replica import OFFLOAD_NUMEL
+from .replica import offload_for
 from . import int8, lowbit
 from .codec import LowbitDecoder, lowbit_payload
 from .tensors import StateDecoder, StateSchema, encode_chunks, encoded_nbytes
 
-__all__ = ["send_state", "receive_state", "offload"]
+__all__ = ["send_state", "receive_state"]
 
 
 async def send_state(
@@ -80,7 +79,7 @@ async def send_state(
                 await channel.send(record)
             return
         if lowbit.is_lowbit(codec):
-            encoded = await offload(schema.numel, lowbit_payload, flat, codec, parts)
+            encoded = await offload_for(schema.numel, lowbit_payload, flat, codec, parts)
             for record in _slices(encoded):
                 await channel.send(record)
             return
@@ -96,15 +95,6 @@ async def send_state(
         # would take our next message for tensor bytes, so the channel is done.
         await channel.aclose()
         raise
-
-
-async def offload(numel: int, fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)`` (CPU work over a whole payload) in a worker thread for a schema of
-    :data:`~gossip.replica.OFFLOAD_NUMEL` elements or more, inline for a smaller one, as
-    :func:`gossip.replica.offload` does: simulated swarms then stay on trio's virtual clock."""
-    if numel < OFFLOAD_NUMEL:
-        return fn(*args)
-    return await trio.to_thread.run_sync(fn, *args)
 
 
 def _slices(payload: torch.Tensor) -> Iterator[memoryview]:
@@ -187,7 +177,7 @@ async def _receive_state(
             lowbits.wrote(await channel.receive_into(window))
         if reference_ready is not None:
             await reference_ready.wait()
-        await offload(schema.numel, lowbits.finish)
+        await offload_for(schema.numel, lowbits.finish)
         if on_decoded is not None:
             on_decoded(lowbits.decoded)
         return message, lowbits.result()

@@ -96,6 +96,8 @@ def test_the_residual_is_kept_only_when_the_exchange_commits() -> None:
     first = encode(state)
     codecs.failed()  # the peer applied nothing: the next payload is the same
     assert torch.equal(encode(state), first)
+    # An exchange that ended neither way (cancelled) leaves nothing behind either.
+    assert torch.equal(encode(state), first)
     codecs.committed("mod4", torch.full((NUMEL,), 0.01), 1)
     residual = codecs._residual
     assert residual is not None and bool(residual.abs().max() > 0)
