@@ -194,7 +194,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .startup import StartupError
     from .task import TaskError
     try:
-        where = placement(config.task.processes)
+        where = placement(config.task.processes, pipeline=config.task.pipeline)
     except ProcessesError as exc:
         raise UsageError(str(exc)) from None
     live = logs.setup(args.log_level, process=where.rank if where.several else None)
@@ -259,7 +259,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         load_swarm(config.swarm.name, config.path(config.swarm.key_file),
                    config.path(previous) if previous else None, config.swarm.cipher)
         # This process's device, with every process's GPU counted: what `run` resolves.
-        where = placement(config.task.processes)
+        where = placement(config.task.processes, pipeline=config.task.pipeline)
         device = resolve_device(config.task.device, where)
         load_entry(config.task.entry, config.data_dir())
     except (KeyFileError, TaskError, ProcessesError, StartupError) as exc:

@@ -255,6 +255,11 @@ class TaskSection(_Section):
                              "machine with several (process r takes cuda:r); they train one "
                              "model synchronously and the swarm sees one node. Under torchrun, "
                              "leave it at 1", want(lambda v: 1 <= v <= 64, "an integer in 1..64"))
+    pipeline: int = setting(1, "pipeline stages of this node, 1..64: the task's model (which "
+                            "declares Task.pipeline) cut into this many stages, one process "
+                            "each (stage k on cuda:k), micro-batches flowing through them; the "
+                            "swarm sees one ordinary model. Not with processes > 1",
+                            want(lambda v: 1 <= v <= 64, "an integer in 1..64"))
     check_every: int = setting(0, "steps between checks that a node's processes hold "
                                "bit-identical parameters (a broadcast of the model); 0: never",
                                COUNT)
@@ -263,6 +268,10 @@ class TaskSection(_Section):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.pipeline > 1 and self.processes > 1:
+            raise ConfigError("task.pipeline and task.processes cannot both be above 1: a "
+                              "node is either data parallel or pipelined, not both (a data x "
+                              "pipeline mesh is not supported)", "task.pipeline")
         if self.shard != "auto" and self.shard >= self.shards:
             raise ConfigError(f"task.shard: expected an integer in [0, task.shards) = "
                               f"[0, {self.shards}), got {self.shard}", "task.shard")

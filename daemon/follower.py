@@ -28,7 +28,8 @@ from .config import Config
 from .exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from .processes import (COLLECTIVE_TIMEOUT, Placement, ProcessesError, agree_shard,
                         die_with_parent, init_group, leave_group, set_threads)
-from .startup import GlobalStep, StartupError, build_task, resolve_device
+from .startup import (GlobalStep, Group, StartupError, build_task, resolve_device,
+                      stage_pipeline, staged_task)
 from .task import Shard, Task, TaskError, load_entry, to_device
 from .train import Batches, resume
 
@@ -56,7 +57,7 @@ def follow(config: Config, where: Placement) -> int:
     return code
 
 
-def _train(group: NodeGroup, task: Task, batches: Batches, device: torch.device,
+def _train(group: Group, task: Task, batches: Batches, device: torch.device,
            rank: int) -> int:
     """A step boundary, one step, again, until the speaker's last boundary says stop; returns
     the exit code."""
@@ -77,7 +78,7 @@ def _train(group: NodeGroup, task: Task, batches: Batches, device: torch.device,
 
 
 def _prepare(config: Config, where: Placement,
-             stack: ExitStack) -> tuple[NodeGroup, Task, Batches, torch.device]:
+             stack: ExitStack) -> tuple[Group, Task, Batches, torch.device]:
     """Build the task, resume the checkpoint the speaker resumes, join the group (closed by
     ``stack``) and take the speaker's state.
 
@@ -90,25 +91,39 @@ def _prepare(config: Config, where: Placement,
     fn = load_entry(config.task.entry, config.data_dir())
     step = GlobalStep()
     task = build_task(config, fn, where, device, step)
-    task.model.to(device)
+    if not where.pipelined:  # a stage moves its own part alone
+        task.model.to(device)
     found = resume(task, config)  # TaskError: as the speaker's start-up says it
     resumed = None if found is None else found.counters.step
     if found is not None:
         log.info("process %d resuming checkpoint=%s step=%d", where.rank, found.path, resumed)
     init_group(where, device)
-    group = NodeGroup(task.model, task.optimizer, check_every=config.task.check_every,
-                      timeout=COLLECTIVE_TIMEOUT)
+    group: Group
+    replica: Replica | None = None
+    if where.pipelined:
+        pipeline = stage_pipeline(config, task, device)
+        stack.callback(pipeline.close)
+        group, task = pipeline.boundaries, staged_task(task, pipeline)
+    else:
+        group = NodeGroup(task.model, task.optimizer, check_every=config.task.check_every,
+                          timeout=COLLECTIVE_TIMEOUT)
+        averaging = config.averaging.to_averaging()
+        replica = Replica(task.model, by_samples=averaging.by_samples, leak=averaging.leak,
+                          optimizer=task.optimizer if averaging.correction else None,
+                          outer=averaging.outer_setting)
     stack.callback(group.close)
     step.follow_group(group)
-    averaging = config.averaging.to_averaging()
-    replica = Replica(task.model, by_samples=averaging.by_samples, leak=averaging.leak,
-                      optimizer=task.optimizer if averaging.correction else None,
-                      outer=averaging.outer_setting)
-    group.start(replica, resumed)
+    group.start(replica, resumed)  # type: ignore[arg-type]
     if group.stopped:  # the speaker stopped before it was ready
         return group, task, Batches(task, Shard()), device
     count = config.task.shards
     index = agree_shard(group, int(config.task.shard) if config.task.shard != "auto" else 0)
+    if where.pipelined:
+        start, stop = group.pipeline.bounds[where.rank]  # type: ignore[union-attr]
+        log.info("process %d of %d is stage %d of the node's pipeline: modules %d..%d, "
+                 "shard %d/%d, every batch", where.rank, where.size, where.rank, start,
+                 stop - 1, index, count)
+        return group, task, Batches(task, Shard(index, count), None, 0, 1), device
     log.info("process %d of %d follows the node's process 0: shard %d/%d, batches %d, %d, "
              "%d, ...", where.rank, where.size, index, count, where.rank,
              where.rank + where.size, where.rank + 2 * where.size)

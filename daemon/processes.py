@@ -54,7 +54,7 @@ import trio
 
 import gossip
 from gossip import NodeGroup
-from gossip.lowlevel import Replica
+from gossip.lowlevel import Replica, StageGroup
 
 from .logs import RUN
 
@@ -92,6 +92,7 @@ class Placement:
     size: int = 1
     local_rank: int = 0
     launcher: str = ""
+    pipelined: bool = False  # the processes are pipeline stages (task.pipeline), not replicas
 
     @property
     def speaker(self) -> bool:
@@ -102,16 +103,21 @@ class Placement:
         return self.size > 1
 
 
-def placement(processes: int, env: Any = None) -> Placement:
+def placement(processes: int, env: Any = None, pipeline: int = 1) -> Placement:
     """Where this process stands: from torchrun's variables (``WORLD_SIZE``, ``RANK``,
-    ``LOCAL_RANK``) when they name more than one process, else from ``task.processes``.
+    ``LOCAL_RANK``) when they name more than one process, else from ``task.processes`` (or
+    ``task.pipeline``: one process per stage).
 
     Raises:
-        ProcessesError: the variables are malformed, or disagree with ``task.processes``.
+        ProcessesError: the variables are malformed, or disagree with ``task.processes``
+            or ``task.pipeline``.
     """
     env = os.environ if env is None else env
+    staged = pipeline > 1
+    if staged:
+        processes = pipeline
     if env.get("WORLD_SIZE", "1") in ("", "1"):
-        return Placement(0, processes, 0, "gossipd" if processes > 1 else "")
+        return Placement(0, processes, 0, "gossipd" if processes > 1 else "", staged)
     try:
         size, rank = int(env["WORLD_SIZE"]), int(env["RANK"])
         local = int(env.get("LOCAL_RANK", rank))
@@ -126,10 +132,13 @@ def placement(processes: int, env: Any = None) -> Placement:
         raise ProcessesError(f"torchrun spans {size} processes over several machines: a node "
                              f"is one machine, so run one torchrun per machine "
                              f"(--nnodes 1), each its own node")
+    if staged and pipeline != size:
+        raise ProcessesError(f"task.pipeline is {pipeline} but torchrun started {size}: "
+                             f"start one process per stage")
     if processes not in (1, size):
         raise ProcessesError(f"task.processes is {processes} but torchrun started {size}: "
                              f"leave task.processes at 1 under torchrun, or set it equal")
-    return Placement(rank, size, local, "gossipd" if env.get(SPAWNED) else "torchrun")
+    return Placement(rank, size, local, "gossipd" if env.get(SPAWNED) else "torchrun", staged)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -217,7 +226,7 @@ def init_group(where: Placement, device: torch.device, port: int | None = None,
         raise ProcessesError(f"cannot form the node's group: {failure[0]}") from None
 
 
-def agree_shard(group: NodeGroup, index: int) -> int:
+def agree_shard(group: NodeGroup | StageGroup, index: int) -> int:
     """The speaker's shard index, in every process of the node (after the group's start: the
     speaker may choose it once joined).
 
@@ -315,7 +324,8 @@ class Speaker:
     :attr:`failed` is the error the daemon exits 1 with once stopped (None: none).
     """
 
-    def __init__(self, group: NodeGroup | None, followers: Sequence[subprocess.Popen],
+    def __init__(self, group: NodeGroup | StageGroup | None,
+                 followers: Sequence[subprocess.Popen],
                  stop: Stop) -> None:
         self.group = group
         self.followers = list(followers)
@@ -333,6 +343,12 @@ class Speaker:
             await trio.to_thread.run_sync(agree_shard, group, shard)
         except gossip.ProcessLost as exc:
             self.lost(exc)
+            return
+        if isinstance(group, StageGroup):
+            start, stop = group.pipeline.bounds[0]
+            run_log.info("node of %d pipeline stages backend=%s: this process speaks for it "
+                         "and is stage 0, modules %d..%d, every batch", group.size,
+                         group.backend, start, stop - 1)
             return
         run_log.info("node of %d processes backend=%s: this process speaks for it and trains "
                      "on batches 0, %d, %d, ... of its shard", group.size, group.backend,
@@ -405,7 +421,9 @@ class Speaker:
         if group is None:
             return None
         stats = group.statistics()
-        return {"count": group.size, "backend": group.backend, "syncs": stats.syncs,
+        return {"count": group.size, "backend": group.backend,
+                "layout": "pipeline" if isinstance(group, StageGroup) else "data",
+                "syncs": stats.syncs,
                 "sync_seconds": round(stats.sync_seconds, 3),
                 "header_seconds": round(stats.header_seconds, 3),
                 "gradient_seconds": round(stats.reduce_seconds, 3), "checks": stats.checks}

@@ -60,7 +60,8 @@ from .control import ControlError, bind_control, serve_control
 from .keys import KeyFileError, encode_options, load_swarm
 from .logs import LiveLine
 from .metrics import Metrics, MetricsLog
-from .startup import GlobalStep, StartupError, build_task, resolve_device
+from .startup import (GlobalStep, Group, StartupError, build_task, resolve_device,
+                      stage_pipeline, staged_task)
 from .status import StepReports, status_reply
 from .task import Shard, Task, TaskError, entry_file, load_entry
 from .train import Resumed, Trainer, Training, first_batches, resume
@@ -92,7 +93,7 @@ class Prepared:
     metrics: Metrics
     log_file: MetricsLog | None
     followers: tuple[subprocess.Popen, ...]  # the processes we started
-    group: gossip.NodeGroup | None  # a node of several processes: its group
+    group: Group | None  # a node of several processes: its group
 
 
 @asynccontextmanager
@@ -127,7 +128,7 @@ def _acquire(stack: AsyncExitStack, config: Config, argv: tuple[str, ...] | None
     except OSError as exc:
         raise _listen_error(config.node.listen, exc) from None
     try:
-        where = processes.placement(config.task.processes)
+        where = processes.placement(config.task.processes, pipeline=config.task.pipeline)
     except processes.ProcessesError as exc:
         raise StartupError(str(exc)) from None
     # Before any follower starts: a device this machine lacks fails here, at once.
@@ -143,7 +144,8 @@ def _acquire(stack: AsyncExitStack, config: Config, argv: tuple[str, ...] | None
     task = build_task(config, fn, where, device, step)
     try:
         batches = first_batches(task, shard, config.task.entry)
-        task.model.to(device)
+        if not where.pipelined:  # a pipelined node moves each stage's part alone
+            task.model.to(device)
         found = resume(task, config)
     except TaskError as exc:
         raise StartupError(str(exc)) from None
@@ -152,7 +154,7 @@ def _acquire(stack: AsyncExitStack, config: Config, argv: tuple[str, ...] | None
     metrics, log_file = Metrics(), _open_log(stack, config)
     if config.metrics.prometheus:  # last but the group: it starts a thread
         _serve_metrics(stack, metrics, config.metrics.prometheus)
-    group = _form_group(stack, config, where, device, task, port, followers)
+    group, task = _form_group(stack, config, where, device, task, port, followers)
     if group is not None:
         step.follow_group(group)
     return Prepared(config, identity, swarm, where, device, task, shard, choose, batches,
@@ -270,20 +272,29 @@ def _serve_metrics(stack: AsyncExitStack, metrics: Metrics, address: str) -> Non
 
 def _form_group(stack: AsyncExitStack, config: Config, where: processes.Placement,
                 device: torch.device, task: Task, port: int | None,
-                followers: Sequence[subprocess.Popen]) -> gossip.NodeGroup | None:
+                followers: Sequence[subprocess.Popen]) -> tuple[Group | None, Task]:
     """A node of several processes: form its group, last: every check the operator could
     fail has passed here, and each process has built the task it will train. None for a node
-    of one process."""
+    of one process. A pipelined node's task comes back as its speaker trains it: the whole
+    model on the host (the mirror), its optimizer, the pipeline's step."""
     if not where.several:
-        return None
+        return None, task
     try:
         processes.init_group(where, device, port, followers)
+        group: Group
+        if where.pipelined:
+            pipeline = stage_pipeline(config, task, device)
+            group, task = pipeline.boundaries, staged_task(task, pipeline)
+        else:
+            group = gossip.NodeGroup(task.model, task.optimizer,
+                                     check_every=config.task.check_every,
+                                     timeout=processes.COLLECTIVE_TIMEOUT)
     except processes.ProcessesError as exc:
         raise StartupError(str(exc)) from None
-    group = gossip.NodeGroup(task.model, task.optimizer, check_every=config.task.check_every,
-                             timeout=processes.COLLECTIVE_TIMEOUT)
 
     async def close() -> None:
+        if where.pipelined:
+            group.pipeline.close()  # type: ignore[union-attr]
         group.close()  # first: a follower still waiting at a boundary sees its group close
         processes.leave_group()
         if followers:  # stopped by the last boundary; the rest are ended
@@ -291,7 +302,7 @@ def _form_group(stack: AsyncExitStack, config: Config, where: processes.Placemen
                 await trio.to_thread.run_sync(processes.stop_followers, followers)
 
     stack.push_async_callback(close)
-    return group
+    return group, task
 
 
 async def run(config: Config, argv: tuple[str, ...] | None = None, *,

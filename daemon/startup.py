@@ -23,11 +23,13 @@ The lines logged here are the daemon's start-up lines and log as ``daemon.servic
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Union
 
 import torch
 
+from gossip import GossipError, NodeGroup, Pipeline
 from gossip.devices import DeviceError, resolve
+from gossip.lowlevel import StageGroup
 
 from .logs import RUN
 from .processes import Placement
@@ -38,9 +40,13 @@ if TYPE_CHECKING:
 
     from .config import Config
 
-__all__ = ["GlobalStep", "StartupError", "build_task", "resolve_device"]
+__all__ = ["GlobalStep", "Group", "StartupError", "build_task", "resolve_device",
+           "stage_pipeline", "staged_task"]
 
 log = logging.getLogger(RUN)
+
+# The step boundaries of a node of several processes: replicas, or pipeline stages.
+Group = Union[NodeGroup, StageGroup]
 
 
 class StartupError(Exception):
@@ -80,7 +86,7 @@ class GlobalStep:
         """Read the node's step from now on (the node is open)."""
         self._node = node
 
-    def follow_group(self, group: gossip.NodeGroup) -> None:
+    def follow_group(self, group: Group) -> None:
         """Read the group's step once it has started (a node of several processes)."""
         self._group = group
 
@@ -100,8 +106,10 @@ def build_task(config: Config, fn: Callable[[Context], Any], where: Placement,
     Raises:
         StartupError: it failed, or returned something else than a :class:`Task`.
     """
+    # Pipeline stages each see every batch of the node: to the task, one process.
+    rank, size = (0, 1) if where.pipelined else (where.rank, where.size)
     context = Context(config.task.seed, device, dict(config.task.options),
-                      config.data_dir() / "cache", step, where.rank, where.size)
+                      config.data_dir() / "cache", step, rank, size)
     try:
         task = fn(context)
     except TaskError as exc:
@@ -112,3 +120,35 @@ def build_task(config: Config, fn: Callable[[Context], Any], where: Placement,
     if not isinstance(task, Task):
         raise StartupError(f"{config.task.entry} returned {type(task).__name__}, not a Task")
     return task
+
+
+def stage_pipeline(config: Config, task: Task, device: torch.device) -> Pipeline:
+    """This process's stage of a pipelined node (``task.pipeline``), once the group has
+    formed: the task's model cut as it declares (its model and optimizer still whole, on
+    the CPU, with any checkpoint resumed).
+
+    Raises:
+        StartupError: the task declares no stages, or its model cannot be cut so.
+    """
+    from .processes import COLLECTIVE_TIMEOUT
+    if task.pipeline is None:
+        raise StartupError(f"task.pipeline is {config.task.pipeline} but {config.task.entry} "
+                           f"declares no stages: its Task needs pipeline=gossip.Stages(...) "
+                           f"and an nn.Sequential model (docs/TASKS.md)")
+    try:
+        return Pipeline(task.model, task.optimizer, task.pipeline, device=device,
+                        correction=config.averaging.correction, timeout=COLLECTIVE_TIMEOUT)
+    except GossipError as exc:
+        raise StartupError(f"task.pipeline {config.task.pipeline}: {exc}") from None
+
+
+def staged_task(task: Task, pipeline: Pipeline) -> Task:
+    """The task as this stage trains it: the pipeline's step; the speaker keeps the whole
+    model on the host (the mirror) and its optimizer, for the node's replica, checkpoints and
+    evaluations; another stage only its own part."""
+    if pipeline.speaker:
+        assert pipeline.mirror is not None and pipeline.full_optimizer is not None
+        return Task(pipeline.mirror, pipeline.full_optimizer, task.batches, pipeline.step,
+                    task.batch_size, task.evaluate, task.pipeline)
+    return Task(pipeline.module, pipeline.optimizer, task.batches, pipeline.step,
+                task.batch_size, None, task.pipeline)

@@ -46,6 +46,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from gossip import Stages
+from gossip.lowlevel import sequential_step
+
 from .entry import entry_file as entry_file
 from .entry import is_file_entry as is_file_entry
 from .entry import parse_entry as parse_entry
@@ -117,22 +120,33 @@ class Task:
             0-dim tensor).
         batch_size: samples per step (the daemon counts samples with it).
         evaluate: optional; returns metrics such as ``{"accuracy": 0.93}`` on held-out data.
+        pipeline: optional (:class:`gossip.Stages`): the model, an ``nn.Sequential``, may be
+            cut into pipeline stages (``task.pipeline``); its batches are then ``(input,
+            target)`` pairs, and ``step`` may be None: a node of one process then takes the
+            pipeline's step in one process (:func:`gossip.pipeline.sequential_step`).
     """
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     batches: Callable[[Shard], Iterator[Any]]
-    step: Callable[[Any], Any]
+    step: Callable[[Any], Any] | None
     batch_size: int
     evaluate: Callable[[], Mapping[str, float]] | None = None
+    pipeline: Stages | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, torch.nn.Module):
             raise TaskError(f"Task.model must be a torch.nn.Module, not {type(self.model).__name__}")
         if not isinstance(self.optimizer, torch.optim.Optimizer):
             raise TaskError("Task.optimizer must be a torch.optim.Optimizer")
+        if self.pipeline is not None and not isinstance(self.pipeline, Stages):
+            raise TaskError(f"Task.pipeline must be a gossip.Stages or None, not "
+                            f"{type(self.pipeline).__name__}")
+        if self.step is None and self.pipeline is not None:
+            self.step = sequential_step(self.model, self.optimizer, self.pipeline)
         if not callable(self.batches) or not callable(self.step):
-            raise TaskError("Task.batches and Task.step must be callables")
+            raise TaskError("Task.batches and Task.step must be callables (step may be None "
+                            "only with Task.pipeline)")
         if type(self.batch_size) is not int or self.batch_size < 1:
             raise TaskError(f"Task.batch_size must be a positive integer, not {self.batch_size!r}")
         if self.evaluate is not None and not callable(self.evaluate):

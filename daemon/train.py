@@ -55,7 +55,7 @@ import trio
 
 import gossip
 from gossip import NodeGroup
-from gossip.lowlevel import Counters, check_correction, check_outer
+from gossip.lowlevel import Counters, StageGroup, check_correction, check_outer
 
 from . import checkpoint, sharding
 from .cadence import Cadence, Stop, due
@@ -170,14 +170,14 @@ class Trainer:
 
     def __init__(self, task: Task, node: gossip.SwarmNode, device: torch.device,
                  shard: Shard, batches: Iterator[Any] | None = None,
-                 own_steps: int | None = 0, group: NodeGroup | None = None,
+                 own_steps: int | None = 0, group: NodeGroup | StageGroup | None = None,
                  stop: Stop | None = None) -> None:
         self.task = task
         self.node = node
         self.device = device
         self.group = group
         self.stop = stop if stop is not None else Stop()  # set: the chunk ends after this step
-        self.batches = Batches(task, shard, batches, 0, 1 if group is None else group.size)
+        self.batches = Batches(task, shard, batches, 0, 1 if group is None else group.replicas)
         self._warned_nan = False
         self.own_steps_before = own_steps  # of the runs before (own_steps_in); None: unknown
 
@@ -206,7 +206,7 @@ class Trainer:
         if self.device.type == "cuda":  # worker threads start on device 0
             torch.cuda.set_device(self.device)
         task.model.train()
-        samples = task.batch_size * (1 if group is None else group.size)  # the node's, a step
+        samples = task.batch_size * (1 if group is None else group.replicas)  # a node's step
         total: torch.Tensor | float = 0.0
         steps = applied = 0
         while steps < limit and not self.stop.is_set():
@@ -226,6 +226,8 @@ class Trainer:
         # once; a group applies at its boundaries, which space its broadcasts.
         if group is None and not steps:
             applied += self.node.apply_pending()
+        elif isinstance(group, StageGroup) and not steps:  # what exchanges wait for, too
+            applied += group.idle()
         mean = float(total) / steps if steps else math.nan
         if steps and not math.isfinite(mean) and not self._warned_nan:
             self._warned_nan = True
@@ -238,6 +240,8 @@ class Trainer:
         """The task's evaluation, if it has one (in a worker thread, between chunks)."""
         if self.task.evaluate is None:
             return {}
+        if isinstance(self.group, StageGroup):  # the host copy, made whole and current
+            self.group.settle()
         with torch.no_grad():
             result = self.task.evaluate()
         self.task.model.train()
@@ -246,7 +250,11 @@ class Trainer:
     def state(self, meta: Mapping[str, Any]) -> dict[str, Any]:
         """A checkpoint's content, copied to the CPU (between chunks): the model with every
         committed delta applied, the optimizer, the counters and the RNG states."""
-        self.node.apply_pending()
+        staged = self.group if isinstance(self.group, StageGroup) else None
+        if staged is not None:  # the stages' parts and optimizers, into the host copy
+            staged.settle(optimizer=True)
+        else:
+            self.node.apply_pending()
         counters = self.node.replica.counters()
         state = {
             "model": _to_cpu(self.task.model.state_dict()),
@@ -262,6 +270,8 @@ class Trainer:
         outer = self.node.replica.outer_state()
         if outer:
             state["outer"] = outer
+        if staged is not None:  # the saved copy holds it; the stages' optimizers are live
+            self.task.optimizer.state.clear()
         return state
 
     @property
@@ -360,6 +370,8 @@ class Training:
         self.choose, self.resumed_step = choose_shard, resumed_step
         self.shard: Shard | None = None if choose_shard else trainer.shard  # auto: once chosen
         self.evaluation: dict[str, Any] | None = None  # the latest, for gossipd status
+        self.staged = isinstance(getattr(trainer, "group", None), StageGroup)  # pipelined
+        self._final: dict[str, Any] | None = None  # its last state, while its stages live
 
     async def run(self) -> None:
         """Train until the stop flag is set (a signal, ``task.max_steps``, a lost process)."""
@@ -404,10 +416,13 @@ class Training:
                       and not self.checkpoints.busy):
                     last_checkpoint = trio.current_time()
                     state = await self.capture()
-                    writers.start_soon(self.checkpoints.write_periodic, state)
+                    if state is not None:
+                        writers.start_soon(self.checkpoints.write_periodic, state)
                 if due(trio.current_time(), last_eval, cadence.evaluate) and not stop.is_set():
                     last_eval = trio.current_time()
                     await self.evaluate()
+        if self.staged and self.speaker.failed is None:  # while every stage holds its part
+            self._final = await self.capture()
         await self.speaker.finish()
 
     async def finish(self) -> None:
@@ -420,7 +435,13 @@ class Training:
             run_log.info("stopped before the node was ready: no checkpoint written")
             self.stopped()
             return
-        await self.checkpoints.write(await self.capture())
+        state = self._final if self.staged else await self.capture()
+        if state is None:
+            run_log.warning("no final checkpoint: the node's pipeline stages did not all "
+                            "reach its last step, and each holds its own part (a restart "
+                            "resumes the last checkpoint written)")
+        else:
+            await self.checkpoints.write(state)
         await self.evaluate()
         self.stopped()
 
@@ -491,17 +512,26 @@ class Training:
                        f"peers {self.node.roster.statistics().alive}  "
                        f"exchanges {stats.committed}")
 
-    async def capture(self) -> dict[str, Any]:
-        """A checkpoint's state (in the trainer's thread, between chunks)."""
+    async def capture(self) -> dict[str, Any] | None:
+        """A checkpoint's state (in the trainer's thread, between chunks); None when a
+        pipelined node's stages cannot give their parts (one is gone: the node stops)."""
         node = self.node
         meta = {"entry": self.config.task.entry, "peer": str(node.peer_id),
                 "schema": node.replica.schema.fingerprint.hex(), "time": time.time()}
-        return await trio.to_thread.run_sync(self.trainer.state, meta)
+        try:
+            return await trio.to_thread.run_sync(self.trainer.state, meta)
+        except gossip.ProcessLost as exc:
+            self.speaker.lost(exc)
+            return None
 
     async def evaluate(self) -> None:
         """The task's evaluation (in the trainer's thread, between chunks): logged, an
         ``eval`` event, and the ``gossip_eval`` gauges."""
-        evaluation = await trio.to_thread.run_sync(self.trainer.evaluate)
+        try:
+            evaluation = await trio.to_thread.run_sync(self.trainer.evaluate)
+        except gossip.ProcessLost as exc:  # a pipelined node's stage is gone
+            self.speaker.lost(exc)
+            return
         if evaluation:
             run_log.info("evaluation %s", " ".join(f"{k}={v:.4f}" for k, v in evaluation.items()))
         self.metrics.evaluated(evaluation)

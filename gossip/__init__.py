@@ -41,6 +41,7 @@ _API: dict[str, tuple[str, ...]] = {
     "messages": ("MAX_SHARDS",),
     "node": ("SwarmNode", "open_swarm"),
     "nodegroup": ("NodeGroup", "NodeGroupStatistics"),
+    "pipeline": ("Pipeline", "Stages"),
     "threaded": ("Averager",),
 }
 # Names this module gave before they moved: they still load, with a DeprecationWarning.
@@ -69,4 +70,5 @@ if TYPE_CHECKING:
     from .messages import MAX_SHARDS
     from .node import SwarmNode, open_swarm
     from .nodegroup import NodeGroup, NodeGroupStatistics
+    from .pipeline import Pipeline, Stages
     from .threaded import Averager

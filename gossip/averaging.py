@@ -80,7 +80,7 @@ from .member import Member
 from .messages import Accept, Offer
 from .mismatch import describe
 from .mixing import DeltaHistory, Difference, Verdict, coefficient, judge, merged_weight
-from .replica import OFFLOAD_NUMEL, Counters, Replica, offload
+from .replica import Counters, Replica, offload
 from .roster import Roster
 from .spacing import Spacing
 from .standing import Standing, pick
@@ -449,7 +449,7 @@ class Averaging:
         the connection, the offer's round trip and the peer's payload (the two sides'
         snapshots were a fifth of a 100 MB exchange when they ran first); a small one inline, as
         :func:`~gossip.replica.offload` does."""
-        if self.replica.schema.numel < OFFLOAD_NUMEL:
+        if not self.replica.offloads:
             return self.replica.snapshot(own, parts), None
         begun, ready = trio.Event(), trio.Event()
         counters: list[Counters] = []

@@ -396,6 +396,31 @@ class Correction:
         """``c``, one tensor per corrected parameter: what a follower process takes."""
         return list(self._c)
 
+    def named(self) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+        """``(name, c, ĝ)`` of each corrected parameter: what a pipeline stage publishes
+        (:mod:`gossip.stages`)."""
+        return list(zip(self._names, self._c, self._average))
+
+    def bind(self, tensors: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Keep ``c`` and ``ĝ`` in the given tensors from now on (by parameter name; their
+        values copied in first): a pipelined node's host copy keeps them in memory its stages
+        share (:mod:`gossip.stages`)."""
+        with torch.no_grad():
+            for i, name in enumerate(self._names):
+                c, average = tensors[name]
+                c.copy_(self._c[i])
+                average.copy_(self._average[i])
+                self._c[i], self._average[i] = c, average
+
+    @property
+    def counts(self) -> tuple[float, int]:
+        """The gradient scale measured and the steps it was measured over (0: none yet)."""
+        return self.scale, self._scaled
+
+    @counts.setter
+    def counts(self, value: tuple[float, int]) -> None:
+        self.scale, self._scaled = value
+
     @property
     def timing(self) -> tuple[int, float]:
         """The steps since ``c`` was last updated and the average spacing of its updates:

@@ -31,10 +31,12 @@ _API: dict[str, tuple[str, ...]] = {
     "messages": ("MAX_COUNT",),
     "network": ("Network", "TcpNetwork"),
     "outer": ("check_outer",),
+    "pipeline": ("sequential_step",),
     "replica": ("Counters", "Replica"),
     "roster": ("Roster", "RosterStatistics", "open_roster"),
     "rotation": ("Holds", "RotationStatistics"),
     "schema": ("StateSchema",),
+    "stages": ("StageGroup",),
     "tensors": ("snapshot",),
     "transfer": ("receive_state", "send_state"),
 }
@@ -50,9 +52,11 @@ if TYPE_CHECKING:
     from .messages import MAX_COUNT
     from .network import Network, TcpNetwork
     from .outer import check_outer
+    from .pipeline import sequential_step
     from .replica import Counters, Replica
     from .roster import Roster, RosterStatistics, open_roster
     from .rotation import Holds, RotationStatistics
     from .schema import StateSchema
+    from .stages import StageGroup
     from .tensors import snapshot
     from .transfer import receive_state, send_state

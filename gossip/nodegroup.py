@@ -195,6 +195,12 @@ class NodeGroup:
         """Whether this process speaks for the node (rank 0)."""
         return self.rank == 0
 
+    @property
+    def replicas(self) -> int:
+        """Copies of the model the node trains at once: its samples a step are this many
+        batches."""
+        return self.size
+
     # ---- the step boundary ---------------------------------------------------------------
 
     def start(self, replica: Replica, resumed: int | None = None) -> None:

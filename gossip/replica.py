@@ -141,6 +141,7 @@ class Replica:
         self._weight = 1.0
         self._local = 0  # this process's optimizer steps
         self._revision = 0  # changes of the state made outside the optimizer
+        self.loads = 0  # states taken whole (downloads): a pipelined node's stages take them
         self._watch: tuple[int, Callable[[], None]] | None = None
         self._pending: torch.Tensor | None = None
         self._scales = [0.0, 0.0]  # the delta to apply is scale[k] x part k of _pending
@@ -153,6 +154,8 @@ class Replica:
         self._apart: float | None = None  # local steps between queued deltas, on average
         self._queued_at: int | None = None  # local step of the last queued delta
         self.correction: Correction | None = None
+        # Called unlocked before a snapshot: a pipelined node's stages write their parts.
+        self.refresh: Callable[[], None] | None = None
         # The network side's alone (one exchange at a time), but for a download's reset.
         plain = outer is None or outer == (1.0, 0.0)  # lr 1, no momentum: plain averaging
         self._per_exchange = not plain
@@ -321,6 +324,12 @@ class Replica:
         self._pending, self._spread = None, 0
 
     @property
+    def offloads(self) -> bool:
+        """Whether whole-state work runs in a worker thread (:func:`offload`): a large
+        model's, and a pipelined node's (its snapshot waits for the stages: :attr:`refresh`)."""
+        return self.schema.numel >= OFFLOAD_NUMEL or self.refresh is not None
+
+    @property
     def revision(self) -> int:
         """How many times the state changed other than by an optimizer step (deltas applied,
         a download, a checkpoint's correction): a node of several processes broadcasts its
@@ -420,6 +429,8 @@ class Replica:
         """
         parts = self.parts if parts is None else parts
         n = self.schema.numel
+        if self.refresh is not None:  # a pipelined node's host copy: made current first
+            self.refresh()
         with self.lock:
             if on_counters is not None:
                 on_counters(Counters(self._step, self._samples, self._weight, self._debt,
@@ -555,6 +566,7 @@ class Replica:
                         t.fill_(value)
             self._step, self._debt = max(self._step, step), 0
             self._revision += 1
+            self.loads += 1
             if self._pending is not None:
                 if self._staging is not None:
                     self._staging.wait_upload()
@@ -573,16 +585,16 @@ class Replica:
 
 
 async def offload(replica: Replica, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Run ``fn`` (a copy or arithmetic over the whole state) in a worker thread for a model
-    of :data:`OFFLOAD_NUMEL` elements or more, inline for a smaller one: a thread hop costs
-    more than copying a small model, and inline work keeps simulated swarms on trio's
-    virtual clock (:func:`offload_for`)."""
-    return await offload_for(replica.schema.numel, lambda: fn(*args, **kwargs))
+    """Run ``fn`` (a copy or arithmetic over the whole state) in a worker thread when
+    :attr:`Replica.offloads`, else inline: a thread hop costs more than copying a small model,
+    and inline work keeps simulated swarms on trio's virtual clock."""
+    if replica.offloads:
+        return await trio.to_thread.run_sync(lambda: fn(*args, **kwargs))
+    return fn(*args, **kwargs)
 
 
 async def offload_for(numel: int, fn: Callable[..., Any], *args: Any) -> Any:
-    """:func:`offload` for work over a schema of ``numel`` elements (a payload's encoding
-    or decoding, where no replica is at hand)."""
+    """:func:`offload` by size alone (:data:`OFFLOAD_NUMEL`), where no replica is at hand."""
     if numel < OFFLOAD_NUMEL:
         return fn(*args)
     return await trio.to_thread.run_sync(fn, *args)

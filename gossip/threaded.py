@@ -60,7 +60,9 @@ from .errors import GossipError
 from .handshake import Swarm
 from .node import SwarmNode, open_swarm
 from .nodegroup import NodeGroup, unwrap
+from .pipeline import Pipeline
 from .replica import Replica
+from .stages import StageGroup
 
 __all__ = ["Averager"]
 
@@ -87,7 +89,10 @@ class Averager:
     one node (see the module's docstring); only rank 0 (:attr:`speaker`) has a :attr:`node`.
 
     Args:
-        model: the live module (CPU or CUDA), or its ``DistributedDataParallel`` wrapper.
+        model: the live module (CPU or CUDA), or its ``DistributedDataParallel`` wrapper;
+            or, under torchrun, this process's :class:`~gossip.pipeline.Pipeline` stage: the
+            processes are then the stages of one node, whose model is the speaker's whole
+            host copy (train with ``pipeline.step(batch)``, then :meth:`step`).
         swarm: the swarm's name and key.
         config: the node's settings (:class:`~gossip.config.NodeConfig`), as
             :func:`gossip.node.open_swarm` takes them.
@@ -112,9 +117,9 @@ class Averager:
             ``listen`` go in ``config``).
     """
 
-    def __init__(self, model: torch.nn.Module, swarm: Swarm, config: NodeConfig = NodeConfig(),
-                 *, ready_timeout: float | None = None, check_every: int = 0,
-                 **objects: Any) -> None:
+    def __init__(self, model: torch.nn.Module | Pipeline, swarm: Swarm,
+                 config: NodeConfig = NodeConfig(), *, ready_timeout: float | None = None,
+                 check_every: int = 0, **objects: Any) -> None:
         if not isinstance(config, NodeConfig):  # here, not from the background thread
             raise TypeError(f"config must be a gossip.NodeConfig, not "
                             f"{type(config).__name__}: put averaging settings in "
@@ -124,6 +129,14 @@ class Averager:
             raise TypeError(f"Averager() got unexpected keyword arguments {unknown}: settings "
                             f"go in config (a gossip.NodeConfig); the keywords are the "
                             f"objects open_swarm takes, {sorted(_OBJECTS)}")
+        pipeline = model if isinstance(model, Pipeline) else None
+        if pipeline is not None:  # the node's model is the speaker's whole host copy
+            if "optimizer" in objects:
+                raise TypeError("Averager(pipeline): the pipeline's optimizers are the node's; "
+                                "give no optimizer=")
+            model = pipeline.mirror if pipeline.speaker else pipeline.module
+            objects = {**objects, "optimizer": pipeline.full_optimizer}
+        assert isinstance(model, torch.nn.Module)
         self._model = unwrap(model)
         self._swarm = swarm
         self._config = config
@@ -138,7 +151,10 @@ class Averager:
         self._started = threading.Event()  # the node is ready, or the thread ended
         # Before open_swarm: the group's gradient hooks go on the optimizer ahead of the
         # correction's.
-        self._group = _open_group(model, objects.get("optimizer"), check_every)
+        self._group: NodeGroup | StageGroup | None = (
+            pipeline.boundaries if pipeline is not None
+            else _open_group(model, objects.get("optimizer"), check_every))
+        self._own_lock = threading.RLock()  # a pipeline stage's, which nothing else takes
         counters = objects.get("counters")
         resumed = None if counters is None else counters.step
         if self._group is not None and not self._group.speaker:
@@ -193,7 +209,7 @@ class Averager:
                 group.finish()  # the others are at this boundary too: tell them
                 raise
             assert self._node is not None
-            self._node.replica.advance(1, samples * group.size)
+            self._node.replica.advance(1, samples * group.replicas)
         applied = group.boundary()
         if group.stopped:
             raise GossipError("the speaking process (rank 0) stopped this node before this "
@@ -219,6 +235,8 @@ class Averager:
         other than the speaker, its own replica's lock, which nothing else takes."""
         if self._replica is not None:
             return self._replica.lock
+        if isinstance(self._group, StageGroup) and not self._group.speaker:
+            return self._own_lock
         return self.node.replica.lock
 
     @property
@@ -233,7 +251,7 @@ class Averager:
         return self._node
 
     @property
-    def group(self) -> NodeGroup | None:
+    def group(self) -> NodeGroup | StageGroup | None:
         """The processes of this node (None: a single process)."""
         return self._group
 
@@ -347,9 +365,11 @@ class Averager:
         assert self._group is not None
         config = self._config.averaging
         optimizer = self._objects.get("optimizer")
-        self._replica = Replica(self._model, by_samples=config.by_samples, leak=config.leak,
-                                optimizer=optimizer if config.correction else None,
-                                outer=config.outer_setting)
+        if not isinstance(self._group, StageGroup):  # a stage keeps its own correction
+            self._replica = Replica(self._model, by_samples=config.by_samples,
+                                    leak=config.leak,
+                                    optimizer=optimizer if config.correction else None,
+                                    outer=config.outer_setting)
         try:
             self._group.start(self._replica, resumed)
         except BaseException:
