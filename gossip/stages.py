@@ -271,8 +271,6 @@ class StageGroup:
             per = False
         slots = torch.tensor([_START | _TAKE, 0 if resumed is None else resumed + 1,
                               int(self.correction), int(per)], dtype=torch.int64)
-        if self.speaker and self._stopping:
-            slots[0] = _STOP
         with _collective("a step boundary"):
             dist.broadcast(slots, src=self.pipeline._global(0), group=self.control)
         if int(slots[0]) & _STOP:
@@ -291,8 +289,6 @@ class StageGroup:
             self._correction.per_exchange = bool(int(slots[3]))
         self.started = True
         self._sync(_TAKE, loaded=True)
-
-    _stopping = False
 
     def boundary(self) -> int:
         """A step boundary, before each step: the speaker decides what the stages publish
@@ -359,10 +355,12 @@ class StageGroup:
         """The speaker's last boundary: the stages' next one says stop. Idempotent."""
         if self.speaker and not self.stopped:
             self.stopped = True
-            if not self.started:
-                self._stopping = True  # said by start(), which the stages wait in
-                return
-            self._header(_STOP)
+            if not self.started:  # the stages wait in start(), for its header
+                slots = torch.tensor([_STOP, 0, 0, 0], dtype=torch.int64)
+                with _collective("a step boundary"):
+                    dist.broadcast(slots, src=self.pipeline._global(0), group=self.control)
+            else:
+                self._header(_STOP)
         self._wake()
 
     def share(self, value: int) -> int:
@@ -434,12 +432,12 @@ class StageGroup:
             self._bytes += own
             if self.speaker and replica is not None:
                 self._loads = replica.loads
-        if flags & _OPTIMIZER:
-            self._gather_optimizers()
         self._syncs += 1
         self._synced_at = time.perf_counter()
-        self._sync_took = self._synced_at - started
+        self._sync_took = self._synced_at - started  # what spaces the takes: not a checkpoint's
         self._sync_seconds += self._sync_took
+        if flags & _OPTIMIZER:
+            self._gather_optimizers()
         if self.speaker and flags & (_PUBLISH | _TAKE):
             self._wake(published=True)
         return applied

@@ -64,7 +64,6 @@ async def test_a_100_mb_model_downloads_and_exchanges_over_a_5_mbit_200_ms_lossy
     # Copies and arithmetic inline, not in worker threads: the autojump clock would jump
     # while a thread works and fire deadlines the work never missed.
     monkeypatch.setattr("gossip.replica.OFFLOAD_NUMEL", 1 << 40)
-    monkeypatch.setattr("gossip.averaging.OFFLOAD_NUMEL", 1 << 40)
     net = SimNetwork(seed=21, **THIN)
     async with AsyncExitStack() as stack:
         model = Flat(numel, 1)

@@ -11,6 +11,7 @@ states agree to float tolerance. The rest is checked in this process, without a 
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -222,3 +223,32 @@ def test_a_stages_optimizer_keeps_its_groups_settings_and_state() -> None:
     torch.testing.assert_close(made.state[copy[1].weight]["exp_avg"],
                                opt.state[model[1].weight]["exp_avg"])
     assert split_order(opt, part) == ([2, 3], [1])
+
+
+FINISHED_EARLY = r"""
+import os, sys
+import torch, torch.distributed as dist, torch.nn as nn, torch.nn.functional as F
+from gossip.pipeline import Pipeline, Stages
+
+dist.init_process_group("gloo")
+model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+pipe = Pipeline(model, torch.optim.SGD(model.parameters(), lr=0.1), Stages(loss=F.mse_loss),
+                correction=False)
+if dist.get_rank() == 0:
+    pipe.boundaries.finish()  # stopped before its node was ready: no start()
+else:
+    pipe.boundaries.start(None)
+    print("stopped" if pipe.boundaries.stopped else "started", flush=True)
+pipe.close()
+dist.destroy_process_group()
+os._exit(0)
+"""
+
+
+def test_a_speaker_that_finishes_before_starting_stops_its_stages(tmp_path: Path) -> None:
+    script = tmp_path / "early.py"
+    script.write_text(FINISHED_EARLY)
+    procs = ranks(script, 2, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    outputs = finish(procs)
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    assert outputs[1].strip().splitlines()[-1] == "stopped"
