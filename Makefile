@@ -46,6 +46,7 @@ bench: $(STAMP)
 	$(PY) bench/efficiency.py --quick
 	$(PY) bench/lowcomm.py --quick
 	$(PY) bench/processes.py --quick
+	$(PY) bench/pipeline.py --quick
 	$(PY) bench/straggler.py
 
 # The checks that need a GPU (bench/gpu_check.py: the CUDA tests, the demo twice, the overhead

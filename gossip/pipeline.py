@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .errors import GossipError
+from .errors import GossipError, ProcessLost
 from .nodegroup import _collective
 
 __all__ = ["Pipeline", "Stages", "sequential_step", "split_optimizer", "split_order",
@@ -330,6 +330,13 @@ class Pipeline:
             GossipError: the batch is not an ``(input, target)`` pair, or a stage's output
                 is not one tensor.
         """
+        try:
+            return self._step(batch)
+        except ProcessLost:
+            self.boundaries.lost()
+            raise
+
+    def _step(self, batch: Any) -> torch.Tensor:
         stages = self.stages
         parts = micro_batches(batch, stages.micro_batches)
         self.module.train()

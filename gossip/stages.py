@@ -363,6 +363,12 @@ class StageGroup:
                 self._header(_STOP)
         self._wake()
 
+    def lost(self) -> None:
+        """Another stage is gone (a step's send or receive failed): stop, and let no exchange
+        wait for a boundary that will not come."""
+        self.stopped = True
+        self._wake()
+
     def share(self, value: int) -> int:
         """The speaker's ``value``, in every process (a collective)."""
         tensor = torch.tensor([value], dtype=torch.int64)
@@ -393,8 +399,7 @@ class StageGroup:
             self._header(flags)
             return self._sync(flags, loaded)
         except ProcessLost:
-            self.stopped = True
-            self._wake()
+            self.lost()
             raise
 
     def _may_sync(self) -> bool:

@@ -4,7 +4,7 @@ A two-stage node (two processes, as torchrun starts them) and a node of one exch
 both idle, and both land on the midpoint of their models: the swarm sees the pipelined node's
 whole model. Then daemons: a two-stage node starts a swarm with a node of one, another
 two-stage node joins and downloads, its second stage is killed, it stops naming it, and a
-restart resumes its checkpoint. Every wait has a deadline; nothing sleeps to wait.
+restart resumes its checkpoint; then each checkpoint resumes in the other layout. Every wait has a deadline; nothing sleeps to wait.
 """
 
 from __future__ import annotations
@@ -156,5 +156,20 @@ def test_pipelined_daemons_train_download_and_restart_after_a_stage_dies(tmp_pat
         wait_for(lambda: c.committed(since) >= 2, START, [a, b, c], "c to resume and average")
         assert f"resuming checkpoint={last['path']}" in c.text()
         assert f"daemon.follower process 1 resuming checkpoint={last['path']}" in c.text()
-        for node in (a, b):
-            assert "ERROR" not in node.text()
+
+        # Checkpoints hold the whole model and its optimizer: c's final one (its stages'
+        # parts gathered) resumes in one process, and b's (one process) in two stages.
+        assert c.stop() == 0 and b.stop() == 0
+        finals = {node: node.last("checkpoint")["path"] for node in (b, c)}
+        since = {node: len(node.events) for node in (b, c)}
+        c.start("task.pipeline=1")
+        b.start("task.pipeline=2")
+        for node in (b, c):
+            wait_for(lambda: node.committed(since[node]) >= 2, START, [a, b, c],
+                     f"{node.name} to resume in another layout and average")
+            assert f"resuming checkpoint={finals[node]}" in node.text()
+        assert b.status()["processes"]["layout"] == "pipeline"
+        assert c.status()["processes"] is None
+        for node in (a, b, c):
+            assert "Traceback" not in node.text()
+        assert "ERROR" not in a.text() + b.text()
