@@ -281,27 +281,29 @@ def _form_group(stack: AsyncExitStack, config: Config, where: processes.Placemen
         return None, task
     try:
         processes.init_group(where, device, port, followers)
-        group: Group
-        if where.pipelined:
-            pipeline = stage_pipeline(config, task, device)
-            group, task = pipeline.boundaries, staged_task(task, pipeline)
-        else:
-            group = gossip.NodeGroup(task.model, task.optimizer,
-                                     check_every=config.task.check_every,
-                                     timeout=processes.COLLECTIVE_TIMEOUT)
     except processes.ProcessesError as exc:
         raise StartupError(str(exc)) from None
 
-    async def close() -> None:
-        if where.pipelined:
-            group.pipeline.close()  # type: ignore[union-attr]
-        group.close()  # first: a follower still waiting at a boundary sees its group close
+    async def leave() -> None:  # last: once formed, on every way out
         processes.leave_group()
         if followers:  # stopped by the last boundary; the rest are ended
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(processes.stop_followers, followers)
 
-    stack.push_async_callback(close)
+    stack.push_async_callback(leave)
+    group: Group
+    if where.pipelined:
+        try:
+            pipeline = stage_pipeline(config, task, device)
+        except gossip.ProcessLost as exc:  # a stage that failed its own start-up
+            raise StartupError(f"the node's stages could not start together: {exc}") from None
+        stack.callback(pipeline.close)
+        group, task = pipeline.boundaries, staged_task(task, pipeline)
+    else:
+        group = gossip.NodeGroup(task.model, task.optimizer, check_every=config.task.check_every,
+                                 timeout=processes.COLLECTIVE_TIMEOUT)
+    # First on the way out: a follower still waiting at a boundary sees its group close.
+    stack.callback(group.close)
     return group, task
 
 

@@ -412,6 +412,15 @@ class Correction:
                 average.copy_(self._average[i])
                 self._c[i], self._average[i] = c, average
 
+    def forget_unfinite(self) -> None:
+        """Forget ``ĝ`` if it is not finite, as :meth:`estimate_into` does (a pipeline
+        stage, whose ``ĝ`` the node's estimate reads through shared memory)."""
+        if self._average and not bool(
+                torch.isfinite(torch.stack(torch._foreach_norm(self._average))).all()):
+            for average in self._average:
+                average.zero_()
+            self._scaled = 0
+
     @property
     def counts(self) -> tuple[float, int]:
         """The gradient scale measured and the steps it was measured over (0: none yet)."""

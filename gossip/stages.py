@@ -72,7 +72,9 @@ if TYPE_CHECKING:
 
 __all__ = ["StageGroup"]
 
-REFRESH_WAIT = 10.0  # s a snapshot waits for the stages' next boundary, then reads the mirror
+# s a snapshot waits for the stages' next boundary, then reads the mirror as the last one left
+# it: well under the 5 s a peer waits for our Accept (the responder snapshots before it).
+REFRESH_WAIT = 2.0
 ALIGN = 64  # bytes: each tensor's place in the shared memory
 
 _STEP, _PUBLISH, _TAKE, _STOP, _OPTIMIZER, _START = 1, 2, 4, 8, 16, 32
@@ -102,10 +104,13 @@ def _layout(model: nn.Sequential, bounds: list[tuple[int, int]],
     stages, offset = [], 0
     for start, stop in bounds:
         part = model[start:stop]
-        params = dict(part.named_parameters())
-        items = [("param", n, p) for n, p in params.items()]
-        items += [("buffer", n, t) for n, t in part.state_dict(keep_vars=True).items()
-                  if n not in params]
+        params = dict(part.named_parameters())  # a tied weight once, by its first name
+        seen = {id(p) for p in params.values()}
+        items: list[tuple[str, str, torch.Tensor]] = [("param", n, p) for n, p in params.items()]
+        for n, t in part.state_dict(keep_vars=True).items():
+            if id(t) not in seen:  # a persistent buffer (a tied weight's other name is not)
+                seen.add(id(t))
+                items.append(("buffer", n, t))
         items += [(kind, n, params[n]) for n in params if n in covered for kind in ("c", "g")]
         entries = []
         for kind, name, t in items:
@@ -169,24 +174,31 @@ class StageGroup:
     def _map(self, total: int) -> tuple[str, torch.Tensor]:
         """Map ``total`` bytes every stage shares (the speaker creates the file; once every
         stage has mapped it, it is removed, so that nothing outlives the node)."""
-        folder = "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+        size = max(ALIGN, total)
+        folder = _folder(size) if self.speaker else ""
         token = torch.tensor([os.getpid(), secrets.randbits(62)], dtype=torch.int64)
         with _collective("mapping the stages' memory"):
             dist.broadcast(token, src=self.pipeline._global(0), group=self.control)
-        path = os.path.join(folder, f"gossipd-stages-{int(token[0])}-{int(token[1])}")
-        size = max(ALIGN, total)
-        if self.speaker:
-            memory = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
-        self._barrier("mapping the stages' memory")
-        if not self.speaker:
-            if os.path.getsize(path) != size:
-                raise GossipError(f"the stages' shared memory {path} has "
-                                  f"{os.path.getsize(path)} bytes where this stage's layout "
-                                  f"needs {size}: the processes built different models")
-            memory = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
-        self._barrier("mapping the stages' memory")
-        if self.speaker:
-            os.unlink(path)
+        name = f"gossipd-stages-{int(token[0])}-{int(token[1])}"
+        # The folder, by its index among the two the speaker chooses from.
+        where = torch.tensor([_FOLDERS().index(folder) if self.speaker else 0])
+        with _collective("mapping the stages' memory"):
+            dist.broadcast(where, src=self.pipeline._global(0), group=self.control)
+        path = os.path.join(_FOLDERS()[int(where[0])], name)
+        try:
+            if self.speaker:
+                memory = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+            self._barrier("mapping the stages' memory")
+            if not self.speaker:
+                if os.path.getsize(path) != size:
+                    raise GossipError(f"the stages' shared memory {path} has "
+                                      f"{os.path.getsize(path)} bytes where this stage's layout "
+                                      f"needs {size}: the processes built different models")
+                memory = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+            self._barrier("mapping the stages' memory")
+        finally:
+            if self.speaker:
+                Path(path).unlink(missing_ok=True)  # mapped, it lives until the stages end
         return path, memory
 
     def _view(self, entry: _Entry) -> torch.Tensor:
@@ -229,6 +241,9 @@ class StageGroup:
                         module._buffers[leaf] = view
 
     def _publish(self) -> None:
+        own = self._correction
+        if own is not None:  # as the mirror's estimate forgets one: ĝ no longer finite
+            own.forget_unfinite()
         with torch.no_grad():
             for entry, tensor in self._own:
                 self._view(entry).copy_(tensor)
@@ -256,6 +271,7 @@ class StageGroup:
         """
         if self.speaker:
             if replica is None or (replica.correction is not None) != self.correction:
+                self.finish()  # the stages wait in start() for a header: it says stop
                 raise GossipError("the node's replica keeps a drift correction where its "
                                   "stages do not (or the reverse): give the pipeline the "
                                   "averaging settings' correction")
@@ -269,13 +285,15 @@ class StageGroup:
             per = replica.per_exchange
         else:
             per = False
+        step = replica.counters().step if self.speaker and replica is not None else 0
         slots = torch.tensor([_START | _TAKE, 0 if resumed is None else resumed + 1,
-                              int(self.correction), int(per)], dtype=torch.int64)
+                              int(self.correction), int(per), step], dtype=torch.int64)
         with _collective("a step boundary"):
             dist.broadcast(slots, src=self.pipeline._global(0), group=self.control)
         if int(slots[0]) & _STOP:
             self.stopped = True
             return
+        self.global_step = int(slots[4])
         theirs = None if int(slots[1]) == 0 else int(slots[1]) - 1
         if not self.speaker:
             if theirs != resumed:
@@ -340,7 +358,14 @@ class StageGroup:
         with replica.lock:
             loaded = replica.loads != self._loads
             flags = (0 if loaded else _PUBLISH) | (_TAKE if loaded or replica.pending else 0)
-            return self._round(flags | (_OPTIMIZER if optimizer else 0), loaded)
+            applied = self._round(flags | (_OPTIMIZER if optimizer else 0), loaded)
+        if optimizer:  # files, not the mirror: without the lock the network side takes
+            try:
+                self._gather_optimizers()
+            except ProcessLost:
+                self.lost()
+                raise
+        return applied
 
     def idle(self) -> int:
         """The speaker's trainer took no step (a node at its step limit): what an exchange
@@ -356,7 +381,7 @@ class StageGroup:
         if self.speaker and not self.stopped:
             self.stopped = True
             if not self.started:  # the stages wait in start(), for its header
-                slots = torch.tensor([_STOP, 0, 0, 0], dtype=torch.int64)
+                slots = torch.tensor([_STOP, 0, 0, 0, 0], dtype=torch.int64)
                 with _collective("a step boundary"):
                     dist.broadcast(slots, src=self.pipeline._global(0), group=self.control)
             else:
@@ -441,10 +466,10 @@ class StageGroup:
         self._synced_at = time.perf_counter()
         self._sync_took = self._synced_at - started  # what spaces the takes: not a checkpoint's
         self._sync_seconds += self._sync_took
-        if flags & _OPTIMIZER:
-            self._gather_optimizers()
         if self.speaker and flags & (_PUBLISH | _TAKE):
             self._wake(published=True)
+        elif flags & _OPTIMIZER:  # the speaker's, once it has let go of the lock (settle)
+            self._gather_optimizers()
         return applied
 
     def _gather_scales(self) -> None:
@@ -481,21 +506,23 @@ class StageGroup:
         """Every stage's optimizer state into the speaker's whole optimizer (through files
         beside the shared memory, read back as weights only)."""
         pipeline = self.pipeline
-        if not self.speaker:
-            torch.save(pipeline.optimizer.state_dict(), f"{self._path}-optimizer-{self.rank}")
-        self._barrier("gathering the optimizers")
-        if self.speaker:
-            whole = pipeline.full_optimizer
-            assert whole is not None and pipeline.mirror is not None
-            for stage in range(self.size):
-                if stage == 0:
-                    state = pipeline.optimizer.state_dict()
-                else:
-                    path = Path(f"{self._path}-optimizer-{stage}")
-                    state = torch.load(path, weights_only=True, map_location="cpu")
-                    path.unlink()
-                _merge_optimizer(whole, pipeline.mirror, pipeline.bounds[stage], state)
-        self._barrier("gathering the optimizers")
+        paths = [Path(f"{self._path}-optimizer-{stage}") for stage in range(self.size)]
+        try:
+            if not self.speaker:
+                torch.save(pipeline.optimizer.state_dict(), paths[self.rank])
+            self._barrier("gathering the optimizers")
+            if self.speaker:
+                whole = pipeline.full_optimizer
+                assert whole is not None and pipeline.mirror is not None
+                for stage in range(self.size):
+                    state = (pipeline.optimizer.state_dict() if stage == 0 else
+                             torch.load(paths[stage], weights_only=True, map_location="cpu"))
+                    _merge_optimizer(whole, pipeline.mirror, pipeline.bounds[stage], state)
+            self._barrier("gathering the optimizers")
+        finally:
+            if self.speaker:  # read, or left by a stage that failed: removed either way
+                for path in paths[1:]:
+                    path.unlink(missing_ok=True)
 
     def _barrier(self, what: str) -> None:
         slots = torch.zeros(1, dtype=torch.int64)
@@ -522,6 +549,32 @@ class StageGroup:
                 self._published += 1
                 self._wanted = False
             self._cond.notify_all()
+
+
+def _FOLDERS() -> list[str]:
+    """Where the stages' memory may live: shared memory, else the temporary directory."""
+    return ["/dev/shm", tempfile.gettempdir()]
+
+
+def _folder(size: int) -> str:
+    """The first of :func:`_FOLDERS` this process can write with room for ``size`` bytes and
+    a checkpoint's optimizer states beside them (about twice as much again, for Adam).
+
+    Raises:
+        GossipError: none has room (a container's /dev/shm is 64 MiB by default).
+    """
+    need = 3 * size
+    for folder in _FOLDERS():
+        try:
+            if os.access(folder, os.W_OK):
+                stat = os.statvfs(folder)
+                if stat.f_bavail * stat.f_frsize >= need:
+                    return folder
+        except OSError:
+            continue
+    raise GossipError(f"no room for the stages' shared copy of the model ({need / 2**20:.0f} "
+                      f"MiB with the optimizers' states) in {' or '.join(_FOLDERS())}: give "
+                      f"the container more shared memory (docker --shm-size)")
 
 
 def _merge_optimizer(whole: torch.optim.Optimizer, mirror: nn.Module,

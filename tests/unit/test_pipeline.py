@@ -261,3 +261,62 @@ def test_a_speaker_that_finishes_before_starting_stops_its_stages(tmp_path: Path
     outputs = finish(procs)
     assert [p.returncode for p in procs] == [0, 0], outputs
     assert outputs[1].strip().splitlines()[-1] == "stopped"
+
+
+MISMATCHED = r"""
+import os, sys
+import torch, torch.distributed as dist, torch.nn as nn, torch.nn.functional as F
+from gossip import GossipError, ProcessLost
+from gossip.pipeline import Pipeline, Stages
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+pipe = Pipeline(model, torch.optim.SGD(model.parameters(), lr=0.1), Stages(loss=F.mse_loss),
+                correction=False)
+rows = 8 if rank == 0 else 2  # stage 1 draws other batches: 2 micro-batches, not 4
+try:
+    pipe.step((torch.randn(rows, 4), torch.randn(rows, 2)))
+    print("stepped", flush=True)
+except (GossipError, ProcessLost) as exc:
+    print(f"{type(exc).__name__}: {exc}", flush=True)
+os._exit(0)
+"""
+
+
+def test_stages_that_draw_different_batches_stop_with_an_error(tmp_path: Path) -> None:
+    script = tmp_path / "mismatched.py"
+    script.write_text(MISMATCHED)
+    outputs = finish(ranks(script, 2, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True))
+    last = [out.strip().splitlines()[-1] for out in outputs]
+    assert last[1] == ("GossipError: stage 0 cut its batch into 4 micro-batches and stage 1 "
+                       "into 2: every stage must draw the same batches (seed their order "
+                       "from ctx.seed)"), outputs
+    assert last[0].startswith("ProcessLost: a stage's send failed"), outputs
+
+
+def test_a_weight_tied_inside_one_stage_is_one_entry_of_its_slice() -> None:
+    from gossip.stages import _layout
+    shared = nn.Linear(3, 3)
+    model = nn.Sequential(nn.Linear(3, 3), shared, nn.ReLU(), shared, nn.BatchNorm1d(3))
+    stages, total = _layout(model, [(0, 1), (1, 5)], correction=True)
+    names = [(e.kind, e.name) for e in stages[1]]
+    assert ("param", "1.weight") in names and not any(n.startswith("3.") for _, n in names)
+    assert ("buffer", "4.running_mean") in names and ("c", "1.weight") in names
+    assert len(names) == len(set(names)) and total % 64 == 0
+
+
+def test_a_stage_forgets_a_gradient_average_that_is_not_finite() -> None:
+    from gossip.correction import Correction
+    from gossip.tensors import StateSchema
+    model = nn.Linear(2, 2)
+    correction = Correction(model, StateSchema.from_module(model))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.weight.grad = torch.full((2, 2), float("nan"))
+    model.bias.grad = torch.ones(2)
+    correction.before_step(opt)
+    assert correction.counts[1] == 1
+    correction.forget_unfinite()
+    assert correction.counts[1] == 0
+    assert all(float(g.abs().sum()) == 0 for _, _, g in correction.named())
