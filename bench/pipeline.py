@@ -16,8 +16,9 @@ thread each), built from the same seed, training the same steps; one setup runs 
   ``torch.distributed.pipelining``: a ``PipelineStage`` over a copy of the rank's
   ``model[start:stop]`` with its part of AdamW, ``Schedule1F1B`` / ``ScheduleGPipe`` with
   ``loss_fn=F.cross_entropy`` (``scale_grads=True`` divides the summed micro-batch gradients
-  by 4: our step), then ``opt.step()``. No replica, no loss broadcast (the loss, the mean of
-  the micro-batches', stays on the last rank); a barrier ends the timed steps.
+  by 4: our step), then ``opt.step()``, with a drift correction's hook on it as our stages
+  keep. No replica, no boundary, no loss broadcast (the loss, the mean of the
+  micro-batches', stays on the last rank); a barrier ends the timed steps.
 * ``1 process, 1 thread`` (the ratios' baseline) and ``2 threads``: ``sequential_step`` (the
   same micro-batches and step) and a ``Replica(model, optimizer=opt)`` with its drift
   correction; a step is ``replica.apply_pending()`` (nothing queued) then the step.
@@ -338,6 +339,11 @@ def torch_worker(args: argparse.Namespace) -> None:
                                         module.parameters())))
     del model
     release()
+    # The drift correction's hook, as each of our stages keeps one: the same work per step.
+    from gossip.correction import Correction
+    from gossip.tensors import StateSchema
+    correction = Correction(module, StateSchema.from_module(module))
+    opt.register_step_pre_hook(lambda o, a, k: correction.before_step(o))
     kind = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[args.schedule]
     # scale_grads=True (the default): the micro-batches' summed gradients / MICRO, our step
     schedule = kind(PipelineStage(module, rank, STAGES, torch.device("cpu")), MICRO,

@@ -219,6 +219,9 @@ def _spacing(s: dict[str, Any]) -> str:
 def _processes(p: dict[str, Any]) -> str:
     """A node of several processes, in a line."""
     each = p["sync_seconds"] / p["syncs"] * 1e3 if p["syncs"] else 0.0
+    if p.get("layout") == "pipeline":
+        return (f"{p['count']} pipeline stages ({p['backend']}): {p['syncs']} copies of their "
+                f"parts to and from the host, {each:.1f} ms each")
     checks = f", {p['checks']} checks passed" if p.get("checks") else ""
     return (f"{p['count']} ({p['backend']}): {p['syncs']} state broadcasts, {each:.1f} ms "
             f"each{checks}")
