@@ -16,17 +16,21 @@ K − k micro-batches' activations in stage k where GPipe's order (every forward
 backward) keeps all of them, at the same idle time (the *bubble*, (K − 1) / (M + K − 1) of
 a step with M micro-batches); ``schedule="gpipe"`` measured no faster (bench/pipeline.py).
 Activations go forward and their gradients back with point-to-point sends over the node's
-group (gloo on the CPU, NCCL between GPUs), each activation after a header of its dtype, its
-shape and the step's micro-batch count over a gloo group (on the CPU, so that no stage waits
-on its GPU to read one; a count that differs means the stages drew different batches, an
-error rather than a hang). Sends do not block (``isend``), so two neighbours that send to
+group (gloo on the CPU, NCCL between GPUs). A small header over a gloo group (on the CPU, so
+that no stage waits on its GPU to read one) goes with each step's first activation and with
+the first of a shape not seen before: its dtype and shape, the step's micro-batch count and a
+checksum of its batch's shape, which every stage draws alike, so a neighbour knows the shapes
+of the others without a word, and stages that drew different batches stop with an error
+rather than a hang. Headers on every activation had cost a tenth of the throughput of two
+CPU stages. Sends do not block (``isend``), so two neighbours that send to
 each other at once cannot wait on each other; under NCCL, which runs a pair's sends in one
 stream in order, the gradients travel on a communicator of their own for the same reason.
 
 Why a schedule of our own rather than ``torch.distributed.pipelining``: measured on the same
-cut (bench/pipeline.py, two CPU stages), torch's was as fast or faster (from 4% slower to
-25% faster run to run, about a tenth on average), and both match one process's losses; but
-it exists
+cut (bench/pipeline.py, two CPU stages), torch's 1F1B ran at 1.10 and 1.33 times one
+single-threaded process in two runs where ours ran at 1.11 and 1.15 (with a header on every
+activation, ours had trailed by up to a fifth), and both match one process's losses; but it
+exists
 only from torch 2.4 (we support 2.1), its interface has changed between releases, and ours
 weighs each micro-batch's loss by its share of the batch (so a step is exactly one process's
 whatever the sizes), reports a dead stage as :class:`~gossip.errors.ProcessLost` like every
@@ -49,6 +53,7 @@ from __future__ import annotations
 import copy
 import datetime
 import math
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -64,7 +69,8 @@ __all__ = ["Pipeline", "Stages", "sequential_step", "split_optimizer", "split_or
            "stage_bounds"]
 
 SCHEDULES = ("1f1b", "gpipe")
-HEADER = 10  # int64 slots of an activation's header: dtype, ndim, micro-batches, 7 sizes
+HEADER = 10  # int64 slots of an activation's header: dtype, ndim, the step's key, 6 sizes
+SHAPES = 4096  # activation shapes a stage remembers (by batch shape and micro-batch)
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
@@ -313,6 +319,10 @@ class Pipeline:
         self.gradients = group if self.backend == "gloo" else dist.new_group(
             ranks=ranks, backend=self.backend, timeout=timeout)
         from .stages import StageGroup  # the boundary protocol; it reads this object
+        # Activations' shapes by micro-batch: a header goes only with each step's first one and
+        # with the first of a shape (as both neighbours know from the batch every stage draws).
+        self._sent: dict[tuple[int, int, int], tuple[int, tuple[int, ...]]] = {}
+        self._received: dict[tuple[int, int, int], tuple[int, tuple[int, ...]]] = {}
         self.boundaries = StageGroup(self, model, correction=correction)
         self.steps = 0
 
@@ -352,6 +362,8 @@ class Pipeline:
     def _step(self, batch: Any) -> torch.Tensor:
         stages = self.stages
         parts = micro_batches(batch, stages.micro_batches)
+        # What every stage knows of the step without a word: its batch's shape and parts.
+        step = (len(parts), zlib.crc32(repr(tuple(batch[0].shape)).encode()))
         self.module.train()
         self.optimizer.zero_grad(set_to_none=True)
         sends: list[Any] = []
@@ -363,7 +375,7 @@ class Pipeline:
                 x, y, share = parts[forward]
                 forward += 1
                 inp = (x.to(self.device) if self.rank == 0
-                       else self._receive(self.rank - 1, parts=len(parts)))
+                       else self._receive(self.rank - 1, key=(*step, forward - 1)))
                 if self.rank > 0 and inp.is_floating_point():
                     inp.requires_grad_(True)
                 out = self.module(inp)
@@ -376,7 +388,8 @@ class Pipeline:
                     total += float(loss.detach()) * share
                     out = loss * share
                 else:
-                    sends.append(self._send(out.detach(), self.rank + 1, parts=len(parts)))
+                    sends.append(self._send(out.detach(), self.rank + 1,
+                                            key=(*step, forward - 1)))
                 held.append((inp if self.rank > 0 else None, out))
             else:
                 pair, held[backward] = held[backward], None  # freed as the backwards go
@@ -430,48 +443,72 @@ class Pipeline:
     def _global(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
-    def _send(self, tensor: torch.Tensor, to: int, parts: int = 0) -> Any:
-        """Start sending ``tensor`` to stage ``to``: an activation (``parts`` > 0, its
-        header first: dtype, shape, the step's micro-batches) or a gradient (no header: its
-        receiver knows the shape); returns the handle of the data's send."""
-        if parts:
-            if tensor.dtype not in _DTYPES or tensor.dim() > HEADER - 3:
+    def _send(self, tensor: torch.Tensor, to: int,
+              key: tuple[int, int, int] | None = None) -> Any:
+        """Start sending ``tensor`` to stage ``to``: a gradient (no header: its receiver
+        knows the shape) or the activation of micro-batch ``key`` (the step's micro-batch
+        count, its batch's shape's checksum, the index), after a header of its dtype and
+        shape for each step's first one and for a micro-batch of a shape not seen before;
+        returns the handle of the data's send.
+
+        Raises:
+            GossipError: the tensor cannot be an activation, or its shape changed for a
+                micro-batch of a shape seen before (a stage's output shape must follow from
+                its input's).
+        """
+        if key is not None:
+            if tensor.dtype not in _DTYPES or tensor.dim() > HEADER - 4:
                 raise GossipError(f"stage {self.rank} returned a {tensor.dtype} tensor of "
                                   f"{tensor.dim()} dimensions: what a stage passes on must be a "
-                                  f"floating-point tensor of at most {HEADER - 3} dimensions")
-            slots = torch.zeros(HEADER, dtype=torch.int64)
-            slots[0], slots[1], slots[2] = _DTYPES.index(tensor.dtype), tensor.dim(), parts
-            slots[3:3 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
-            with _collective("a stage's send"):
-                dist.isend(slots, self._global(to), group=self.control).wait()
+                                  f"floating-point tensor of at most {HEADER - 4} dimensions")
+            form = (_DTYPES.index(tensor.dtype), tuple(tensor.shape))
+            known = self._sent.get(key)
+            if known is not None and known != form:
+                raise GossipError(f"stage {self.rank}'s output changed shape from {known[1]} to "
+                                  f"{form[1]} for a micro-batch of the same shape: a stage's "
+                                  f"output shape must follow from its input's")
+            if known is None or key[2] == 0:
+                _remember(self._sent, key, form)
+                slots = torch.zeros(HEADER, dtype=torch.int64)
+                slots[0], slots[1], slots[2], slots[3] = form[0], tensor.dim(), key[0], key[1]
+                slots[4:4 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+                with _collective("a stage's send"):
+                    dist.isend(slots, self._global(to), group=self.control).wait()
         data = self._on_backend(tensor.contiguous())
         with _collective("a stage's send"):
             return dist.isend(data, self._global(to),
-                              group=self.group if parts else self.gradients)
+                              group=self.group if key is not None else self.gradients)
 
     def _receive(self, src: int, like: torch.Tensor | None = None,
-                 parts: int = 0) -> torch.Tensor:
+                 key: tuple[int, int, int] | None = None) -> torch.Tensor:
         """The next tensor from stage ``src``, on this stage's device: one of ``like``'s shape
-        and dtype (a gradient), or as its header says (an activation, of a step cut into
-        ``parts`` micro-batches here).
+        and dtype (a gradient), or the activation of micro-batch ``key`` (as :meth:`_send`),
+        as its header says or as the last one of that micro-batch's shape was.
 
         Raises:
-            GossipError: the header is malformed, or the stage before cut its batch into
-                other micro-batches (the stages drew different batches).
+            GossipError: the header is malformed, or stage ``src`` cut another batch (the
+                stages drew different batches).
         """
         if like is None:
-            slots = torch.zeros(HEADER, dtype=torch.int64)
-            with _collective("a stage's receive"):
-                dist.recv(slots, self._global(src), group=self.control)
-            code, ndim, theirs = int(slots[0]), int(slots[1]), int(slots[2])
-            if not 0 <= code < len(_DTYPES) or not 0 <= ndim <= HEADER - 3:
-                raise GossipError(f"stage {self.rank} got a malformed activation header")
-            if theirs != parts:
-                raise GossipError(f"stage {src} cut its batch into {theirs} micro-batches and "
-                                  f"stage {self.rank} into {parts}: every stage must draw the "
-                                  f"same batches (seed their order from ctx.seed)")
-            shape = [int(s) for s in slots[3:3 + ndim]]
-            dtype = _DTYPES[code]
+            assert key is not None
+            form = self._received.get(key)
+            if form is None or key[2] == 0:
+                slots = torch.zeros(HEADER, dtype=torch.int64)
+                with _collective("a stage's receive"):
+                    dist.recv(slots, self._global(src), group=self.control)
+                code, ndim = int(slots[0]), int(slots[1])
+                if not 0 <= code < len(_DTYPES) or not 0 <= ndim <= HEADER - 4:
+                    raise GossipError(f"stage {self.rank} got a malformed activation header")
+                if (int(slots[2]), int(slots[3])) != key[:2]:
+                    differ = (f"stage {src} cut its batch into {int(slots[2])} micro-batches "
+                              f"and stage {self.rank} into {key[0]}" if int(slots[2]) != key[0]
+                              else f"stages {src} and {self.rank} drew batches of other "
+                                   f"shapes")
+                    raise GossipError(f"{differ}: every stage must draw the same batches "
+                                      f"(seed their order from ctx.seed)")
+                form = (code, tuple(int(v) for v in slots[4:4 + ndim]))
+                _remember(self._received, key, form)
+            shape, dtype = list(form[1]), _DTYPES[form[0]]
         else:
             shape, dtype = list(like.shape), like.dtype
         where = "cpu" if self.backend == "gloo" else self.device
@@ -485,6 +522,15 @@ class Pipeline:
         if self.backend == "gloo" and tensor.is_cuda:
             return tensor.cpu()
         return tensor
+
+
+def _remember(shapes: dict[tuple[int, int, int], tuple[int, tuple[int, ...]]],
+              key: tuple[int, int, int], form: tuple[int, tuple[int, ...]]) -> None:
+    """The shape of micro-batch ``key``'s activation. A sender and its receiver remember the
+    same keys in the same order, so both forget at the same point."""
+    if key not in shapes and len(shapes) >= SHAPES:
+        shapes.clear()
+    shapes[key] = form
 
 
 def _check_untied(model: nn.Sequential, bounds: list[tuple[int, int]]) -> None:
