@@ -250,17 +250,17 @@ def sequential_step(model: nn.Module, optimizer: torch.optim.Optimizer,
 
     def step(batch: Any) -> torch.Tensor:
         optimizer.zero_grad(set_to_none=True)
-        total = 0.0
+        total: torch.Tensor | float = 0.0  # summed as a pipeline's last stage sums it
         for x, y, share in micro_batches(batch, stages.micro_batches):
             loss = stages.loss(model(x), y)
             (loss * share).backward()
-            total += float(loss.detach()) * share
+            total = total + loss.detach() * share
         if stages.clip_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), stages.clip_norm)
         if stages.before_step is not None:
             stages.before_step(optimizer)
         optimizer.step()
-        return torch.tensor(total)
+        return torch.tensor(float(total))
 
     return step
 
@@ -368,9 +368,10 @@ class Pipeline:
         self.optimizer.zero_grad(set_to_none=True)
         sends: list[Any] = []
         held: list[tuple[torch.Tensor | None, torch.Tensor] | None] = []  # (input, output)
-        total = 0.0
+        total: torch.Tensor | float = 0.0  # on the device: no sync per micro-batch
         forward = backward = 0
         for op in self._order(len(parts)):
+            sends = self._collect(sends)  # a send done lets go of its tensor
             if op == "F":
                 x, y, share = parts[forward]
                 forward += 1
@@ -385,7 +386,7 @@ class Pipeline:
                 if self.last:
                     target = y.to(self.device) if isinstance(y, torch.Tensor) else y
                     loss = stages.loss(out, target)
-                    total += float(loss.detach()) * share
+                    total = total + loss.detach() * share
                     out = loss * share
                 else:
                     sends.append(self._send(out.detach(), self.rank + 1,
@@ -413,10 +414,23 @@ class Pipeline:
             stages.before_step(self.optimizer)
         self.optimizer.step()
         self.steps += 1
-        loss = torch.tensor([total], dtype=torch.float64)
+        loss = torch.tensor([float(total)], dtype=torch.float64)
         with _collective("the step's loss"):
             dist.broadcast(loss, src=self._global(self.size - 1), group=self.control)
         return loss[0].float()
+
+    @staticmethod
+    def _collect(sends: list[Any]) -> list[Any]:
+        """The sends still under way; those done are waited for (an error surfaces), and
+        their tensors let go of, so that 1F1B holds few activations."""
+        pending = []
+        for handle in sends:
+            if handle.is_completed():
+                with _collective("a stage's send"):
+                    handle.wait()
+            else:
+                pending.append(handle)
+        return pending
 
     def _order(self, parts: int) -> list[str]:
         """This stage's forwards (F) and backwards (B), in order."""
