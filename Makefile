@@ -13,7 +13,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench install clean gpu-check gpu-wheels
+.PHONY: demo test bench install clean gpu-check gpu-wheels deploy-check
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -69,6 +69,16 @@ gpu-wheels:
 	$(PYTHON) -m pip download --no-deps --only-binary=:all: --python-version $(PYVER) \
 		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
 		--platform manylinux2014_x86_64 --platform any -d $(WHEELS) $(GPU_WHEELS)
+
+# The deployment files run for real (deploy/check/__main__.py): the image built with podman
+# from a base made with debootstrap, the compose swarm, the systemd unit in a booted system
+# under systemd-nspawn, the StatefulSet's pods under podman kube play. Needs root; installs
+# podman, debootstrap and systemd-container with apt where missing; about 20 minutes the first
+# time, less once its cache (~/.cache/gossipd-deploy-check) holds the base system. Not part
+# of make test. Says why and skips where it cannot run.
+#   make deploy-check [DEPLOY_CHECK="--only compose"]
+deploy-check: $(STAMP)
+	$(PY) deploy/check $(DEPLOY_CHECK)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

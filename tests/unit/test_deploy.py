@@ -7,6 +7,9 @@ resolved when it is dialed."""
 
 from __future__ import annotations
 
+import base64
+import importlib
+import importlib.util
 import shutil
 import socket
 import subprocess
@@ -220,6 +223,74 @@ def test_dockerfile() -> None:
     assert "USER gossipd" in text and "VOLUME /var/lib/gossipd" in text
     assert 'CMD ["gossipd", "status"]' in text
     assert "EXPOSE 7070/tcp 7070/udp" in text
+    # a base and torch from elsewhere than the registries (make deploy-check builds it so)
+    assert "FROM ${BASE_CPU} AS base-cpu" in text and "FROM ${BASE_CUDA} AS base-cuda" in text
+    assert '--index-url "${TORCH_INDEX:-$TORCH_INDEX_DEFAULT}"' in text
+    assert "--mount=type=bind,source=deploy/container/wheels,target=/wheels" in text
+    assert "--uid 10001 --gid 10001" in text  # runAsUser and runAsGroup in statefulset.yaml
+    ignore = (DEPLOY / "container" / "Dockerfile.dockerignore").read_text().splitlines()
+    assert "!deploy/container/wheels/" in ignore
+    assert (DEPLOY / "container" / "wheels").is_dir()
+
+
+@pytest.fixture
+def deploy_check(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Imports a module of deploy/check by name (they import each other as top-level
+    modules); whatever they were, the names are as before after the test (bench/ has a
+    common.py too)."""
+    folder = DEPLOY / "check"
+    monkeypatch.syspath_prepend(str(folder))
+    for path in folder.glob("*.py"):
+        monkeypatch.delitem(sys.modules, path.stem, raising=False)
+    yield importlib.import_module
+    for path in folder.glob("*.py"):
+        sys.modules.pop(path.stem, None)
+
+
+def test_deploy_check_steps_exist(deploy_check: Any) -> None:
+    """make deploy-check's table of steps names functions its modules have (the modules
+    import with this Python, though the check itself needs root and podman)."""
+    spec = importlib.util.spec_from_file_location("deploy_check_main",
+                                                  DEPLOY / "check" / "__main__.py")
+    assert spec is not None and spec.loader is not None
+    main = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(main)
+    for name, target, needs in main.STEPS:
+        module, function = target.split(":")
+        assert callable(getattr(deploy_check(module), function)), name
+        assert set(needs) <= {n for n, _, _ in main.STEPS}
+
+
+def test_deploy_check_renders_the_statefulsets_pods(deploy_check: Any) -> None:
+    """What make deploy-check plays under podman is the StatefulSet's pod as Kubernetes would
+    make it: the controller's name and labels, the kubelet's $(VAR) expansion from the pod's
+    IP and index, the Secret kustomize makes, the Service's names for the bootstrap list."""
+    kube = deploy_check("kube")
+    sts, config = kube._load("statefulset.yaml"), kube._load("configmap.yaml")
+    ips = ["10.89.0.10", "10.89.0.11"]
+    docs, notes = kube.render(sts, config, "a2V5\n", ips, "localhost/gossipd:cpu", "4.9.0")
+    kinds = [d["kind"] for d in docs]
+    assert kinds == ["ConfigMap", "Secret", "PersistentVolumeClaim", "Pod",
+                     "PersistentVolumeClaim", "Pod"]
+    # the Secret holds swarm.key's text as kustomize makes it (base64 of the file)
+    assert docs[1]["data"] == {"swarm.key": base64.b64encode(b"a2V5").decode()}
+    pods = [d for d in docs if d["kind"] == "Pod"]
+    for i, pod in enumerate(pods):
+        assert pod["metadata"]["name"] == f"gossipd-{i}"
+        assert pod["metadata"]["labels"]["apps.kubernetes.io/pod-index"] == str(i)
+        (c,) = pod["spec"]["containers"]
+        assert c["image"] == "localhost/gossipd:cpu" and "ports" not in c
+        assert c["args"] == ["run", "--set", f"node.advertise={ips[i]}:7070",
+                             "--set", f"task.shard={i}"]
+        aliases = {h["hostnames"][0]: h["ip"] for h in pod["spec"]["hostAliases"]}
+        assert aliases == {"gossipd-0.gossipd": ips[0], "gossipd-1.gossipd": ips[1]}
+        claims = [v for v in pod["spec"]["volumes"] if "persistentVolumeClaim" in v]
+        assert claims[0]["persistentVolumeClaim"]["claimName"] == f"gossipd-kcheck-state-gossipd-{i}"
+    assert any("status.podIP" in n for n in notes)
+    old, _ = kube.render(sts, config, "a2V5\n", ips, "localhost/gossipd:cpu", "4.3.1")
+    # podman 4.3 writes a Secret's data undecoded: the data is the file's text itself
+    assert old[1]["data"] == {"swarm.key": "a2V5"}
+    assert kube._expand("$(A)-$$(A)-$(B)", {"A": "x"}) == "x-$(A)-$(B)"
 
 
 # --- the tools that check these files, where they can run ---------------------------------
