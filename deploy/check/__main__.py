@@ -25,14 +25,17 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import shutil
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Callable
 
 from common import Context, Failed, Skip
+from image import restore_image
 
 STEPS: list[tuple[str, str, tuple[str, ...]]] = [
     # name, the function it runs (module:name in deploy/check/), the steps it needs
@@ -61,6 +64,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown step {', '.join(sorted(unknown))}; choose from "
                      + ", ".join(CHOSEN))
     wanted = _with_needs(chosen)
+    if sys.platform != "linux" or os.geteuid() != 0:
+        why = "needs root on Linux (podman's networks, debootstrap, systemd-nspawn)"
+        print(f"deploy-check: skipped: {why}")
+        _table([(name, "skipped", 0.0, why) for name, _, _ in STEPS if name in wanted], 0.0)
+        print(json.dumps({"check": "deploy", "ok": True, "seconds": 0.0, "results": {
+            name: "skipped" for name, _, _ in STEPS if name in wanted}, "skipped": why}))
+        return 0
     args.cache.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="gossipd-deploy-check-", dir="/var/tmp"))
     ctx = Context(cache=args.cache, work=work, log=args.cache / "deploy-check.log")
@@ -92,17 +102,23 @@ def main(argv: list[str] | None = None) -> int:
                 results[name], note = "skipped", str(e)
             except Failed as e:
                 results[name], note = "FAILED", str(e)
+            except Exception as e:  # a defect of the check, or of the machine: the rest runs
+                results[name], note = "FAILED", f"{type(e).__name__}: {e}"
+                with ctx.log.open("a") as f:
+                    f.write(traceback.format_exc())
             seconds = time.monotonic() - begun
             rows.append((name, results[name], seconds, note))
             ctx.say(f"{name}: {results[name]} in {seconds:.0f} s" + (f": {note}" if note else ""))
     finally:
+        restore_image(ctx)
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
     total = time.monotonic() - started
     _table(rows, total)
     failed = [n for n, r in results.items() if r == "FAILED"]
-    print(json.dumps({"check": "deploy", "ok": not failed, "seconds": round(total, 1),
-                      "results": results, **found}, default=str))
+    passed = [n for n, r in results.items() if r == "ok"]
+    print(json.dumps({"check": "deploy", "ok": not failed, "passed": passed,
+                      "seconds": round(total, 1), "results": results, **found}, default=str))
     return 1 if failed else 0
 
 

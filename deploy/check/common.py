@@ -33,7 +33,7 @@ class Context:
     podman_env: dict[str, str] = field(default_factory=dict)  # CONTAINERS_CONF, when needed
     image: str = "localhost/gossipd:cpu"
     base_image: str = "localhost/gossipd-base:bookworm"
-    rootfs: Path | None = None  # the base system as a tar file (deploy/check/base.py)
+    replaced: str | None = None  # the image ID that was tagged ``image`` before the build
     wheels: Path | None = None  # a folder holding a CPU torch wheel for CPython 3.11
     torch: str = "torch"  # the requirement that picks that wheel, e.g. torch==2.13.0+cpu
 
@@ -83,8 +83,11 @@ def trust_host_cas(rootfs: Path) -> None:
     target.mkdir(parents=True, exist_ok=True)
     for crt in added:
         (target / crt.name).write_bytes(crt.read_bytes())
-    subprocess.run(["chroot", str(rootfs), "update-ca-certificates"], check=True,
-                   capture_output=True)
+    result = subprocess.run(["chroot", str(rootfs), "update-ca-certificates"],
+                            capture_output=True, text=True, timeout=120)
+    if result.returncode != 0:
+        raise Failed(f"update-ca-certificates in {rootfs} exited {result.returncode}: "
+                     + result.stderr.strip()[-300:])
     (rootfs / "etc/pip.conf").write_text("[global]\ncert = /etc/ssl/certs/ca-certificates.crt\n")
 
 

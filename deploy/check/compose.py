@@ -88,23 +88,37 @@ def _newest_checkpoint(ctx: Context, node: str) -> int | None:
 
 
 def _kill_and_restart(ctx: Context, compose: Callable[..., object], node: str) -> int:
-    """SIGKILL the node's daemon (a crash: podman's own kill counts as a stop, which no
-    restart policy undoes), start it again, and see it resume its newest checkpoint."""
+    """SIGKILL the node's daemon (a crash; podman's own kill counts as a stop), see it exit
+    137, start it again unless its restart policy already has, and see it resume its newest
+    checkpoint."""
     step = wait_for(f"{node}'s first checkpoint (checkpoint.interval 60 s)",
                     lambda: _newest_checkpoint(ctx, node), timeout=120)
-    pid = ctx.podman("inspect", "--format", "{{.State.Pid}}", container(node)).stdout.strip()
+
+    def state() -> tuple[str, str, str, int]:
+        out = ctx.podman("inspect", "--format", "{{.State.Status}} {{.State.ExitCode}} "
+                         "{{.State.Pid}} {{.RestartCount}}", container(node)).stdout.split()
+        return out[0], out[1], out[2], int(out[3])
+
+    _, _, pid, restarts = state()
+    since = str(int(time.time()))
     ctx.sh(["kill", "-KILL", pid])
-    wait_for(f"{node} to die", lambda: ctx.podman(
-        "inspect", "--format", "{{.State.Status}}", container(node)).stdout.strip()
-        in ("stopped", "exited"), timeout=30, interval=0.5)
-    code = ctx.podman("inspect", "--format", "{{.State.ExitCode}}", container(node))
-    if code.stdout.strip() != "137":
-        raise Failed(f"{node} killed with SIGKILL exited {code.stdout.strip()}, not 137")
-    compose("start", node)
+
+    def died() -> str | None:
+        status, code, now, count = state()
+        if count > restarts or (status == "running" and now != pid):
+            return "restarted by podman"  # on-failure: podman started it again itself
+        if status in ("stopped", "exited"):
+            if code != "137":
+                raise Failed(f"{node} killed with SIGKILL exited {code}, not 137")
+            return "exited 137"
+        return None
+
+    if wait_for(f"{node} to die", died, timeout=30, interval=0.2) == "exited 137":
+        compose("start", node)
     resumed = re.compile(r"resuming checkpoint=\S+ step=(\d+)")
 
     def resumed_step() -> int | None:
-        logs = ctx.podman("logs", container(node), check=False)
+        logs = ctx.podman("logs", "--since", since, container(node), check=False)
         found = resumed.findall(logs.stdout + logs.stderr)
         return int(found[-1]) if found else None
 
@@ -126,16 +140,22 @@ def _down(ctx: Context, compose: Callable[..., object]) -> dict[str, object]:
                                    stderr=subprocess.STDOUT, text=True,
                                    env={**os.environ, **ctx.podman_env})
             for node in NODES}
-    started = time.monotonic()
-    compose("down", timeout=300)
-    seconds = time.monotonic() - started
+    try:
+        started = time.monotonic()
+        compose("down", timeout=300)
+        seconds = time.monotonic() - started
+        outs = {node: proc.communicate(timeout=60)[0] for node, proc in logs.items()}
+    finally:
+        for proc in logs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     events = ctx.podman("events", "--since", since, "--until", str(int(time.time()) + 1),
                         "--filter", "event=died", "--format",
                         "{{.Name}} {{.ContainerExitCode}}").stdout
-    codes = dict(line.split() for line in events.splitlines() if line.strip())
+    codes = dict(line.split()[:2] for line in events.splitlines() if len(line.split()) >= 2)
     final: dict[str, int] = {}
-    for node, proc in logs.items():
-        out, _ = proc.communicate(timeout=60)
+    for node, out in outs.items():
         with ctx.log.open("a") as f:
             f.write(f"## {node}'s log while stopping\n{out}\n")
         if codes.get(container(node)) != "0":

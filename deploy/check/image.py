@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import platform
-import re
 import shutil
 import sys
 from pathlib import Path
@@ -19,7 +18,8 @@ PACKAGES = {"podman": "podman", "debootstrap": "debootstrap",
 SUITE = "bookworm"  # the Debian of the base image: its python3 is CPython 3.11, as the image's
 PYTHON = "cp311"
 MIRROR = os.environ.get("DEBIAN_MIRROR", "http://deb.debian.org/debian")
-TORCH = "torch==2.13.0"  # the Makefile's pin
+TORCH_VERSION = "2.13.0"  # the Makefile's pin (tests/unit/test_deploy.py keeps them equal)
+COMPOSE = "podman-compose==1.6.0"  # the release this check ran with
 
 
 def check_tools(ctx: Context) -> dict[str, object]:
@@ -35,14 +35,17 @@ def check_tools(ctx: Context) -> dict[str, object]:
             raise Skip(f"missing {', '.join(missing)}, and no apt-get to install them")
         ctx.say(f"installing {' '.join(missing)} with apt-get")
         env = {"DEBIAN_FRONTEND": "noninteractive"}
-        ctx.sh(["apt-get", "update", "-q"], env=env)
-        ctx.sh(["apt-get", "install", "-y", "-q", *missing], env=env, timeout=900)
+        try:
+            ctx.sh(["apt-get", "update", "-q"], env=env)
+            ctx.sh(["apt-get", "install", "-y", "-q", *missing], env=env, timeout=900)
+        except Failed as e:
+            raise Skip(f"cannot install {', '.join(missing)}: {e}") from None
     venv = ctx.cache / "compose-venv"
     compose = venv / "bin" / "podman-compose"
     if not compose.exists():
         ctx.say("installing podman-compose into " + str(venv))
         ctx.sh([sys.executable, "-m", "venv", str(venv)])
-        ctx.sh([str(venv / "bin" / "pip"), "install", "-q", "podman-compose"], timeout=300)
+        ctx.sh([str(venv / "bin" / "pip"), "install", "-q", COMPOSE], timeout=300)
     version = ctx.podman("--version").stdout.strip()
     return {"podman": version.rsplit(" ", 1)[-1]}
 
@@ -94,7 +97,6 @@ def make_base(ctx: Context) -> dict[str, object]:
         ctx.sh(["tar", "-C", str(rootfs), "-cf", str(partial), "."], timeout=600)
         partial.rename(tar)
         shutil.rmtree(rootfs)
-    ctx.rootfs = tar
     if ctx.podman("image", "exists", ctx.base_image, check=False).returncode != 0:
         ctx.podman("import", "--change", 'CMD ["/bin/bash"]', str(tar), ctx.base_image)
     configure_podman(ctx)
@@ -106,7 +108,8 @@ def torch_wheel(ctx: Context) -> Path:
     index where it answers, else from what this machine's pip finds for the Makefile's pin
     (a local build here); refused if that is the CUDA build."""
     wheels = ctx.cache / "wheels"
-    found = sorted(wheels.glob(f"torch-*+cpu-{PYTHON}-*.whl"))
+    pattern = f"torch-{TORCH_VERSION}+cpu-{PYTHON}-*.whl"
+    found = sorted(wheels.glob(pattern))
     if not found:
         wheels.mkdir(parents=True, exist_ok=True)
         base = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
@@ -114,16 +117,15 @@ def torch_wheel(ctx: Context) -> Path:
                 "--platform", "manylinux_2_28_x86_64", "-d", str(wheels)]
         index = ["--index-url", "https://download.pytorch.org/whl/cpu"]
         ctx.say("downloading a CPU torch wheel for the image")
-        if ctx.sh([*base, *index, TORCH], check=False, timeout=900).returncode != 0:
-            ctx.sh([*base, TORCH], timeout=900)
-        found = sorted(wheels.glob(f"torch-*+cpu-{PYTHON}-*.whl"))
+        pin = f"torch=={TORCH_VERSION}"
+        if ctx.sh([*base, *index, pin], check=False, timeout=900).returncode != 0:
+            ctx.sh([*base, pin], timeout=900)
+        found = sorted(wheels.glob(pattern))
         if not found:
             raise Skip("no CPU build of torch for CPython 3.11 could be had (PyTorch's index "
                        "does not answer, and pip finds only the CUDA build): put one in "
                        f"{wheels}")
-    version = re.match(r"torch-([^-]+)-", found[-1].name)
-    assert version is not None
-    ctx.wheels, ctx.torch = wheels, f"torch=={version.group(1)}"
+    ctx.wheels, ctx.torch = wheels, f"torch=={TORCH_VERSION}+cpu"
     return found[-1]
 
 
@@ -131,6 +133,9 @@ def build_image(ctx: Context) -> dict[str, object]:
     """deploy/container/Dockerfile, built with podman as it is, given the base image and a
     torch wheel through its build arguments and wheels folder."""
     wheel = torch_wheel(ctx)
+    before = ctx.podman("image", "inspect", "--format", "{{.Id}}", ctx.image, check=False)
+    if before.returncode == 0 and ctx.replaced is None:
+        ctx.replaced = before.stdout.strip()  # put back at the end (restore_image)
     drop = ROOT / "deploy" / "container" / "wheels" / wheel.name
     placed = not drop.exists()
     if placed:
@@ -157,3 +162,16 @@ def build_image(ctx: Context) -> dict[str, object]:
         raise Failed(f"the image's user is not gossipd 10001:10001: {user.stdout.strip()}")
     return {"image_mb": round(size / 2**20), "torch_mb": int(torch_mb.stdout.split()[0]),
             "torch": ctx.torch}
+
+
+def restore_image(ctx: Context) -> None:
+    """Tags the image that was ``ctx.image`` before the check built its own (on its own base,
+    trusting this machine's CAs) as it was; the check's stays as ``<image>-deploy-check``."""
+    if ctx.replaced is None:
+        return
+    now = ctx.podman("image", "inspect", "--format", "{{.Id}}", ctx.image, check=False)
+    if now.returncode == 0 and now.stdout.strip() != ctx.replaced:
+        ctx.podman("tag", ctx.image, f"{ctx.image}-deploy-check", check=False)
+        ctx.podman("tag", ctx.replaced, ctx.image, check=False)
+        ctx.say(f"{ctx.image} is again the image it was; the check's is "
+                f"{ctx.image}-deploy-check")

@@ -70,6 +70,7 @@ def check_kube(ctx: Context) -> dict[str, object]:
         figures: dict[str, object] = {"kube_podman": version}
         figures["kube_ready_s"] = _ready(ctx, ctrs, ips, main, started)
         figures["kube_steps"] = _steps_go_up(ctx, ctrs)
+        figures["kube_confined"] = _confined(ctx, ctrs, template)
         figures["kube_memory"] = ctx.podman("stats", "--no-stream", "--format", "{{.MemUsage}}",
                                             *ctrs, check=False).stdout.strip().splitlines()
         for c in ctrs:  # the livenessProbe, as podman's health check
@@ -222,7 +223,33 @@ def _inspect(ctx: Context, container: str) -> Doc:
 
 def _status(ctx: Context, container: str) -> Doc:
     result = ctx.podman("exec", container, "gossipd", "status", "--json", check=False)
-    return json.loads(result.stdout) if result.returncode == 0 else {}
+    try:
+        return json.loads(result.stdout) if result.returncode == 0 else {}
+    except json.JSONDecodeError:
+        return {}
+
+
+def _confined(ctx: Context, ctrs: list[str], template: Doc) -> str:
+    """Each pod's daemon runs as the pod's runAsUser and runAsGroup, holds no capability, and
+    cannot write its root file system, only its state volume."""
+    pod, (c,) = template["securityContext"], template["containers"]
+    want = f"{pod['runAsUser']}:{pod['runAsGroup']}"
+    for ctr in ctrs:
+        ids = ctx.podman("exec", ctr, "sh", "-c", 'echo "$(id -u):$(id -g)"').stdout.strip()
+        caps = ctx.podman("exec", ctr, "sh", "-c", "grep CapEff /proc/1/status").stdout.split()
+        root = ctx.podman("exec", ctr, "touch", "/probe", check=False)
+        state = ctx.podman("exec", ctr, "sh", "-c",
+                           "touch /var/lib/gossipd/.probe && rm /var/lib/gossipd/.probe",
+                           check=False)
+        if ids != want or caps[-1:] != ["0000000000000000"]:
+            raise Failed(f"{ctr} runs as {ids} with CapEff {caps[-1:]}, not {want} without "
+                         "capabilities")
+        read_only = c["securityContext"].get("readOnlyRootFilesystem")
+        if (root.returncode == 0) == bool(read_only) or state.returncode != 0:
+            raise Failed(f"{ctr}: writing / {'worked' if root.returncode == 0 else 'failed'} "
+                         f"(readOnlyRootFilesystem {read_only}), writing its state volume "
+                         f"{'worked' if state.returncode == 0 else 'failed'}")
+    return f"uid:gid {want}, no capabilities, read-only root"
 
 
 def _ready(ctx: Context, ctrs: list[str], ips: list[str], main: Doc, started: float) -> float:
@@ -282,9 +309,13 @@ def _stop(ctx: Context, pods: list[str], ctrs: list[str], spec: Doc) -> dict[str
 
 
 def _ours(ctx: Context, pod: str) -> bool:
-    result = ctx.podman("pod", "inspect", pod, "--format", "{{.InfraConfig.Networks}}",
+    """Whether ``pod`` is on this step's network, and so this step's."""
+    result = ctx.podman("pod", "inspect", pod, "--format", "{{json .InfraConfig.Networks}}",
                         check=False)
-    return result.returncode == 0 and PREFIX in result.stdout
+    try:
+        return result.returncode == 0 and PREFIX in (json.loads(result.stdout) or [])
+    except json.JSONDecodeError:
+        return False
 
 
 def _clean(ctx: Context, pods: list[str]) -> None:
@@ -298,7 +329,7 @@ def _clean(ctx: Context, pods: list[str]) -> None:
         return [n for n in out if n.startswith(PREFIX)]
 
     if volumes := named("volume"):
-        ctx.podman("volume", "rm", "-f", *volumes, check=False)
+        ctx.podman("volume", "rm", *volumes, check=False)
     if secrets := named("secret"):
         ctx.podman("secret", "rm", *secrets, check=False)
     if PREFIX in named("network"):

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from common import ROOT, Context, Failed, Skip, trust_host_cas, wait_for
+from image import torch_wheel
 
 SUITE = "bookworm"
 MIRROR = os.environ.get("DEBIAN_MIRROR", "http://deb.debian.org/debian")
@@ -77,8 +78,19 @@ class Machine:
             tail = "\n".join(self.console.read_text().splitlines()[-5:])
             raise Skip(f"systemd-nspawn cannot boot a machine here:\n{tail}")
         children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
-        pids = children.read_text().split()
-        return int(pids[0]) if pids else None
+        try:
+            pids = children.read_text().split()
+            # nspawn's first child is a helper that forks the machine's PID 1 and exits: take
+            # only a process that is PID 1 of a namespace of its own.
+            for pid in pids:
+                status = Path(f"/proc/{pid}/status").read_text()
+                nspid = [line.split()[1:] for line in status.splitlines()
+                         if line.startswith("NSpid:")]
+                if nspid and len(nspid[0]) > 1 and nspid[0][-1] == "1":
+                    return int(pid)
+        except FileNotFoundError:
+            pass  # gone meanwhile: asked again
+        return None
 
     def sh(self, script: str, *, check: bool = True, timeout: float = 120,
            input: str | None = None) -> str:
@@ -208,6 +220,8 @@ def check_systemd(ctx: Context) -> dict[str, object]:
         if shutil.which(tool) is None:
             raise Skip(f"no {tool} here")
     started = time.monotonic()
+    if ctx.wheels is None:
+        torch_wheel(ctx)  # torch's CPU build, as the image step takes it; PyPI's is CUDA's
     tar, cached = base_system(ctx)
     root = prepare(ctx, tar)
     binds = [f"--bind-ro={ctx.wheels}:/wheels"] if ctx.wheels else []
@@ -227,7 +241,8 @@ def check_systemd(ctx: Context) -> dict[str, object]:
         figures["install_s"] = round(time.monotonic() - installing, 1)
         started_unit = time.monotonic()
         first = wait_for("gossipd status to report a step", lambda: steps(m), 180)
-        later = wait_for("the step to go up", lambda: (s := steps(m)) and s > first and s, 60)
+        later = wait_for("the step to go up",
+                         lambda: s if (s := steps(m)) is not None and s > first else None, 60)
         figures["first_step_s"] = round(time.monotonic() - started_unit, 1)
         figures["steps"] = [first, later]
         m.sh(f"{AS_GOSSIPD} status -c {CONFIG}")  # as the docs show it, for the log

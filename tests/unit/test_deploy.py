@@ -239,12 +239,13 @@ def deploy_check(monkeypatch: pytest.MonkeyPatch) -> Any:
     modules); whatever they were, the names are as before after the test (bench/ has a
     common.py too)."""
     folder = DEPLOY / "check"
+    names = [p.stem for p in folder.glob("*.py") if not p.stem.startswith("__")]
     monkeypatch.syspath_prepend(str(folder))
-    for path in folder.glob("*.py"):
-        monkeypatch.delitem(sys.modules, path.stem, raising=False)
+    for name in names:
+        monkeypatch.delitem(sys.modules, name, raising=False)
     yield importlib.import_module
-    for path in folder.glob("*.py"):
-        sys.modules.pop(path.stem, None)
+    for name in names:
+        sys.modules.pop(name, None)
 
 
 def test_deploy_check_steps_exist(deploy_check: Any) -> None:
@@ -259,6 +260,12 @@ def test_deploy_check_steps_exist(deploy_check: Any) -> None:
         module, function = target.split(":")
         assert callable(getattr(deploy_check(module), function)), name
         assert set(needs) <= {n for n, _, _ in main.STEPS}
+
+
+def test_deploy_check_takes_the_makefiles_torch(deploy_check: Any) -> None:
+    """The image make deploy-check builds holds the torch release make test tests."""
+    makefile = (DEPLOY.parent / "Makefile").read_text()
+    assert f"TORCH ?= torch=={deploy_check('image').TORCH_VERSION}\n" in makefile
 
 
 def test_deploy_check_renders_the_statefulsets_pods(deploy_check: Any) -> None:
