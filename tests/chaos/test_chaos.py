@@ -21,6 +21,8 @@ import pytest
 import torch
 
 from daemon.checkpoint import load
+from daemon.task import Context
+from daemon.tasks import digits
 from daemon.testing import Daemon, free_port, wait_for
 from gossip.testing import ProxyClient
 
@@ -32,7 +34,9 @@ MAX_DOWN = 3  # nodes down or restarting at once: a restart takes 10-30 s on two
 PARTITION_AT, PARTITION_FOR = 15.0, 20.0  # s into the chaos, s
 STALL = 15.0  # s: a daemon up this long must have stepped in that time
 SETTLE = 10  # committed exchanges per node after the faults are cleared, before stopping
-LOSS_MARGIN = 0.5  # the final loss must be below this fraction of the initial loss
+# Each node's final evaluation loss must be below this fraction of the untrained model's on
+# the same test split (digits: about 2.3; a swarm that learns ends near 0.1).
+LOSS_MARGIN = 0.2
 # Spread: each model's distance from the mean, relative to the mean's norm. Independent
 # training from one initialization for the same time drifts by tens of percent; averaging
 # every half second keeps a quiet swarm within a few parts in ten thousand.
@@ -161,12 +165,15 @@ def report(daemons: list[Daemon], tried: dict[str, int]) -> None:
             for s in states]
     mean = torch.stack(flat).mean(0)
     spread = max(float((f - mean).norm() / mean.norm()) for f in flat)
-    initial = next(e["loss"] for e in daemons[0].events if e["event"] == "progress"
-                   and e["loss"] is not None)
+    # The reference is the model every node starts from, evaluated as the daemons evaluate
+    # theirs (the first progress line's loss would depend on how fast the machine trained
+    # before it).
+    initial = digits.task(Context(seed=daemons[0].config.task.seed,
+                                  device=torch.device("cpu"))).evaluate()["loss"]
     finals = [d.last("eval")["loss"] for d in daemons]
     print(f"\nchaos: {tried}; restarts resumed from checkpoints: "
           f"{sum(len(d.of('start')) - 1 for d in daemons)}")
-    print(f"loss: initial {initial:.3f}, final per node "
+    print(f"loss: untrained {initial:.3f}, final per node "
           f"{', '.join(f'{x:.3f}' for x in finals)}; spread {spread:.4f} (bound {SPREAD})")
     assert spread < SPREAD
     assert all(math.isfinite(x) and x < LOSS_MARGIN * initial for x in finals), finals
