@@ -359,9 +359,7 @@ class Correction:
             part.copy_(average.view(-1))
             part.add_(c.view(-1).to(part.device), alpha=decay)
         if not all_finite(out):
-            for average in self._average:
-                average.zero_()
-            self._scaled = 0
+            self._forget_average()
             for (_, where), c in zip(self._slots, self._c):
                 out[where].copy_(c.view(-1)).mul_(decay)
 
@@ -415,11 +413,14 @@ class Correction:
     def forget_unfinite(self) -> None:
         """Forget ``ĝ`` if it is not finite, as :meth:`estimate_into` does (a pipeline
         stage, whose ``ĝ`` the node's estimate reads through shared memory)."""
-        if self._average and not bool(
-                torch.isfinite(torch.stack(torch._foreach_norm(self._average))).all()):
-            for average in self._average:
-                average.zero_()
-            self._scaled = 0
+        if not all(all_finite(average.view(-1)) for average in self._average):
+            self._forget_average()
+
+    def _forget_average(self) -> None:
+        """``ĝ`` zero, measured again from the next step."""
+        for average in self._average:
+            average.zero_()
+        self._scaled = 0
 
     @property
     def counts(self) -> tuple[float, int]:
