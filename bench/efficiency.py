@@ -30,12 +30,14 @@ Churn: in the "crash and rejoin" row, node 1 crashes at 20% of the budget and no
 each for 15% of the budget (24 of its 160 steps at N = 8); each comes back from what a
 checkpoint written at the crash holds (model, counters, drift correction; the deltas not yet
 applied are lost) and rejoins through the running nodes. Meanwhile the others train on, so
-the swarm trains fewer samples of those two shards than the reference does. The dip: for each
-crash and restart, and each other node running across it, how far the node's accuracy fell,
-at its lowest after the event (until the next one, or the budget), below its level before it
-(the mean of its last ``LEVEL_EVALS`` evaluations while up); ``worst_dip_points`` is the
-largest over events and nodes, then the largest over seeds (target ``TARGET_DIP``). A crashed
-node's model, which the bench still holds, is not counted while it is down.
+the swarm trains fewer samples of those two shards than the reference does. The dip is
+:mod:`daemon.churn`'s, as ``gossipd demo`` reports it: a crash is a departure and a restart a
+join, each between two evaluations; for each of them and each other node running across it,
+how far the node's accuracy fell, at its lowest after the event (up to the budget, or its own
+crash), below its level before it (the mean of its last ``LEVEL_EVALS`` evaluations since it
+last came up). A crashed node's model, which the bench still holds, is not counted while it is
+down. ``worst_dip_points`` is the largest over events and nodes, then the largest over seeds
+(target ``TARGET_DIP``).
 
 Reference: synchronous all-reduce ("DDP-equivalent") at N = 4 and 8 on the same label-sorted
 shards, with no swarm: one model and one SGD optimizer built by the task (the same initial
@@ -85,6 +87,7 @@ import trio
 import trio.testing
 
 from common import progress, pyplot, save_figure, save_json, table
+from daemon.churn import LEVEL_EVALS, ChurnEvent, dips, worst_dip_points
 from daemon.task import Context, Shard
 from daemon.tasks import digits
 from gossip import AveragingConfig, NodeConfig
@@ -101,7 +104,6 @@ TARGET_WORST = 4.0  # points of the worst node below all-reduce, at the budget
 TARGET_CHURN = 3.0  # points below all-reduce with two nodes crashing and rejoining
 TARGET_HORIZON = 0.5  # points below all-reduce at 8x the budget
 TARGET_DIP = 2.0  # points a running node falls below its own level after a crash or restart
-LEVEL_EVALS = 3  # a node's level before a churn event: the mean of its last 3 evaluations
 EVERY = AveragingConfig().every  # the library's default period, in local steps
 CODEC = AveragingConfig().codec  # the library's default wire codec
 CHURN = [(1, 0.20, 0.35), (5, 0.50, 0.65)]  # node, crash and restart, in budget fractions
@@ -170,7 +172,8 @@ def run_swarm(setting: Setting, seed: int, points: int) -> dict[str, Any]:
     """Train one swarm until ``points`` evaluations are taken; returns the curves ``mean``,
     ``worst`` (over nodes) and ``mean_model``, in percent, one value per evaluation, and for
     :func:`worst_dip`: ``nodes``, per node its accuracy at each evaluation (None while it is
-    down), and ``events``, an ``(evaluations taken, node)`` pair per crash and restart."""
+    down), and ``events``, an ``(evaluations taken, node, "crash" or "restart")`` triple per
+    crash and restart."""
     n = setting.n
     if setting.iid:
         # A task's seed picks its batch order, so one seed per node; then node 0's initial
@@ -184,7 +187,7 @@ def run_swarm(setting: Setting, seed: int, points: int) -> dict[str, Any]:
         batches = [t.batches(Shard(i, n)) for i, t in enumerate(tasks[:n])]
     curves: dict[str, list[float]] = {"mean": [], "worst": [], "mean_model": []}
     per_node: list[list[float | None]] = [[] for _ in range(n)]
-    events: list[tuple[int, int]] = []
+    events: list[tuple[int, int, str]] = []
     down: set[int] = set()  # crashed, by index: their models are still evaluated, not kept
     total = 0
 
@@ -213,7 +216,7 @@ def run_swarm(setting: Setting, seed: int, points: int) -> dict[str, Any]:
                           + [(back, "restart", i) for i, _, back in CHURN])
         for fraction, what, i in schedule:
             await sim.wait_until(lambda: total >= fraction * BUDGET)
-            events.append((len(curves["mean"]), i))
+            events.append((len(curves["mean"]), i, what))
             if what == "crash":
                 sim.crash(i)
                 down.add(i)
@@ -277,37 +280,28 @@ def samples_to_reach(curve: list[float], accuracy: float) -> int | None:
     return None
 
 
-def worst_dip(per_node: list[list[float | None]], events: list[tuple[int, int]]) -> float:
-    """The largest fall of a node below its own level after a crash or restart, in points.
+def churn_events(schedule: list[tuple[int, int, str]]) -> list[ChurnEvent]:
+    """:mod:`daemon.churn`'s events of a run's crashes (departures) and restarts (joins):
+    ``(k, node, what)``, between evaluations ``k - 1`` and ``k``, is at time ``k - 1/2`` of
+    a clock on which evaluation ``k`` is at ``k``."""
+    return [ChurnEvent("departure" if what == "crash" else "join", f"n{i}", k - 0.5)
+            for k, i, what in schedule]
 
-    For each event and each node other than its subject that is up at the last evaluation
-    before it and the first after it: the level is the mean of the node's last
-    ``LEVEL_EVALS`` evaluations before the event (fewer if it has been up for fewer), the dip
-    is the level minus its lowest evaluation from the event up to the next event (or the end
-    of the table), floored at 0.
+
+def worst_dip(per_node: list[list[float | None]],
+               schedule: list[tuple[int, int, str]]) -> float:
+    """The worst dip of one run, in points, by :mod:`daemon.churn`'s definition.
 
     Args:
         per_node: per node, its accuracy in percent at each evaluation, None while it is down.
-        events: ``(k, node)`` per crash or restart of ``node`` after evaluation ``k - 1``
-            and before evaluation ``k``.
+        schedule: ``(k, node, "crash" or "restart")`` per event after evaluation ``k - 1``
+            and before evaluation ``k`` (:func:`churn_events`).
     Returns:
-        The largest dip, 0 when no node ran across an event.
+        :func:`daemon.churn.worst_dip_points` of those evaluations and events.
     """
-    length = max((len(series) for series in per_node), default=0)
-    worst = 0.0
-    for k, subject in events:
-        end = min((j for j, _ in events if j > k), default=length)
-        for i, series in enumerate(per_node):
-            if i == subject or k == 0 or k >= len(series) or None in series[k - 1:k + 1]:
-                continue
-            before: list[float] = []
-            for value in reversed(series[:k]):  # since it last came up
-                if value is None or len(before) == LEVEL_EVALS:
-                    break
-                before.append(value)
-            after = [v for v in series[k:end] if v is not None]
-            worst = max(worst, sum(before) / len(before) - min(after))
-    return worst
+    series = {f"n{i}": [(k, v / 100) for k, v in enumerate(values) if v is not None]
+              for i, values in enumerate(per_node)}
+    return worst_dip_points(dips(series, churn_events(schedule)))
 
 
 def seed_mean(runs: list[dict[str, list[float]]], key: str) -> list[float]:
