@@ -255,8 +255,8 @@ class SwarmNode:
             self.replica.restore(self.replica.counters(), resumed.correction)
         if self._optimizer is not None:
             self._optimizer.state.clear()
-        log.info("checkpoint superseded peer=%s step=%d checkpoint_step=%d", download.peer.short,
-                 download.step, resumed.step)
+        log.info("checkpoint superseded peer=%s checkpoint_step=%d step=%d", download.peer.short,
+                 resumed.step, self.replica.counters().step)
 
 
 @dataclass(frozen=True)
