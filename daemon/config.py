@@ -51,7 +51,7 @@ import os
 import re
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import InitVar, dataclass, field, fields, replace
+from dataclasses import InitVar, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -436,7 +436,7 @@ class Config:
         """``relative`` under :meth:`data_dir`; an absolute path stays as it is."""
         return self.data_dir() / relative
 
-    def node_config(self, *, start: str | None = None) -> gossip.NodeConfig:
+    def node_config(self) -> gossip.NodeConfig:
         """The library's settings of this node: what :func:`gossip.open_swarm` takes.
 
         ``[averaging]``, ``[timeouts]`` and ``[limits]`` keep the library's names. TOML has no
@@ -451,14 +451,11 @@ class Config:
 
         Two keys are spelled as choices: ``averaging.mixing = "samples"`` is ``by_samples``,
         and ``swarm.profile`` picks :meth:`gossip.MembershipConfig.lan` or ``wan``.
-
-        Args:
-            start: overrides ``averaging.start`` (a node resuming a checkpoint starts from it:
-                ``"own"``).
+        A node resuming a checkpoint takes ``averaging.start`` as a fresh one does: the
+        library then takes a ready peer's state only if it is newer than the checkpoint
+        (:mod:`gossip.node`, "Resuming"), and ``"own"`` keeps the checkpoint's weights.
         """
         averaging = self.averaging.to_averaging()
-        if start is not None:
-            averaging = replace(averaging, start=start)
         return gossip.NodeConfig(
             listen=self.node.listen, advertise=self.node.advertise or None,
             bootstrap=self.swarm.bootstrap, allow=frozenset(self.swarm.allow) or None,

@@ -388,10 +388,9 @@ class _Service:
             task_meta["options"] = dict(c.task.options)
         except KeyFileError:
             log.debug("task.options are not published: a join line could not carry them")
-        start = "own" if found is not None else c.averaging.start
         try:
             async with gossip.open_swarm(
-                p.task.model, p.swarm, c.node_config(start=start), identity=p.identity,
+                p.task.model, p.swarm, c.node_config(), identity=p.identity,
                 task=task_meta, counters=found.counters if found else None,
                 optimizer=p.task.optimizer, correction=found.correction if found else None,
                 outer=found.outer if found else None, on_exchange=self.on_exchange,

@@ -21,6 +21,13 @@ sample of them first, :meth:`~gossip.roster.Roster.prove`: records invented in g
 hosts of their own, would otherwise be the median); only then does the node announce itself
 ready.
 
+A node that resumes a checkpoint asks too, but takes the state only if it is newer than its
+own: a sender whose step (its ``StateInfo``'s) is not past the checkpoint's has trained no
+further than we had, and the node keeps its own weights; the request ends there, before the
+state is sent. The claim is the sender's to make, as everything a joiner downloads is: a peer
+that says it is behind keeps us on our own state, and one that says it is ahead gives us what
+a joiner would take from it.
+
 ``meta`` is a canonical CBOR map ``{"buffers": {name: int}, "task": {...}}``: the model's
 integer scalar buffers (``num_batches_tracked``), which are not part of the averaged state,
 and the task's own metadata (whatever the application passed, JSON-like values). It is
@@ -218,10 +225,11 @@ class Downloads:
         return self._config.offer_timeout + self._rates.deadline(
             host, self._config.transfer_timeout, self._replica.schema.encoded_size(CODEC))
 
-    async def fetch(self, candidates: list[Member], proven: Mapping[str, str]) -> Download:
+    async def fetch(self, candidates: list[Member], proven: Mapping[str, str], *,
+                    newer_than: int | None = None) -> Download | None:
         """Load the state of a candidate that answers: :func:`download`, with ``proven``
         the candidates that proved their identity to us, each with the host it proved
-        itself from.
+        itself from, and ``newer_than`` the step of the checkpoint we resume, if any.
 
         Raises:
             DownloadFailed: every candidate failed (each failure is logged).
@@ -229,7 +237,7 @@ class Downloads:
         return await download(self._replica, candidates, self._dial, deadline=self.deadline,
                               rng=self._rng, task=self._task, said=self._said,
                               rates=self._rates, stall=self._config.stall_timeout,
-                              proven=proven)
+                              proven=proven, newer_than=newer_than)
 
     async def serve(self, channel: SecureChannel, request: StateRequest, *,
                     ready: bool) -> None:
@@ -294,9 +302,11 @@ async def download(replica: Replica, candidates: list[Member],
                    deadline: Callable[[str], float], rng: random.Random,
                    task: Callable[[], Mapping[str, Any]] | None = None,
                    said: Said | None = None, rates: LinkRates | None = None,
-                   stall: float = STALL, proven: Mapping[str, str] | None = None) -> Download:
+                   stall: float = STALL, proven: Mapping[str, str] | None = None,
+                   newer_than: int | None = None) -> Download | None:
     """Fetch the state of the most advanced candidate (not above the median) that answers,
-    and load it.
+    and load it; or, resuming a checkpoint (``newer_than``), learn that the swarm has trained
+    no further than it.
 
     Args:
         candidates: alive, ready members; tried by announced step, highest first, those
@@ -313,6 +323,13 @@ async def download(replica: Replica, candidates: list[Member],
             proved itself from: only their steps count towards the ceiling, by those hosts
             (none proven: the ceiling is 0, and the step comes from exchanges). None: every
             candidate's counts, by its address's host.
+        newer_than: the step of the checkpoint the node resumes (None: none). The first
+            candidate that answers decides: a state whose step is past it is loaded, and
+            otherwise nothing is (the request ends before the state is sent).
+
+    Returns:
+        Where the state came from; None if the first candidate to answer was at or behind
+        ``newer_than`` (our weights are left as they were).
 
     Raises:
         DownloadFailed: every candidate failed (each failure is logged).
@@ -332,7 +349,8 @@ async def download(replica: Replica, candidates: list[Member],
         log.log(said.level(member.peer, logging.INFO), "downloading state peer=%s address=%s "
                 "step=%d", member.peer.short, member.address, member.step)
         try:
-            result = await _fetch(replica, member, dial, deadline, ceiling, task, rates, stall)
+            result = await _fetch(replica, member, dial, deadline, ceiling, task, rates, stall,
+                                  newer_than)
         except SchemaRefused as exc:
             # Keyed by peer alone: the text is the peer's to vary, and one that changed
             # its schema every second must not get a fresh warning every second.
@@ -346,7 +364,11 @@ async def download(replica: Replica, candidates: list[Member],
                     "state download failed peer=%s: %s", member.peer.short, exc)
             last = exc
             continue
-        log.info("state downloaded peer=%s step=%d", member.peer.short, result.step)
+        if result is None:
+            log.info("state not downloaded peer=%s reason=no-newer-than-our-checkpoint "
+                     "step=%d", member.peer.short, newer_than)
+        else:
+            log.info("state downloaded peer=%s step=%d", member.peer.short, result.step)
         return result
     raise DownloadFailed(f"no state download succeeded ({len(order)} peers tried; "
                           f"the last said: {last})")
@@ -356,7 +378,7 @@ async def _fetch(replica: Replica, member: Member,
                  dial: Callable[[Member], Awaitable[SecureChannel]],
                  deadline: Callable[[str], float], ceiling: int,
                  task: Callable[[], Mapping[str, Any]] | None, rates: LinkRates | None,
-                 stall: float) -> Download:
+                 stall: float, newer_than: int | None) -> Download | None:
     channel = await dial(member)
     async with channel:
         buffer = replica.buffer()
@@ -376,6 +398,8 @@ async def _fetch(replica: Replica, member: Member,
                         raise DownloadFailed(f"peer refused: code={info.code} {info.reason}")
                     if not isinstance(info, StateInfo):
                         raise RemoteProtocolError(f"expected StateInfo, got {type(info).__name__}")
+                    if newer_than is not None and info.step <= newer_than:
+                        return None  # hanging up is all the sender needs to hear
                     await receive_state(channel, replica.schema, CODEC, flat)
             except PeerTimeout as exc:
                 if exc.phase in ("download", "record"):  # not a stall: the link's rate at most

@@ -81,6 +81,7 @@ SYNC_SPACING = 9.0  # a broadcast waits 9x as long as the last one took: <= 10% 
 
 # A header's flags: what follows it.
 _STATE, _CHECK, _STOP = 1, 2, 4  # the speaker's state; a bit-identity check; nothing, ever
+_FRESH = 8  # at the start: the speaker took a downloaded state; optimizers start afresh
 
 
 @dataclass(frozen=True)
@@ -183,6 +184,7 @@ class NodeGroup:
         self._sync_seconds = self._header_seconds = 0.0
         self._synced_at = self._sync_took = 0.0  # the end of the last broadcast, its length
         self._sync = None
+        self._optimizer = optimizer
         if unwrap(model) is model:
             if optimizer is None:
                 raise GossipError("a node of several processes averages a plain model's "
@@ -206,7 +208,10 @@ class NodeGroup:
     def start(self, replica: Replica, resumed: int | None = None) -> None:
         """The first boundary: every follower takes the speaker's whole state. Call it once
         the speaker's replica holds the state to train from (resumed, downloaded or its own),
-        before the first step.
+        before the first step. If the speaker downloaded it, every process clears its
+        optimizer's state, as the speaker did (a resumed checkpoint's was for the weights the
+        download replaced: :mod:`gossip.node`, "Resuming"); with a DDP wrapper and no
+        optimizer given, that is the caller's to do.
 
         Args:
             replica: the speaker's: the node's replica; a follower's: its own, made with the
@@ -220,11 +225,13 @@ class NodeGroup:
                 the speaker does not (or the reverse).
         """
         self._replica = replica
-        header = self._header(_STATE, resumed)
+        header = self._header(_STATE | (_FRESH if replica.loads else 0), resumed)
         if header.flags & _STOP:  # the speaker finished before it started (a signal)
             self.stopped = True
             return
         self.started = True
+        if header.flags & _FRESH and self._optimizer is not None:
+            self._optimizer.state.clear()
         if not self.speaker:
             if header.resumed != resumed:
                 raise GossipError(

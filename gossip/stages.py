@@ -42,7 +42,7 @@ Checkpoints: the optimizer's state is each stage's. :meth:`StageGroup.settle` wi
 ``optimizer=True`` has each stage save its optimizer's state to a file beside the shared
 memory, which the speaker reads (``torch.load(weights_only=True)``) into the whole model's
 optimizer, in the whole optimizer's numbering: a checkpoint is the one a process training
-the whole model writes, and resumes into any layout.
+the whole model writes, resumed into any layout (a download over it clears every stage's).
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ __all__ = ["StageGroup"]
 REFRESH_WAIT = 2.0
 ALIGN = 64  # bytes: each tensor's place in the shared memory
 
-_STEP, _PUBLISH, _TAKE, _STOP, _OPTIMIZER, _START = 1, 2, 4, 8, 16, 32
+_STEP, _PUBLISH, _TAKE, _STOP, _OPTIMIZER, _START, _FRESH = 1, 2, 4, 8, 16, 32, 64
 
 
 @dataclass(frozen=True)
@@ -262,12 +262,10 @@ class StageGroup:
         Args:
             replica: the speaker's: the node's replica, made over the mirror (with a drift
                 correction exactly when the stages keep one). Elsewhere ignored.
-            resumed: the step of the checkpoint this process resumed: every stage's must
-                agree.
+            resumed: the step of the checkpoint this process resumed (every stage's, alike).
 
         Raises:
-            GossipError: a stage resumed another checkpoint, or the correction settings
-                differ.
+            GossipError: a stage resumed another checkpoint, or its correction setting differs.
         """
         if self.speaker:
             if replica is None or (replica.correction is not None) != self.correction:
@@ -282,11 +280,11 @@ class StageGroup:
                                          for e, g in zip(entries, entries[1:])
                                          if e.kind == "c" and g.kind == "g"})
             replica.refresh = self._refresh
-            per = replica.per_exchange
+            per, step, fresh = replica.per_exchange, replica.counters().step, replica.loads
         else:
-            per = False
-        step = replica.counters().step if self.speaker and replica is not None else 0
-        slots = torch.tensor([_START | _TAKE, 0 if resumed is None else resumed + 1,
+            per, step, fresh = False, 0, 0
+        slots = torch.tensor([_START | _TAKE | (_FRESH if fresh else 0),
+                              0 if resumed is None else resumed + 1,
                               int(self.correction), int(per), step], dtype=torch.int64)
         with _collective("a step boundary"):
             dist.broadcast(slots, src=self.pipeline._global(0), group=self.control)
@@ -305,6 +303,8 @@ class StageGroup:
                                   f"speaking process does (or the reverse)")
         if self._correction is not None:
             self._correction.per_exchange = bool(int(slots[3]))
+        if int(slots[0]) & _FRESH:  # the weights the resumed optimizer states were for went
+            self.pipeline.optimizer.state.clear()
         self.started = True
         self._sync(_TAKE, loaded=True)
 

@@ -17,10 +17,15 @@ then :meth:`SwarmNode.step`, which adds the deltas queued by exchanges. Without 
 node adds its deltas as each exchange ends.
 
 Faults: ``crash`` first saves what a checkpoint written at that instant would hold (the
-model's state, the counters; deltas not yet added are lost), then crashes the host: no
-goodbye, sockets dead. ``restart`` brings the node back from that checkpoint with the same
-identity (``start="own"``), joining through the running nodes. ``stop`` is a graceful leave
-and checkpoints too. ``pause`` freezes the host: its links carry nothing
+model's state, the counters, the optimizer's state; deltas not yet added are lost), then
+crashes the host: no goodbye, sockets dead; ``crash(node, checkpoint=False)`` keeps the one
+saved last instead (by ``checkpoint``, as a daemon saves one every ``checkpoint.interval``),
+as a daemon killed between two of its checkpoints resumes the older one. ``restart`` brings
+the node back from its checkpoint with the same identity, joining through the running nodes,
+as a daemon resumes one: if they have trained past it, it takes one's state instead of the
+checkpoint's weights (``averaging.start = "auto"`` for it, as for a joiner, unless ``config``
+says ``"download"``; :mod:`gossip.node`, "Resuming"). ``stop`` is a graceful leave and
+checkpoints too. ``pause`` freezes the host: its links carry nothing
 (:meth:`SimNetwork.pause`) and its trainer waits, though its protocol timers still run, so on
 ``resume`` it has given up on everyone, as a process under SIGSTOP finds when continued. A
 pause outlives a crash and composes with partitions. ``nat`` puts the host behind a NAT
@@ -126,24 +131,45 @@ class SimSwarm:
         """The nodes that run now (paused ones included)."""
         return [n for n in self.nodes if n.running]
 
-    def crash(self, node: NodeLike) -> None:
+    def crash(self, node: NodeLike, *, checkpoint: bool = True) -> None:
         """Crash the node's host: no goodbye, every connection reset. The node's model and
-        counters are saved first, as a checkpoint written at this instant would hold them.
+        counters are saved first, as a checkpoint written at this instant would hold them;
+        with ``checkpoint=False`` the one :meth:`checkpoint` saved last is what a restart
+        resumes.
 
         Raises:
-            ValueError: the node is not running.
+            ValueError: the node is not running, or (``checkpoint=False``) it has no
+                checkpoint to resume.
         """
         node = self._running(node, "crash")
         assert node.node is not None
-        node._checkpoint = capture(node, node.node)
+        if checkpoint:
+            node._checkpoint = capture(node, node.node)
+        elif node._checkpoint is None:
+            raise ValueError(f"cannot crash {node.name} without a checkpoint: it has none "
+                             f"(checkpoint it first)")
         node._down, node.node = "crashed", None
         self.net.crash(node.name)
         self._changed.fire()
 
+    def checkpoint(self, node: NodeLike) -> None:
+        """Save what a checkpoint of the node written now would hold (its model, counters,
+        step count, optimizer state, drift correction and outer state; deltas not yet added
+        are not in it), for a restart after a :meth:`crash` that keeps it.
+
+        Raises:
+            ValueError: the node is not running.
+        """
+        node = self._running(node, "checkpoint")
+        assert node.node is not None
+        node._checkpoint = capture(node, node.node)
+
     async def restart(self, node: NodeLike) -> None:
         """Bring a crashed or stopped node back with its identity, its model and counters
         as they were when it went down; it joins through the running nodes (none: it starts
-        the swarm anew). Returns once it runs; :meth:`wait_ready` waits until it is back.
+        the swarm anew) and, if they have trained past its checkpoint, takes one's state
+        before it trains, keeping its counters and drift correction (:mod:`gossip.node`,
+        "Resuming"). Returns once it runs; :meth:`wait_ready` waits until it is back.
 
         Raises:
             ValueError: the node is running or already restarting.
@@ -158,13 +184,13 @@ class SimSwarm:
         assert checkpoint is not None
         with torch.no_grad():
             node.model.load_state_dict(checkpoint.state)
+        if node.optimizer is not None and checkpoint.optimizer is not None:
+            node.optimizer.load_state_dict(checkpoint.optimizer)
         node.steps = checkpoint.steps
         node.restarts += 1
         self.net.restart(node.name)
-        config = dataclasses.replace(
-            self._config, averaging=dataclasses.replace(self._config.averaging, start="own"))
-        await self._start(node, [n.address for n in self.running()], config, checkpoint.counters,
-                          checkpoint.correction, checkpoint.outer)
+        await self._start(node, [n.address for n in self.running()], self._resuming(),
+                          checkpoint.counters, checkpoint.correction, checkpoint.outer)
 
     async def join(self, node: NodeLike) -> None:
         """Start a node held back at the start (``open_sim_swarm``'s ``late``), a newcomer
@@ -179,12 +205,8 @@ class SimSwarm:
         if node._down != "late":
             raise ValueError(f"cannot join {node.name}: it is {node._down or 'running'} "
                              f"(only a node of late= joins)")
-        config = self._config
-        if config.averaging.start == "own":
-            config = dataclasses.replace(
-                config, averaging=dataclasses.replace(config.averaging, start="auto"))
         node._down = "starting"
-        await self._start(node, [n.address for n in self.running()], config, None)
+        await self._start(node, [n.address for n in self.running()], self._resuming(), None)
 
     async def stop(self, node: NodeLike) -> None:
         """Stop the node gracefully (it announces that it leaves); returns once it has.
@@ -340,6 +362,16 @@ class SimSwarm:
             return self.nodes[node]
         raise ValueError(f"no node {node!r}: give a SimNode or an index below {len(self.nodes)}")
 
+    def _resuming(self) -> NodeConfig:
+        """The config of a node that joins a running swarm, late or from its checkpoint:
+        the swarm's, but a ``start = "own"`` (the swarm's first nodes, each on its own model)
+        is ``"auto"``: it takes the swarm's state if one is ready (a restart: if newer)."""
+        config = self._config
+        if config.averaging.start == "own":
+            config = dataclasses.replace(
+                config, averaging=dataclasses.replace(config.averaging, start="auto"))
+        return config
+
     def _running(self, node: NodeLike, action: str) -> SimNode:
         node = self._node(node)
         if node._down is not None:
@@ -389,8 +421,9 @@ class SimSwarm:
                         await trio.sleep_forever()
                     await self._trainer(node, swarm_node)
         except (PeerGone, BaseExceptionGroup) as exc:
-            # What a host crash does to its node; anything else is the test's to see.
-            if not (node._down == "crashed" and _only(PeerGone, exc)):
+            # What a host crash does to its node; anything else is the test's to see. A
+            # restart called right after the crash may already be waiting for this run.
+            if not (node._down in ("crashed", "restarting") and _only(PeerGone, exc)):
                 raise
         finally:
             node.node = None
@@ -457,8 +490,9 @@ async def open_sim_swarm(
             addresses: the sim sets ``listen``, ``advertise`` and ``bootstrap`` per node.
             The default, ``NodeConfig.local()``, starts every node from its own model
             (``averaging.start="own"``; ``"auto"`` lets the joiners download node 0's) and
-            averages every step, or every second idle. A restart always starts from its
-            checkpoint. ``config.reachable`` is what each node tells
+            averages every step, or every second idle. A restart starts from its
+            checkpoint, or from a ready peer's state if that is newer. ``config.reachable``
+            is what each node tells
             :func:`gossip.open_swarm`: None lets every node but node 0 find out with a
             dial-back check after joining; True (the default) says every node is
             reachable, except a node behind a NAT when it starts, which is told False.

@@ -8,7 +8,9 @@ reads and sets their private state (whether one is down, paused, and its checkpo
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import trio
@@ -40,13 +42,14 @@ class SimExchange:
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """What a checkpoint written at a crash would hold: the model's state and counters."""
+    """What a checkpoint would hold: the model's state, counters and optimizer state."""
 
     state: dict[str, torch.Tensor]
     counters: Counters
     steps: int
     correction: dict[str, torch.Tensor] | None
     outer: dict[str, torch.Tensor] | None
+    optimizer: dict[str, Any] | None = None  # its state_dict(), copied
 
 
 class SimNode:
@@ -56,7 +59,8 @@ class SimNode:
         name: its host's name, ``n<index>``.
         index: its position in :attr:`SimSwarm.nodes <gossip.testing.sim.SimSwarm.nodes>`.
         model: its live model, the same object across restarts.
-        optimizer: its optimizer (the same across restarts), or None.
+        optimizer: its optimizer (the same object across restarts, which load the
+            checkpoint's state into it), or None.
         identity: its key; a restart keeps it.
         node: the :class:`~gossip.SwarmNode` while it runs, else None.
         loss: what ``train`` returned at its latest step (None before the first).
@@ -105,5 +109,7 @@ class SimNode:
 def capture(node: SimNode, swarm_node: SwarmNode) -> Checkpoint:
     """What a checkpoint of ``node`` written now would hold (deltas not yet added are lost)."""
     state = {k: v.detach().clone() for k, v in node.model.state_dict().items()}
+    optimizer = None if node.optimizer is None else copy.deepcopy(node.optimizer.state_dict())
     return Checkpoint(state, swarm_node.replica.counters(), node.steps,
-                       swarm_node.replica.correction_state(), swarm_node.replica.outer_state())
+                       swarm_node.replica.correction_state(), swarm_node.replica.outer_state(),
+                       optimizer)

@@ -164,7 +164,7 @@ async def test_crash_then_restart_rejoins_with_identity_state_and_counters(
         assert victim.node.peer_id == identity == victim.identity.peer_id
         assert victim.node.replica.counters() == counters  # the checkpoint's, exactly
         assert victim.steps == steps
-        assert torch.equal(flat(victim.model), state)
+        assert torch.equal(flat(victim.model), state)  # until it takes a newer one (below)
         with pytest.raises(ValueError, match="restart n2: it is running"):
             await sim.restart(victim)
 
@@ -173,6 +173,9 @@ async def test_crash_then_restart_rejoins_with_identity_state_and_counters(
             await sim.wait_until(lambda: len(committed(sim, mark, involves(victim))) >= 2
                                  and victim.steps >= steps + 20)
         assert all(e.started >= restarted for e in committed(sim, mark, involves(victim)))
+        # The others trained on while it was down: it took their state, newer than its
+        # checkpoint (tests/sim/test_resume.py), and kept its counters.
+        assert victim.node.downloaded is not None
         assert victim.node.global_step >= counters.step + 20  # counted on from the checkpoint
 
 

@@ -1,12 +1,15 @@
-"""The churn figures on small tables: each node's level before an event, its dip after, and
-``worst_dip_points`` (pure, no daemons). ``gossipd demo``'s summary of them is
-tests/unit/test_demo.py."""
+"""The churn figures on small tables: each node's lives, its level before an event, its dip
+after, and ``worst_dip_points`` (pure, no daemons). ``gossipd demo``'s summary of them is
+tests/unit/test_demo.py, and bench/efficiency.py's reading of its runs into them
+tests/unit/test_bench_dips.py."""
 
 from __future__ import annotations
 
 import pytest
 
-from daemon.churn import ChurnEvent, dips, worst_dip_points
+import math
+
+from daemon.churn import ChurnEvent, dips, lives, worst_dip_points
 
 LEAVES = ChurnEvent("departure", "b", 10.0)
 JOINS = ChurnEvent("join", "c", 20.0)
@@ -69,3 +72,34 @@ def test_the_worst_dip_is_over_every_event_and_node() -> None:
         ("departure", "a"): 4.0, ("departure", "d"): 5.0,
         ("join", "a"): 3.0, ("join", "d"): 5.0}
     assert worst_dip_points(found) == pytest.approx(5.0)
+
+
+def test_a_node_lives_from_each_join_to_its_next_departure() -> None:
+    crash, back, gone = (ChurnEvent("departure", "b", 10.0), ChurnEvent("join", "b", 15.0),
+                         ChurnEvent("departure", "b", 30.0))
+    assert lives("a", [crash, back]) == [(-math.inf, math.inf)]  # no event of its own
+    assert lives("b", [crash, back, gone]) == [(-math.inf, 10.0), (15.0, 30.0)]
+    assert lives("b", [back, gone]) == [(15.0, 30.0)]  # a joiner: nothing before its join
+    # In time order, whatever the list's; a join while it runs changes nothing.
+    assert lives("b", [gone, back, back, crash]) == [(-math.inf, 10.0), (15.0, 30.0)]
+
+
+def test_a_node_that_came_back_is_measured_in_its_new_life_only() -> None:
+    # b crashes at 10 and is back at 15. Its evaluations in between (a model nobody trains)
+    # count for no one; at a's join at 22 its level is that of its new life, (0.60 + 0.70) / 2,
+    # not its 0.95s before the crash; and its own return is no dip of its own.
+    crash, back = ChurnEvent("departure", "b", 10.0), ChurnEvent("join", "b", 15.0)
+    joins = ChurnEvent("join", "c", 22.0)
+    b = series((6, 0.95), (8, 0.95), (12, 0.10), (16, 0.60), (20, 0.70), (24, 0.50))
+    found = dips({"b": b}, [crash, back, joins])
+    assert [(d.event, d.node) for d in found] == [(joins, "b")]
+    assert found[0].level == pytest.approx(0.65) and found[0].lowest == 0.50
+
+
+def test_the_window_runs_to_the_end_of_the_life_not_to_the_next_event() -> None:
+    # The departure at 10 and the join at 11: a's fall begins after the first and is lowest
+    # after the second. Counted from the level before the departure, it is 15 points; cut at
+    # the join, it would be 5 from the departure and 13 from a level the fall had lowered.
+    leaves, joins = ChurnEvent("departure", "b", 10.0), ChurnEvent("join", "c", 11.0)
+    a = series((6, 0.90), (8, 0.90), (9, 0.90), (10.5, 0.85), (11.5, 0.75), (13, 0.80))
+    assert worst_dip_points(dips({"a": a}, [leaves, joins])) == pytest.approx(15.0)

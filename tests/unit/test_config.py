@@ -582,5 +582,4 @@ def test_node_config_maps_the_node_and_swarm_keys():
     assert node.allow == frozenset({PEER}) and node.reachable is False
     assert node.averaging == gossip.AveragingConfig(every=None, by_samples=True,
                                                     start="download")
-    assert cfg.node_config(start="own").averaging.start == "own"  # resuming a checkpoint
     assert config.from_dict(minimal(node={"reachable": True})).node_config().reachable is True
