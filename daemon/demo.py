@@ -19,11 +19,11 @@ held-out result over time with the baseline as a line and the two events marked.
 The cost of churn is measured from the evaluations each daemon logs every ``EVAL_EVERY``
 seconds, with the daemon's own timestamps, by :mod:`daemon.churn`: for each event (the
 departure at the SIGTERM, the join at the joiner's ``download``) and each node that ran across
-it, the *dip* is how far the node's accuracy fell below its level just before;
-``worst_dip_points`` is the largest, in points. The schedule waits on conditions, not fixed
-sleeps: the departure waits until every node has a level to dip from, and the end until the
-joiner has trained; at the default 60 s both are met long before they are due, so the run
-takes no longer than it did without churn.
+it, the *dip* is how far the node's accuracy fell below its level just before (each a mean of
+``LEVEL_EVALS`` evaluations in a row); ``worst_dip_points`` is the largest, in points. The
+schedule waits on conditions, not fixed sleeps: the departure waits until every node has a
+level to dip from, and the end until the joiner has trained; at the default 60 s both are met
+long before they are due, so the run takes no longer than it did without churn.
 """
 from __future__ import annotations
 
@@ -442,8 +442,9 @@ def _churn_lines(swarm: list[_Node], churn: _Churn, events: list[ChurnEvent],
     if found is None:
         print("worst_dip_points: - (the task reports no accuracy)")
     else:
-        print(f"worst_dip_points: {worst_dip_points(found):.1f} (each level the mean of the "
-              f"last {LEVEL_EVALS} evaluations before the event)")
+        print(f"worst_dip_points: {worst_dip_points(found):.1f} (the lowest mean of "
+              f"{LEVEL_EVALS} evaluations in a row after the event below the mean of the last "
+              f"{LEVEL_EVALS} before)")
 
 
 def _table_figures(swarm: list[_Node], codes: list[int | None], scores: _Scores | None,

@@ -55,13 +55,14 @@ def test_the_summary_and_json_line_report_the_churn_and_its_worst_dip(
     assert (figures["joined"], figures["joined_at_s"]) == ("node2", 18.0)  # its download
     assert figures["joiner_downloaded_from"] == "node0"
     assert figures["nodes"]["node2"]["source"] == "download"
-    # node0's level before the departure is (0.90 + 0.92 + 0.94) / 3 = 0.92, lowest after
-    # 0.88: 4 points; before the join (0.94 + 0.91 + 0.93) / 3 = 0.9267: 4.67 points.
-    assert figures["dips_points"] == {"departure": 4.0, "join": 4.67}
-    assert figures["worst_dip_points"] == 4.67
-    assert any(line.startswith("at  10.0 s node1 leaves") and "4.0 points (node0)" in line
+    # node0's level before the departure is (0.90 + 0.92 + 0.94) / 3 = 0.92, its lowest three
+    # after (0.91 + 0.93 + 0.88) / 3 = 0.9067: 1.33 points; before the join
+    # (0.94 + 0.91 + 0.93) / 3 = 0.9267, and it has two after, (0.88 + 0.95) / 2: 1.17 points.
+    assert figures["dips_points"] == {"departure": 1.33, "join": 1.17}
+    assert figures["worst_dip_points"] == 1.33
+    assert any(line.startswith("at  10.0 s node1 leaves") and "1.3 points (node0)" in line
                for line in out)
     assert any(line.startswith("at  18.0 s node2 joins (downloaded from node0") for line in out)
-    assert "worst_dip_points: 4.7" in "\n".join(out)
+    assert "worst_dip_points: 1.3" in "\n".join(out)
     node1_row = next(line for line in out if line.startswith("node1 "))
     assert node1_row.endswith("(left at 10 s)")
