@@ -22,8 +22,11 @@ departure at the SIGTERM, the join at the joiner's ``download``) and each node t
 it, the *dip* is how far the node's accuracy fell below its level just before (each a mean of
 ``LEVEL_EVALS`` evaluations in a row); ``worst_dip_points`` is the largest, in points. The
 schedule waits on conditions, not fixed sleeps: the departure waits until every node has a
-level to dip from, and the end until the joiner has trained; at the default 60 s both are met
-long before they are due, so the run takes no longer than it did without churn.
+level to dip from, and the end until the joiner has trained and every node that ran across
+the join has ``LEVEL_EVALS`` evaluations since (a window to measure its low on); at the
+default 60 s all are met long before they are due (the join comes a few seconds after the
+departure, and the nodes evaluate a dozen times after it), so the run takes no longer than it
+did without churn.
 """
 from __future__ import annotations
 
@@ -38,7 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Mapping, Sequence
 
-from .churn import LEVEL_EVALS, MIN_LEVEL_EVALS, ChurnEvent, Dip, dips, worst_dip_points
+from .churn import (LEVEL_EVALS, MIN_LEVEL_EVALS, ChurnEvent, Dip, dips, short_of_a_window,
+                    worst_dip_points)
 from .config import from_dict, load, render
 from .keys import write_swarm_key
 from .metrics import MetricsLogReader
@@ -157,6 +161,12 @@ class _Churn:
             found.append(ChurnEvent("join", self.joiner.name, download["time"]))
         return found
 
+    def short_of_a_window(self, nodes: Sequence[_Node]) -> list[str]:
+        """The running nodes whose dips after the events are not yet measured on a whole
+        window (:func:`daemon.churn.short_of_a_window`). The dips are of accuracy: a task
+        that reports none has no node to wait for."""
+        return short_of_a_window({n.name: n.series("accuracy") for n in nodes}, self.events())
+
 
 def _write_config(node: _Node, name: str, key: bytes, entry: str, nodes: int,
                   bootstrap: list[str]) -> None:
@@ -250,11 +260,16 @@ def _watch(everyone: list[_Node], churn: _Churn, seconds: float,
         if churn.launched is None and elapsed >= seconds / 2:
             _maybe_churn(everyone, churn, elapsed - seconds / 2, overrides, tty)
         if elapsed >= seconds and churn.launched is not None:
-            if churn.joiner.trained_since_download():
+            trained = churn.joiner.trained_since_download()
+            short = churn.short_of_a_window(everyone) if trained else []
+            if trained and not short:
                 break
             if time.monotonic() - churn.launched > START_TIMEOUT:
-                raise DemoError(f"{churn.joiner.name} did not download the swarm's state and "
-                                f"train within {START_TIMEOUT:g} s:\n{churn.joiner.tail()}")
+                raise DemoError(
+                    f"{', '.join(short)} did not evaluate {LEVEL_EVALS} times after the join "
+                    f"within {START_TIMEOUT:g} s of the joiner's start" if trained else
+                    f"{churn.joiner.name} did not download the swarm's state and train within "
+                    f"{START_TIMEOUT:g} s:\n{churn.joiner.tail()}")
         if time.monotonic() >= next_refresh:
             line = _table(everyone, started)
             print("\r\x1b[K" + line if tty else line, end="" if tty else "\n", flush=True)

@@ -12,12 +12,26 @@ import pytest
 
 from daemon import demo
 
+T0 = 1000.0  # the Unix time of node0's start
+
 
 def write_log(directory: Path, records: list[dict[str, Any]]) -> None:
     """A node's metrics.jsonl, one JSON object a line with ``time`` and ``event``, as
     :class:`daemon.metrics.MetricsLog` writes it (here at chosen times)."""
     directory.mkdir()
     (directory / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def churned(tmp_path: Path, logs: dict[str, list[dict[str, Any]]]
+            ) -> tuple[list[demo._Node], demo._Churn]:
+    """node0 to node2 with these metrics logs read: node1 departed at ``T0 + 10`` and node2
+    joins in its place."""
+    nodes = [demo._Node(i, tmp_path / f"node{i}", i) for i in range(3)]
+    for node in nodes:
+        write_log(node.directory, logs[node.name])
+        node.poll()
+    nodes[1].left = T0 + 10
+    return nodes, demo._Churn(nodes[1], nodes[2])
 
 
 def evals(*points: tuple[float, float]) -> list[dict[str, Any]]:
@@ -27,24 +41,18 @@ def evals(*points: tuple[float, float]) -> list[dict[str, Any]]:
 
 def test_the_summary_and_json_line_report_the_churn_and_its_worst_dip(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    t0 = 1000.0
     logs = {
-        "node0": [{"event": "start", "time": t0, "peer": "p0"},
-                  *evals((t0, 0.50), (t0 + 4, 0.90), (t0 + 6, 0.92), (t0 + 8, 0.94),
-                         (t0 + 12, 0.91), (t0 + 16, 0.93), (t0 + 22, 0.88), (t0 + 24, 0.95))],
-        "node1": [{"event": "start", "time": t0 + 1, "peer": "p1"},
-                  {"event": "download", "time": t0 + 1, "peer": "p0", "step": 0},
-                  *evals((t0 + 4, 0.90), (t0 + 8, 0.93), (t0 + 10.5, 0.94))],
-        "node2": [{"event": "start", "time": t0 + 17, "peer": "p2"},
-                  {"event": "download", "time": t0 + 18, "peer": "p0", "step": 1700},
-                  *evals((t0 + 20, 0.90), (t0 + 24, 0.96))],
+        "node0": [{"event": "start", "time": T0, "peer": "p0"},
+                  *evals((T0, 0.50), (T0 + 4, 0.90), (T0 + 6, 0.92), (T0 + 8, 0.94),
+                         (T0 + 12, 0.91), (T0 + 16, 0.93), (T0 + 22, 0.88), (T0 + 24, 0.95))],
+        "node1": [{"event": "start", "time": T0 + 1, "peer": "p1"},
+                  {"event": "download", "time": T0 + 1, "peer": "p0", "step": 0},
+                  *evals((T0 + 4, 0.90), (T0 + 8, 0.93), (T0 + 10.5, 0.94))],
+        "node2": [{"event": "start", "time": T0 + 17, "peer": "p2"},
+                  {"event": "download", "time": T0 + 18, "peer": "p0", "step": 1700},
+                  *evals((T0 + 20, 0.90), (T0 + 24, 0.96))],
     }
-    nodes = [demo._Node(i, tmp_path / f"node{i}", i) for i in range(3)]
-    for node in nodes:
-        write_log(node.directory, logs[node.name])
-        node.poll()
-    churn = demo._Churn(nodes[1], nodes[2])
-    nodes[1].left = t0 + 10
+    nodes, churn = churned(tmp_path, logs)
 
     code = demo._report(nodes, [0, 0, 0], tmp_path, None, churn, wall=30.0)
 
@@ -66,3 +74,21 @@ def test_the_summary_and_json_line_report_the_churn_and_its_worst_dip(
     assert "worst_dip_points: 1.3" in "\n".join(out)
     node1_row = next(line for line in out if line.startswith("node1 "))
     assert node1_row.endswith("(left at 10 s)")
+
+
+def test_the_demo_ends_once_every_node_across_the_join_has_a_window_after_it(
+        tmp_path: Path) -> None:
+    # node1 departed at 10 and node2 joined at 18 (its download): node0 has two evaluations
+    # since, one short of a window; the leaver and the joiner are waited for by no one.
+    node0 = evals((T0 + 4, 0.90), (T0 + 6, 0.92), (T0 + 8, 0.94), (T0 + 20, 0.90),
+                  (T0 + 22, 0.91))
+    logs = {"node0": node0,
+            "node1": evals((T0 + 4, 0.90), (T0 + 8, 0.93)),
+            "node2": [{"event": "download", "time": T0 + 18, "peer": "p0", "step": 1700},
+                      *evals((T0 + 20, 0.90), (T0 + 22, 0.96))]}
+    nodes, churn = churned(tmp_path, logs)
+    assert churn.short_of_a_window(nodes) == ["node0"]
+    with (nodes[0].directory / "metrics.jsonl").open("a") as log:
+        log.write(json.dumps(evals((T0 + 24, 0.92))[0]) + "\n")
+    nodes[0].poll()
+    assert churn.short_of_a_window(nodes) == []
