@@ -299,12 +299,15 @@ class AveragingSection(_Section):
     leak: float = setting_of(gossip.AveragingConfig, "leak")
     outer: bool = setting_of(gossip.AveragingConfig, "outer")
     outer_lr: float = setting_of(gossip.AveragingConfig, "outer_lr")
-    outer_momentum: float = setting_of(gossip.AveragingConfig, "outer_momentum")
+    outer_momentum: float | str = setting_of(gossip.AveragingConfig, "outer_momentum")
+    outer_cadence: str = setting_of(gossip.AveragingConfig, "outer_cadence")
+    peers: int | str = setting_of(gossip.AveragingConfig, "peers")
     mixing: str = setting("samples" if gossip.AveragingConfig.by_samples else "fixed",
                           "fixed: own += weight * (peer - own); samples: weigh both sides by "
                           "samples trained (push-sum)", one_of("fixed", "samples"))
     weight: float = setting_of(gossip.AveragingConfig, "weight")
     codec: str = setting_of(gossip.AveragingConfig, "codec")
+    wide_codec: str = setting_of(gossip.AveragingConfig, "wide_codec")
     clip: float = setting_of(gossip.AveragingConfig, "clip")
     max_norm_ratio: float = setting_of(gossip.AveragingConfig, "max_norm_ratio")
     strikes: int = setting_of(gossip.AveragingConfig, "strikes")

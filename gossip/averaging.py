@@ -2,18 +2,12 @@
 
 Theory of operation
 -------------------
-A node starts a *round* once it has taken ``every`` local optimizer steps (x U(0.75, 1.25),
-so a swarm that steps in lockstep does not offer in lockstep) since it started its last one,
-or ``interval`` seconds (likewise jittered) after its last one ended, whichever comes first: the
-period is counted in steps, because a second is thousands of steps of a small model and a
-fraction of one of a large model, and the time bound keeps an idle node mixing. A round that
-takes longer than ``every`` steps (a slow link) is followed at once by the next; training never
-waits for the network. The node is also picked by its peers about as often as it picks, so it
-takes part in about two exchanges every ``every`` steps. With ``every = "auto"`` the node
-measures its step time and its committed exchanges' durations and starts a round every
-``ceil(2 x exchange / step)`` steps (:mod:`gossip.spacing`; 1 until both are measured): its
-exchanges come as often as its link carries them, and its own rounds do not queue behind
-them. :attr:`AveragingStatistics.spacing` says the figure in use.
+A node starts a *round* every ``every`` local steps, or ``interval`` seconds after its last,
+whichever comes first (:mod:`gossip.rounds`); it is also picked by its peers about as often as
+it picks. A round makes ``peers`` exchanges, one after another, each with another peer (one at
+close spacing, three at wide: :mod:`gossip.plan`), so the node takes part in about twice that
+many every ``every`` steps. With ``every = "auto"`` the spacing follows the link
+(:mod:`gossip.spacing`): :attr:`AveragingStatistics.spacing` says the figure in use.
 
 A round takes a snapshot of the node's state (and of its drift correction's estimate, if it
 keeps one: :mod:`gossip.correction`), picks a peer at random among the members that are alive,
@@ -53,9 +47,7 @@ in a simulated swarm stay on trio's virtual clock.
 from __future__ import annotations
 
 import logging
-import math
 import random
-import threading
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Awaitable, Callable
@@ -80,9 +72,10 @@ from .member import Member
 from .messages import Accept, Offer
 from .mismatch import describe
 from .mixing import DeltaHistory, Difference, Verdict, coefficient, judge, merged_weight
+from .plan import Plan, plan
 from .replica import Counters, Replica, offload
 from .roster import Roster
-from .spacing import Spacing
+from .rounds import Rounds
 from .standing import Standing, pick
 from .tally import AveragingStatistics, Exchange, Tally
 from .trust import Trust
@@ -162,14 +155,16 @@ class Averaging:
         self.ready = trio.Event()
         self._deadlines = deadlines(config)
         self._rates = rates  # per peer host: what its link carried
+        self._rounds = Rounds(config, rng, lambda: len(self._candidates(set())),
+                              self._payload_nbytes)
+        self._plan, self._outer_due = plan(config, None), False  # the last round's
         # every = "auto": the spacing learns each committed exchange's duration, from our
         # offers and our answers alike, from the report _ended makes for on_exchange.
-        spacing = self._spacing = Spacing() if config.every == "auto" else None
-        self._every = None if isinstance(config.every, str) else config.every  # when fixed
+        spacing = self._rounds.meter
         if spacing is not None:
             def timed(ended: Exchange) -> None:
                 if ended.result is Result.COMMITTED:
-                    spacing.exchanged(ended.duration)
+                    spacing.exchanged(ended.duration, ended.nbytes)
                 if on_exchange is not None:
                     on_exchange(ended)
 
@@ -182,63 +177,11 @@ class Averaging:
         return self._tally.statistics(
             trio.current_time(), self.replica.counters(), self._trust,
             pending=self.replica.pending, ready=self.ready.is_set(),
-            downloads_served=downloads_served,
-            spacing=self._every if self._spacing is None else self._spacing.steps())
+            downloads_served=downloads_served, spacing=self._rounds.steps())
 
     async def run(self) -> None:
-        """Start a round every ``every`` local steps, counted from the start of the last
-        round, or once ``interval`` seconds pass after the last round's end, whichever comes
-        first (each jittered), until cancelled.
-
-        The first round's time bound is a quarter interval, so that a node that just joined
-        (or a misconfigured one) learns at once whether it can exchange.
-
-        With ``every = "auto"`` the steps are the spacing measured when the round starts
-        (:mod:`gossip.spacing`, fed the step counter at each round's start), and the time
-        bound is at least the median exchange: an idle node, too, then leaves its link free
-        half the time for its peers' offers, where a short ``interval`` would queue its own
-        rounds behind a slow link.
-        """
-        every, interval = self._every, self.config.interval
-        if every is None and self._spacing is None and interval is None:
-            await trio.sleep_forever()
-        await self.ready.wait()
-        first, pause = True, interval
-        since, began = self.replica.local_steps, trio.current_time()  # the last round's start
-        while True:
-            if self._spacing is not None:
-                self._spacing.stepped(since, began)
-                every = self._spacing.steps()
-                if interval is not None:
-                    pause = max(interval, self._spacing.exchange or 0.0)
-            steps = None if every is None else max(1, round(every * self._rng.uniform(0.75, 1.25)))
-            spread = (0.0, 0.25) if first else (0.75, 1.25)
-            seconds = math.inf if pause is None else pause * self._rng.uniform(*spread)
-            with trio.move_on_after(seconds):  # an idle node pauses between its rounds
-                if steps is None:
-                    await trio.sleep_forever()
-                await self._local_steps(since + steps)
-            first = False
-            since, began = self.replica.local_steps, trio.current_time()
-            await self.round()
-
-    async def _local_steps(self, target: int) -> None:
-        """Return once the trainer has counted ``target`` local steps (it may count them in
-        any thread)."""
-        reached = trio.Event()
-        token, here = trio.lowlevel.current_trio_token(), threading.get_ident()
-
-        def wake() -> None:
-            if threading.get_ident() == here:
-                reached.set()
-            else:
-                try:
-                    token.run_sync_soon(reached.set)
-                except trio.RunFinishedError:
-                    pass  # the node is gone; nobody waits any more
-
-        self.replica.watch(target, wake)
-        await reached.wait()
+        """Start our rounds (:meth:`Rounds.run <gossip.rounds.Rounds.run>`) until cancelled."""
+        await self._rounds.run(self.replica, self.ready, self.round)
 
     def stop(self) -> None:
         """Start no more exchanges and answer offers busy (the node is about to leave); an
@@ -246,11 +189,15 @@ class Averaging:
         self.stopping = True
 
     async def round(self) -> Result:
-        """Average with one peer: try up to ``attempts`` random peers until one commits.
+        """Average with ``peers`` peers (:mod:`gossip.plan`), one after another: try up to
+        ``attempts`` random peers for each until one commits.
 
         Returns:
-            The last attempt's result (``NO_PEER`` if there was nobody to try).
+            COMMITTED if one did, else the last attempt's result (``NO_PEER`` if there was
+            nobody to try).
         """
+        chosen = self._plan = self._rounds.plan()
+        self._outer_due = chosen.by_round  # the round's first commit takes the outer step
         await self.ready.wait()
         self._roster.set_meta(step=self.replica.counters().step)
         self._trust.round()
@@ -259,10 +206,10 @@ class Averaging:
         # may be, when nobody untried is left: two nodes whose rounds start at the same
         # instant are busy with their own offers, and the randomized backoff lets one of
         # them find the other idle.
-        failed: set[str] = set()
+        failed: set[str] = set()  # and the peers that committed: one exchange each a round
         busy: set[str] = set()
-        result = Result.NO_PEER
-        for attempt in range(self.config.attempts):
+        result, committed = Result.NO_PEER, 0
+        for attempt in range(self.config.attempts * chosen.peers):
             if self.stopping:
                 return result
             if attempt:
@@ -291,12 +238,15 @@ class Averaging:
             if peer is None:
                 break
             self._pace.allow(peer.peer, trio.current_time())
-            side = _Side(True, Standing.CHOSEN, self.replica.estimating,  # before the snapshot
-                         "connect")
+            estimating = self.replica.estimating and chosen.correct  # before the snapshot
+            side = _Side(True, Standing.CHOSEN, estimating, "connect")
             result = await self._exchange(peer.peer, side, partial(self._offer, peer))
-            if result in (Result.COMMITTED, Result.INVALID):
+            committed += result is Result.COMMITTED
+            if committed == chosen.peers or result is Result.INVALID:
                 break
             (busy if result is Result.BUSY else failed).add(peer.peer)
+        if committed and result is not Result.INVALID:
+            result = Result.COMMITTED
         if result is Result.NO_PEER:
             self._tally.results[Result.NO_PEER] += 1
         return result
@@ -313,11 +263,23 @@ class Averaging:
         return {m.peer for m in self._roster.alive(ready=True, reachable=True)
                 if self._pace.wait(m.peer, now) > 0}
 
-    def _pick(self, skip: set[str]) -> Member | None:
+    def _payload_nbytes(self, chosen: Plan) -> int | None:
+        """Bytes of each payload of an exchange we offer under ``chosen`` (None: the codec is
+        picked per peer, so the size is not known before)."""
+        codec = chosen.codec or self.config.codec
+        if codec == "auto":
+            return None
+        parts = 1 + (self.config.correction and chosen.correct)
+        return encoded_nbytes(codec, self.replica.schema.numel, parts)
+
+    def _candidates(self, skip: set[str]) -> list[Member]:
+        """The members a round may pick now, but those in ``skip``."""
         now = trio.current_time()
-        return pick([m for m in self.allowed(self._roster.alive(ready=True, reachable=True))
-                     if m.peer not in skip and not self._trust.quarantine.barred(m.peer, now)],
-                    self._rng)
+        return [m for m in self.allowed(self._roster.alive(ready=True, reachable=True))
+                if m.peer not in skip and not self._trust.quarantine.barred(m.peer, now)]
+
+    def _pick(self, skip: set[str]) -> Member | None:
+        return pick(self._candidates(skip), self._rng)
 
     # ---- the exchange -----------------------------------------------------------------
 
@@ -342,7 +304,7 @@ class Averaging:
         # (gossip.correction): with a newcomer, or before we have a gradient estimate of our
         # own, only the state is swapped.
         corrected = (offer.correction and rank is not Standing.NEWCOMER
-                     and self.replica.estimating)
+                     and self.replica.estimating and self._plan.correct)
         side = _Side(False, rank, corrected, "accept", channel, offer.step)
         await self._exchange(peer, side, partial(self._accept, channel, offer))
 
@@ -416,8 +378,8 @@ class Averaging:
         self._roster.proved(channel)
         async with channel:
             side.phase = "offer"
-            side.codec = self.codecs.offer(1 + side.corrected, self._rates.measured(channel.host),
-                                           self._rates.known())
+            side.codec = self._plan.codec or self.codecs.offer(
+                1 + side.corrected, self._rates.measured(channel.host), self._rates.known())
             offer = Offer(self.replica.schema.fingerprint, side.codec, mine.step,
                           mine.samples, self._my_weight(mine), side.corrected)
             check, difference = self._checker(own, theirs, mine, side, ready,
@@ -525,11 +487,13 @@ class Averaging:
                       else None)
             move = self._trust.moved_step(peer, rank, bid.step, mine)
             scale, outer = verdict.state.scale, self.replica.outer
-            if outer is not None:
+            if outer is not None and (not self._plan.by_round or initiated and self._outer_due):
+                self._outer_due = False
                 # Committed: the outer state and the queue must both take it, or neither.
                 n = self.replica.schema.numel
                 with trio.CancelScope(shield=True):
-                    await offload(self.replica, outer.step, own[:n], theirs[:n], scale)
+                    await offload(self.replica, outer.step, own[:n], theirs[:n], scale,
+                                  self._plan.momentum)
                 scale = 1.0
             self.replica.queue(theirs, scale=scale,
                                correction=outcome.fraction,  # the same as the peer's

@@ -73,6 +73,10 @@ def codec_setting(value: object) -> bool:
         return True
     match = MOD_SETTING.fullmatch(value) if isinstance(value, str) else None
     return match is not None and (match[2] is None or 2 <= int(match[2]) <= 64)
+# The spacing from which the outer step is taken once a round, with ROUND_PEERS exchanges a
+# round, when those settings are "auto" (gossip.plan: the measurements behind them).
+LARGE_SPACING = 20
+ROUND_PEERS = 3
 DEFAULT_LEAK = 0.01  # λ: the fraction of the correction that fades at each committed exchange
 
 
@@ -129,7 +133,9 @@ def setting_of(cls: type, name: str, *, see: str = "") -> Any:
     one declaration for both. ``see`` points at more documentation, after the doc."""
     declared = {f.name: f for f in fields(cls)}[name]
     doc = declared.metadata["doc"] + (f"; see {see}" if see else "")
-    return setting(declared.default, doc, declared.metadata["check"], source=(cls, name))
+    meta = declared.metadata
+    return setting(declared.default, doc, meta["check"], optional=meta["optional"],
+                   words=meta["words"], kind=meta["kind"], source=(cls, name))
 
 
 def arguments_for(cls: type, settings: Any) -> dict[str, Any]:
@@ -282,13 +288,20 @@ class AveragingConfig(_Settings):
                          "the link's measured rate. We take offers in any of them",
                          want(codec_setting, "fp32, bf16, fp16, int8, mod4, "
                               "mod4/<F> (F in 2..64) or auto"))
+    wide_codec: str = setting("int8", "the codec of our offers at wide spacing (from "
+                              f"{LARGE_SPACING} steps between rounds) where codec is fp32: int8 "
+                              "(1/3.8 of the bytes, so that a round's exchanges fit the link "
+                              "one fp32 exchange did), or fp32, bf16, fp16 (gossip.plan)",
+                              one_of("int8", "fp32", "bf16", "fp16"))
     codec_steps: float = setting(20.0, "with codec = \"auto\": the training steps an exchange "
                                  "may take, at the link's measured rate (> 0)", POSITIVE)
     correction: bool = setting(True, "keep a drift correction (added to the gradients; its "
                                "estimate travels with the weights): what keeps nodes on skewed "
                                "data from drifting apart. Costs two model-sized buffers on the "
                                "device, doubles the host's exchange buffers and the bytes of "
-                               "an exchange")
+                               f"an exchange. From {LARGE_SPACING} steps between rounds the "
+                               "estimates stay home (gossip.plan): measured there, the "
+                               "correction cost more than it corrected")
     leak: float = setting(DEFAULT_LEAK, "fraction of the drift correction that fades at each "
                           "exchange, so that departures leave no lasting bias; in [0, 1)",
                           want(lambda v: 0 <= v < 1, "a number in [0, 1)"))
@@ -301,8 +314,21 @@ class AveragingConfig(_Settings):
     outer_lr: float = setting(0.7, "the outer step's learning rate, in (0, 2]; 1 with momentum "
                               "0 is plain averaging",
                               want(lambda v: 0 < v <= 2, "a number in (0, 2]"))
-    outer_momentum: float = setting(0.5, "the outer step's Nesterov momentum, in [0, 1)",
-                                    want(lambda v: 0 <= v < 1, "a number in [0, 1)"))
+    outer_momentum: float | str = setting("auto", "the outer step's Nesterov momentum, in "
+                                          "[0, 1); \"auto\": 0.5 taken at every exchange, "
+                                          "0.9 taken once a round (gossip.plan)",
+                                          want(lambda v: 0 <= v < 1, 'a number in [0, 1) or '
+                                               '"auto"'), words=("auto",), kind=float)
+    outer_cadence: str = setting("auto", "when the outer step is taken: exchange (at each "
+                                 "committed exchange, either side), round (once a round of "
+                                 "ours, on all that moved us since the last: DiLoCo's "
+                                 "cadence), or auto: by exchange below "
+                                 f"{LARGE_SPACING} steps between rounds, by round from there",
+                                 one_of("auto", "exchange", "round"))
+    peers: int | str = setting("auto", "exchanges a round of ours makes, each with another "
+                               "peer (>= 1); \"auto\": 1 below "
+                               f"{LARGE_SPACING} steps between rounds, {ROUND_PEERS} from "
+                               "there", AT_LEAST_1, words=("auto",), kind=int)
     attempts: int = setting(3, "peers tried per round when they are busy or fail (>= 1)",
                             AT_LEAST_1)
     backoff: float = setting(0.2, "s; mean pause before trying the next peer (x U(0.5, 1.5)) "
@@ -349,9 +375,12 @@ class AveragingConfig(_Settings):
                               f"({self.clip_window}), got {self.clip_min_history}")
 
     @property
-    def outer_setting(self) -> tuple[float, float] | None:
-        """The outer step's (lr, momentum) for :class:`~gossip.replica.Replica`; None: off."""
-        return (self.outer_lr, self.outer_momentum) if self.outer else None
+    def outer_setting(self) -> tuple[float, float | None] | None:
+        """The outer step's (lr, momentum) for :class:`~gossip.replica.Replica` (momentum None:
+        "auto", by the spacing: :mod:`gossip.plan`); None: off."""
+        if not self.outer:
+            return None
+        return self.outer_lr, None if self.outer_momentum == "auto" else self.outer_momentum
 
     def transfer_deadline(self, nbytes: int) -> float:
         """The deadline for both payloads of ``nbytes`` each over a link never measured (at

@@ -1,4 +1,4 @@
-"""The outer step: each committed exchange applied through Nesterov momentum. Pure torch.
+"""The outer step: committed exchanges applied through Nesterov momentum. Pure torch.
 
 Theory of operation
 -------------------
@@ -11,8 +11,7 @@ node was left in by its previous exchange (its *anchor*), the whole move since t
 and plain averaging is ``φ ← φ + u``. That is the outer step of DiLoCo with learning rate 1 and
 no momentum, where ``−u`` is the *pseudo-gradient* of the local steps. DiLoCo, Streaming DiLoCo
 and NoLoCo (which does it with one random peer, as we do) apply it through SGD with Nesterov
-momentum instead, and with hundreds of local steps between syncs that is what lets them match
-synchronous training (../shared/research/ANCHORS.md)::
+momentum instead::
 
     v ← μ·v + u            φ ← φ + α·(u + μ·v)
 
@@ -22,16 +21,25 @@ The next snapshot less the anchor is again exactly the progress since this excha
 what is queued is the difference to the anchor and is applied in full (spread over steps by
 :class:`~gossip.replica.Replica`, which snapshots include).
 
-Defaults: α = 0.7 and μ = 0.5, NoLoCo's settings for pairwise syncs. In a steady state (the
-same ``u`` each time) the step is ``α/(1 − μ) = 1.4 u``: a node's progress is carried 1.4 times
-as far as plain averaging carries it, and the consensus between two nodes still contracts:
-two nodes that only meet each other and do not train reach each other's state with a factor of
-``√(αμ²)`` ≈ 0.42 left per exchange, their difference changing sign (the momentum overshoots)
-but never growing (tests/unit/test_outer.py).
+When it is taken (:mod:`gossip.plan`): at close spacing at every committed exchange, started
+or answered, as above (:meth:`Outer.step`); at wide spacing once a round, at the round's
+first commit, the exchanges between (answered, or the round's later ones) applied as plain
+averages and so part of the next step's ``u``; :meth:`Outer.round` takes it on a snapshot
+with no exchange at all. Its lr is ``α``, its momentum the plan's unless a setting fixes it.
+
+Defaults at close spacing: α = 0.7 and μ = 0.5, NoLoCo's settings for pairwise syncs. In a
+steady state (the same ``u`` each time) the step is ``α/(1 − μ) = 1.4 u``: a node's progress
+is carried 1.4 times as far as plain averaging carries it, and the consensus between two nodes
+still contracts: two nodes that only meet each other and do not train reach each other's state
+with a factor of ``√(αμ²)`` ≈ 0.42 left per exchange, their difference changing sign (the
+momentum overshoots) but never growing (tests/unit/test_outer.py). Once a round, μ = 0.9
+(DiLoCo's) carries the progress 7 times as far, and the pulls towards partners enter it only
+as the average they make over the round.
 
 A key holder's influence: ``δ`` is checked and clipped before it gets here, so a single
-exchange's move enters ``v`` bounded as before; momentum spreads it over the next exchanges,
-with a total of ``α/(1 − μ)`` times the move, a constant factor (1.4) on the same bound.
+exchange's move enters ``v`` bounded as before; momentum spreads it over the next steps, with
+a total of ``α/(1 − μ)`` times the move: a constant factor on the same bound, 1.4 at close
+spacing and 7 once a round, where the round's other exchanges dilute it.
 
 What it costs: the anchor and the velocity, two float32 vectors of the model's size on the
 host (beside the exchange's own buffers), and one pass over the model at commit, made chunk by
@@ -61,11 +69,12 @@ class Outer:
     Args:
         numel: the schema's element count (the state part of a flat buffer).
         lr: the outer learning rate ``α`` (> 0).
-        momentum: the Nesterov momentum ``μ`` (in [0, 1)).
+        momentum: the Nesterov momentum ``μ`` (in [0, 1)); None: given at each step, by the
+            spacing (:mod:`gossip.plan`).
     """
 
-    def __init__(self, numel: int, lr: float, momentum: float) -> None:
-        if not lr > 0 or not 0 <= momentum < 1:
+    def __init__(self, numel: int, lr: float, momentum: float | None) -> None:
+        if not lr > 0 or momentum is not None and not 0 <= momentum < 1:
             raise ValueError(f"outer lr must be > 0 and momentum in [0, 1), not {lr}, {momentum}")
         self.numel = numel
         self.lr = lr
@@ -79,7 +88,8 @@ class Outer:
         """Whether an exchange has set the anchor since the start or the last reset."""
         return self._anchor is not None
 
-    def step(self, own: torch.Tensor, delta: torch.Tensor, scale: float) -> None:
+    def step(self, own: torch.Tensor, delta: torch.Tensor, scale: float,
+             momentum: float | None = None) -> None:
         """Turn the move of one committed exchange into the outer step, in place.
 
         Args:
@@ -87,17 +97,40 @@ class Outer:
             delta: ``s_peer − s`` (``numel`` values); on return it holds the whole change to
                 queue, to be applied with scale 1.
             scale: the fraction of ``delta`` the exchange moves by (``w``, clipped).
+            momentum: this step's ``μ``, where the outer step was made without one.
         """
         if own.numel() != self.numel or delta.numel() != self.numel:
             raise ValueError(f"expected {self.numel} values, got {own.numel()} and {delta.numel()}")
+        mu = self.momentum if self.momentum is not None else momentum
+        if mu is None or not 0 <= mu < 1:
+            raise ValueError(f"outer momentum must be in [0, 1), not {mu}")
         with self._lock:
-            self._step(own, delta, scale)
+            self._step(own, delta, scale, mu)
 
-    def _step(self, own: torch.Tensor, delta: torch.Tensor, scale: float) -> None:
+    def round(self, own: torch.Tensor, change: torch.Tensor,
+              momentum: float | None = None) -> None:
+        """The outer step once a round, on everything that moved the state since the last
+        (local steps and every exchange, which were applied plainly): ``change`` gets what to
+        queue with scale 1. The first call sets the anchor and moves nothing.
+
+        Args:
+            own: a snapshot of the state, pending deltas included (``numel`` values).
+            change: ``numel`` values, overwritten.
+            momentum: as for :meth:`step`.
+        """
+        change.zero_()
+        if self.anchored:
+            self.step(own, change, 0.0, momentum)
+        else:
+            with self._lock:
+                self._anchor = own.clone()
+                self._velocity = torch.zeros_like(own)
+
+    def _step(self, own: torch.Tensor, delta: torch.Tensor, scale: float, mu: float) -> None:
         if self._anchor is None or self._velocity is None:
             self._anchor = own.clone()
             self._velocity = torch.zeros_like(own)
-        lr, mu = self.lr, self.momentum
+        lr = self.lr
         for start in range(0, self.numel, REDUCE_CHUNK):
             part = slice(start, start + REDUCE_CHUNK)
             d, anchor, velocity = delta[part], self._anchor[part], self._velocity[part]

@@ -22,6 +22,13 @@ says nothing about the link); the *mean* step time over several rounds, because 
 vary (data loading, an evaluation, a checkpoint) and what matters is the pace between rounds.
 The caller observes the step counter when it starts a round, so no hook runs per step.
 
+A node's payloads change size with what its rounds do (:mod:`gossip.plan`: from wide spacing
+on, a smaller codec and no drift-correction estimate), so each exchange is recorded with its
+payload's size, and :meth:`Spacing.steps` answers for a payload of any size: the spacing one
+set of choices would give is then measured on exchanges of the other. Measured in seconds
+alone, the choice would feed on itself: the wide choices' exchanges, eight times smaller, would
+measure a close spacing, whose exchanges would measure a wide one.
+
 Before both are measured the spacing is 1: the first exchanges measure the link, and rounds
 run back to back until they have (on a slow link that costs nothing, since training does not
 wait; on a fast one it is what the link allows anyway).
@@ -29,9 +36,8 @@ wait; on a fast one it is what the link allows anyway).
 MAX_SPACING bounds what one bad figure can do: a step time measured over a burst (steps
 counted after a pause, a clock that did not move) would otherwise put the next round out of
 reach, for ever when ``interval`` is None. 10,000 steps is 17 minutes of training at 0.1 s a
-step and nearly 3 hours at 1 s. It is past every spacing of the table in docs/DAEMON.md but
-fp32 over 10 Mbit/s (12,800 for 100M and 1B parameters, where int8 is the choice), and past
-it a swarm barely mixes. At the bound a node starts rounds a little more often than its link
+step and nearly 3 hours at 1 s. It is past every spacing of the table in docs/DAEMON.md (the
+largest, 5,100: 100M and 1B parameters over 10 Mbit/s), and past it a swarm barely mixes. At the bound a node starts rounds a little more often than its link
 carries them, which costs busy answers, not training time.
 
 Nothing here imports trio or reads a clock: callers pass step counts, seconds and ``now``.
@@ -55,7 +61,7 @@ class Spacing:
     """Local steps between the rounds a node starts, measured (see the module docstring)."""
 
     def __init__(self) -> None:
-        self._exchanges: deque[float] = deque(maxlen=EXCHANGES)
+        self._exchanges: deque[tuple[float, int | None]] = deque(maxlen=EXCHANGES)  # s, bytes
         self._points: deque[tuple[int, float]] = deque(maxlen=STEP_POINTS)
 
     def stepped(self, steps: int, now: float) -> None:
@@ -64,19 +70,28 @@ class Spacing:
             self._points.clear()  # a counter or clock that went back: start over
         self._points.append((steps, now))
 
-    def exchanged(self, seconds: float) -> None:
-        """A committed exchange took ``seconds``, from its start to its end at this node.
-        Durations that are not finite and >= 0 are ignored."""
+    def exchanged(self, seconds: float, nbytes: int | None = None) -> None:
+        """A committed exchange took ``seconds``, from its start to its end at this node, to
+        move payloads of ``nbytes`` each way (None: not known). Durations that are not finite
+        and >= 0 are ignored, and so is a size that is not positive."""
         if math.isfinite(seconds) and seconds >= 0:
-            self._exchanges.append(float(seconds))
+            size = nbytes if nbytes is not None and nbytes > 0 else None
+            self._exchanges.append((float(seconds), size))
 
     @property
     def exchange(self) -> float | None:
         """Seconds: the median of the recent committed exchanges (of an even count, the
         upper middle one); None before the first."""
+        return self._median()
+
+    def _median(self, nbytes: int | None = None) -> float | None:
+        """The median exchange, each scaled to payloads of ``nbytes`` where both sizes are
+        known (None: as measured)."""
         if not self._exchanges:
             return None
-        return sorted(self._exchanges)[len(self._exchanges) // 2]
+        scaled = sorted(t * nbytes / size if nbytes is not None and size is not None else t
+                        for t, size in self._exchanges)
+        return scaled[len(scaled) // 2]
 
     @property
     def step(self) -> float | None:
@@ -87,10 +102,13 @@ class Spacing:
         (first, start), (last, end) = self._points[0], self._points[-1]
         return (end - start) / (last - first) if last > first else None
 
-    def steps(self) -> int:
+    def steps(self, nbytes: int | None = None) -> int:
         """The spacing now: ``ceil(2 * exchange / step)`` in [1, MAX_SPACING]; 1 until both
-        are measured."""
-        exchange, step = self.exchange, self.step
+        are measured. With ``nbytes``, of exchanges of payloads that size: each measured
+        exchange whose size is known counts at its seconds times ``nbytes`` over its size (the
+        link's time in proportion to the bytes; its round trips are counted in proportion
+        too, which on a slow link, where the spacing is large, is a small part)."""
+        exchange, step = self._median(nbytes), self.step
         if exchange is None or step is None or exchange <= 0:
             return 1
         if step <= 0:  # steps that took no time at all: any exchange outlasts them

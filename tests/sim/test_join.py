@@ -26,6 +26,7 @@ from trio.testing import MockClock
 from daemon.task import Shard
 from daemon.tasks.digits import load, shard_indices
 from gossip.config import AveragingConfig, NodeConfig
+from gossip.plan import plan
 from gossip.testing import SimNode, open_sim_swarm
 
 pytestmark = pytest.mark.slow
@@ -91,11 +92,12 @@ def common_start(nodes: list[Node], seed: int) -> None:
         node.model.load_state_dict(model.state_dict())
 
 
-@pytest.mark.parametrize("spacing", [10, 25, 60])
+# 8: rounds every 16 steps, the close plan; 25 and 60: the wide plan (gossip.plan).
+@pytest.mark.parametrize("spacing", [8, 25, 60])
 async def test_a_late_joiner_takes_no_nodes_accuracy_down(autojump_clock: MockClock,
                                                           spacing: int) -> None:
-    """``spacing``: local steps per exchange at each node. A node starts a round every
-    ``averaging.every`` steps and also answers its peer's, so ``every`` is twice that."""
+    """``spacing``: local steps per round at each node. A node starts a round every
+    ``averaging.every`` steps and also answers its peers', so ``every`` is twice that."""
     data = tuple(torch.from_numpy(a) for a in load())
     seed = spacing
     nodes = [Node(i, data, seed) for i in range(3)]
@@ -119,8 +121,12 @@ async def test_a_late_joiner_takes_no_nodes_accuracy_down(autojump_clock: MockCl
         rounds = [n.node.statistics().committed for n in sim.nodes[:2] if n.node]
         downloaded = sim.nodes[2].node is not None and sim.nodes[2].node.downloaded is not None
     assert downloaded
-    # The spacing asked for is the one the nodes ran at.
-    assert all(0.7 <= (BEFORE + AFTER) / r / spacing <= 1.4 for r in rounds), rounds
+    # The spacing asked for is the one the nodes ran at: each round of a node makes the plan's
+    # exchanges (gossip.plan: from LARGE_SPACING on, with up to ROUND_PEERS others: one before
+    # the join, two after it), and the node answers as many.
+    after = min(plan(config.averaging, 2 * spacing).peers, 2)
+    expected = (BEFORE + after * AFTER) / spacing
+    assert all(0.7 <= expected / r <= 1.4 for r in rounds), (rounds, expected)
     for node in nodes[:2]:
         before = [a for t, a in node.record if t <= joined][-5:]
         after = [a for t, a in node.record if t > joined]

@@ -17,6 +17,7 @@ import trio
 from gossip import tensors
 from gossip.averaging import Exchange, Result
 from gossip.config import AveragingConfig, MembershipConfig, NodeConfig
+from gossip.plan import plan
 from gossip.network import TcpNetwork
 from gossip.channel import SecureChannel
 from gossip.messages import MAX_COUNT, Commit, Offer, PushPull, SchemaInfo
@@ -64,7 +65,10 @@ BAD_VALUES = [
     ("outer", 1), ("outer", "yes"), ("outer", None),
     ("outer_lr", 0.0), ("outer_lr", 2.5), ("outer_lr", math.nan), ("outer_lr", "0.7"),
     ("outer_momentum", -0.1), ("outer_momentum", 1.0), ("outer_momentum", math.inf),
-    ("outer_momentum", None),
+    ("outer_momentum", None), ("outer_momentum", "Auto"), ("outer_momentum", True),
+    ("outer_cadence", "steps"), ("outer_cadence", None), ("outer_cadence", 1),
+    ("peers", 0), ("peers", 2.0), ("peers", "3"), ("peers", None), ("peers", True),
+    ("wide_codec", "mod4"), ("wide_codec", "auto"), ("wide_codec", None),
 ]
 # Plain averaging: the arithmetic these tests pin (the outer step has its own test below and
 # in tests/unit/test_outer.py).
@@ -223,7 +227,7 @@ async def test_with_the_outer_step_a_first_exchange_moves_by_lr_1_plus_momentum_
     config = AveragingConfig()
     model_a, model_b = mlp(21), mlp(22)
     s_a, s_b = flat(model_a), flat(model_b)
-    factor = config.outer_lr * (1 + config.outer_momentum) * config.weight
+    factor = config.outer_lr * (1 + plan(config, config.every).momentum) * config.weight
     async with two_nodes(model_a, model_b, config) as (a, b, exchanged):
         await exchange(a, b, exchanged)
         a.step(), b.step()

@@ -13,6 +13,7 @@ import trio
 
 import gossip
 from gossip.config import NodeConfig
+from gossip.plan import plan
 from gossip.replica import Replica
 from tests.util import SWARM
 
@@ -49,7 +50,7 @@ def test_replica_of_a_cuda_model_uses_pinned_buffers() -> None:
 async def test_cuda_and_cpu_nodes_take_the_outer_step_towards_each_other(device: str) -> None:
     """The defaults' first exchange (no progress behind it): each side moves by
     lr x (1 + momentum) x weight of the difference (gossip.outer), whatever its device."""
-    factor = CONFIG.outer_lr * (1 + CONFIG.outer_momentum) * CONFIG.weight
+    factor = CONFIG.outer_lr * (1 + plan(CONFIG, CONFIG.every).momentum) * CONFIG.weight
     gpu, cpu = mlp(1).to(device), mlp(2)
     pairs = [(a.detach().cpu(), b.detach().clone())
              for a, b in zip(gpu.state_dict().values(), cpu.state_dict().values())

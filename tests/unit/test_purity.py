@@ -31,6 +31,7 @@ PURE = frozenset({
     "member", "probing", "effects", "seal", "limits", "linkrate", "config",
     "messages", "errors", "identity", "address", "rotation", "standing", "tensors", "int8",
     "schema", "codec", "mismatch", "correction", "spacing", "exchange_state", "lowbit",
+    "plan",
 })
 
 # What a pure module may import from outside gossip: the standard library's computation, the

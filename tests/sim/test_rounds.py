@@ -1,0 +1,52 @@
+"""A round of several exchanges in a simulated swarm (gossip.rounds, gossip.plan): the round
+makes its exchanges with as many different peers, and with the outer step once a round only
+the round's first commit takes it, where at each exchange every commit does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import trio
+from trio.testing import MockClock
+
+from gossip.averaging import Result
+from gossip.config import AveragingConfig
+from gossip.testing import open_sim_swarm
+from tests.util import local
+
+
+def flat(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("cadence", ["round", "exchange"])
+async def test_a_round_of_three_exchanges_and_where_the_outer_step_is_taken(
+        autojump_clock: MockClock, cadence: str) -> None:
+    config = local(averaging=AveragingConfig(every=None, interval=None, start="own",
+                                             trust_after=0.0, peers=3, outer_cadence=cadence))
+    models = [torch.nn.Linear(4, 4) for _ in range(5)]
+    async with open_sim_swarm(5, seed=3, model=lambda i: models[i], config=config) as sim:
+        await sim.wait_ready()
+        first = sim.nodes[0].node
+        assert first is not None
+        with trio.fail_after(60):
+            assert await first.average_now() is Result.COMMITTED
+        ours = [e for e in sim.exchanges if e.node is sim.nodes[0] and e.initiated]
+        assert [e.result for e in ours] == [Result.COMMITTED] * 3
+        assert len({e.peer for e in ours}) == 3  # one exchange with each of three peers
+        answered = {e.node for e in sim.exchanges if not e.initiated}
+        assert answered == {e.peer for e in ours}
+        outer = first.replica.outer
+        assert outer is not None and outer.anchored
+        # The deltas are added as each exchange ends (no trainer): the node sits where its
+        # last commit put it. At each exchange that is the anchor; once a round the anchor
+        # is where the first commit put it, and the next two moved on from there plainly.
+        n = first.replica.schema.numel
+        off = flat(models[0]) - first.replica.outer_state()["anchor"][:n]
+        if cadence == "exchange":
+            assert float(off.norm()) < 1e-5
+            assert all(n.node.replica.outer.anchored for n in answered)
+        else:
+            assert float(off.norm()) > 1e-3
+            # Nodes that only answered take no outer step: theirs comes in their own rounds.
+            assert not any(n.node.replica.outer.anchored for n in answered)
