@@ -1,99 +1,69 @@
 """Low-communication training: gossip with H local steps between syncs against DDP and DiLoCo.
 
-H = 1, 10, 100 and 500, N = 8 nodes, the same data and the same number of samples for every
-method.
+N = 8 nodes; H = 1, 50, 100 and 500; a 1M-parameter byte-level transformer LM on real text
+(IID and skewed by package) and label-sorted digits; the same samples for every method at
+each H.
 
-Targets (at H = 100, for "gossip, outer step"): the language model's held-out loss within 2%
-of DDP's on IID shards and no worse than DiLoCo's at the same H; within 4% of DDP's on shards
-skewed by source file; the label-sorted digits' mean node accuracy within 5 points of DDP's.
-H = 500 is reported, not judged.
+Targets (the issue on learning at internet spacing), for "gossipd" (the library's defaults):
+the LM's held-out loss no worse than DiLoCo's at H = 100 and at H = 500, IID and skewed, and
+within 5% of DDP's at H = 100 (IID); the label-sorted digits within 10 points of DDP's
+accuracy at H = 100 and no worse than DiLoCo's.
 
 Method
 ------
-Tasks, each built by its own factory (:mod:`daemon.tasks`), so that every method trains the
-same model from the same initial weights with the same inner optimizer:
+The tasks, their shards, the budgets, the held-out data and the link are
+:mod:`workloads`'s; DDP and DiLoCo are :mod:`replicas`'s (plain torch, what they would send
+counted). Methods, side by side:
 
-- ``lm_iid``: the bundled byte-level transformer LM (``daemon.tasks.charlm``: AdamW, lr 3e-3)
-  with smaller options than its defaults, the same for every method, so that the quick run
-  fits its time: ``LM_OPTIONS`` (width 32, one block, 32 bytes of context, 8 windows a step:
-  30K parameters, about 4 ms a step on one core instead of 19 at the task's defaults: width
-  64, two blocks, 64 bytes, 16 windows). Every node trains on all the training files
-  (``Shard(0, 1)``), each in its own batch order (one task seed per node), from node 0's
-  initial weights.
-- ``lm_skewed``: the same LM, node i on ``Shard(i, 8)``: the training files i, i + 8, ...,
-  so each node sees different source files (skewed by file, not by token).
-- ``digits``: the digits MLP (``daemon.tasks.digits``: SGD lr 0.05, momentum 0.9, batch 32),
-  node i on ``Shard(i, 8)``: the training split sorted by label and cut in 8 blocks, so each
-  node sees one or two classes.
+- DDP: one model, one optimizer, each step on one batch of each of the 8 shards (8 batches a
+  step), at the task's learning rate. It does not depend on H: one run per task and seed,
+  evaluated at every budget the columns use.
+- DiLoCo: all-reduce of the pseudo-gradients every H steps, outer Nesterov SGD lr 0.7,
+  momentum 0.9, inner AdamW (the task's optimizer), every replica restarting from the anchor.
+- gossip, plain: :func:`gossip.testing.open_sim_swarm`, real protocol nodes (membership,
+  encrypted channels, the exchange and its checks) on a simulated network under trio's
+  ``MockClock``, each starting a pairwise round every ``every = H`` local steps (x U(0.75,
+  1.25)), averaging weights only: ``outer = False``, ``correction = False``.
+- gossipd: the same swarm with the library's defaults for everything but ``every``,
+  ``interval`` and ``start`` (the node hands its optimizer to the swarm, as the daemon does).
 
-Methods, side by side:
+The link: every pair of nodes is joined by a link of :func:`workloads.link_rate` bytes/s each
+way, 20 ms one way: the link on which an exchange of the model in float32 takes H/2 steps,
+where ``every = "auto"`` picks this H for plain averaging (:func:`payload_bytes`), so each
+column is what a volunteer's link of that speed gives. An exchange runs while both nodes train on (the steps it overlaps stay on top of what
+it brings). DiLoCo and DDP block for their all-reduce: on the same link a ring all-reduce of
+the model takes ``2 (N - 1) / N`` of a payload's time, which the time-to-loss plot adds to
+their clocks (DiLoCo once per H steps, DDP at every step); their learning is not affected.
 
-- DDP: no swarm; one model and one optimizer; each step takes the next batch of each of the
-  8 shards (in the order that shard's node draws them) and steps on their concatenation,
-  whose mean loss is the mean of the 8 batches' losses, as DDP's gradient averaging does at
-  the same lr: 8 batches a step. It does not depend on H, so it is one run per task, the
-  same figure in every column.
-- DiLoCo: 8 replicas from the same initial weights, each with its own inner optimizer (the
-  task's, its state kept per replica) on its shard; every H steps the pseudo-gradients
-  ``anchor - replica`` are averaged (an exact all-reduce) and applied to the anchor by SGD
-  with Nesterov momentum (lr 0.7, momentum 0.9: the open DiLoCo replication's values); every
-  replica then takes the anchor. Plain torch, no network.
-- gossip as today: :func:`gossip.testing.open_sim_swarm`, real protocol nodes on a simulated
-  network (1 ms links, no bandwidth limit) under trio's ``MockClock``, each node starting a
-  pairwise round every ``every = H`` local steps (x U(0.75, 1.25), no timer), the drift
-  correction on (each node hands its optimizer to the swarm), ``outer=False``: plain
-  pairwise averaging.
-- gossip, outer step: the same with the library's defaults for everything but
-  ``every``/``interval``/``start``: each committed exchange applied through the node's outer
-  Nesterov step (``outer=True``, ``outer_lr``, ``outer_momentum`` as :class:`AveragingConfig`
-  sets them).
+Budget: at each H every method trains ``max(2,000, 20 H)`` steps per node (``--least``) x 8
+nodes x the task's batch: at least 20 syncs for every method at every H, and 10,000 steps at
+H = 500. ``--quick`` runs the LM at H = 100 only (the H = 500 column alone is 20 CPU-hours
+of 1M-parameter steps on this machine: see the README's Performance section).
 
-- the codecs below 8 bits (:data:`CODECS`: ``mod4``, ``mod4/4``, ``mod4/8``, ``mod4/16``), at
-  H = 100 and 500 only: "gossip, outer step" with ``averaging.codec`` set to each, on every
-  node. Each node's first exchanges are ``int8`` (until its periods are measured), and the
-  drift correction's estimate travels as ``int8`` cells of the carried blocks, all of which
-  the bytes count.
-
-A training step takes ``STEP_TIME`` virtual seconds in the swarms, so a round at H = 1 overlaps
-the next step as it would on real links; H is imposed by ``every``, not by the links.
-
-Budget: every method and every H trains the same samples: ``steps`` per node (1,000 in the
-quick run, 2,000 in the full one; a multiple of every H, so that DiLoCo ends on a sync), x 8
-nodes x the task's batch. At H = 500 DiLoCo syncs ``steps / 500`` times (2 quick, 4 full); a
-gossip node starts about as many rounds and answers about as many of its peers' (the
-"exchanges per node" row counts both). Both budgets stop early in the LM's training (DDP's
-loss is still falling), so its figures say how much each method learns from the same
-samples, not where each would level off.
-
-Measure: at the end of the budget every node's model is evaluated on the task's fixed
-held-out data with the task's own ``evaluate()`` (the LM: cross-entropy in nats on held-out
-files; the digits: accuracy and loss on the 359 test images). A swarm is caught wherever each
-node is between its rounds (the last training step of the swarm evaluates them all), so at
-large H its nodes have drifted for up to H steps; DiLoCo's replicas all hold the anchor just
-synced, and DDP has one model. Figures are the mean over nodes (and the worst node), then the
-mean over seeds. For the swarms the mean model (the nodes' parameters averaged, which no node
-holds) is evaluated too: it tells drift between the nodes apart from what the swarm learned.
-The LM's held-out set is the task's: 32 windows of 32 bytes, the same for every run.
+Measure: 8 times per run every node is evaluated on the fixed held-out data with the task's
+own ``evaluate()`` (the LM: cross-entropy in nats on 256 windows of 64 bytes of files never
+trained on; the digits: accuracy on the 359 test images), from inside the training step that
+reaches the point, so a swarm's nodes are caught wherever they are between rounds; DiLoCo is
+evaluated just after a sync (its replicas hold the anchor), DDP has one model. Figures are
+the mean over nodes (and the worst node), then the mean over seeds. For the swarms the mean
+model (the nodes' parameters averaged, which no node holds) is evaluated at the end too: it
+tells the drift between nodes apart from what the swarm learned.
 
 - LM gap to DDP: ``(L - L_ddp) / L_ddp`` of the mean node loss, in % (JSON: a fraction).
 - vs DiLoCo: the method's mean node loss over DiLoCo's at the same H (below 1: better).
 - digits gap: DDP's accuracy minus the mean node accuracy, in points.
-- codecs: the gap to "gossip, outer step" in fp32 at the same H (LM: relative loss; digits:
-  points), and bytes per committed exchange and side over fp32's, measured: the payloads
-  (each exchange's codec and size as ``on_exchange`` reports them), and all a node sent
-  (handshakes, messages and refused offers too: about 2 KB an exchange, as much as a
-  ``mod4/16`` payload of this 30K-parameter model, nothing at 100M). The targets (H = 100,
-  payload bytes): the LM within 1% of fp32 at <= 1/16 of its bytes and within 3% at <= 1/50
-  (the best codec of each budget); the digits within 1 point at <= 1/16 (the LM's codec). JSON:
-  ``lm_lowbit_codec_h100``, ``lm_lowbit_loss_gap_h100``, ``lm_lowbit_bytes_ratio_h100`` (and
-  ``lm_lowbit50_*`` for 1/50), ``digits_lowbit_gap_h100_n8``, and each codec's gaps.
+- communication per node: MB each node sent over the budget (the swarms: measured, every
+  byte on the wire; DDP and DiLoCo: their ring all-reduces).
 
 Runs are independent and single-threaded, so they go to ``--jobs`` processes (one per core);
-the figures do not depend on how many.
+the figures do not depend on how many. ``--gpu`` runs the IID LM at 25M parameters
+(:data:`workloads.GPU_LM_OPTIONS`) at H = 100 and 500 on ``cuda`` (``--device`` to override),
+each run in turn on the one device, and prints its own JSON keys (``gpu_*``).
 
-Usage: python bench/lowcomm.py [--quick] [--seeds 2] [--steps 2000] [--jobs 2]
+Usage: python bench/lowcomm.py [--quick | --gpu] [--seeds 2] [--least 2000] [--jobs 2]
+       [--hs 1,50,100,500] [--resume] [--lm KEY=VALUE ...] [--set KEY=VALUE ...]
 Tables on stdout, progress on stderr; the last line printed is one JSON object with the
-headline figures. Writes bench/results/lowcomm.json and lowcomm.png.
+headline figures. Writes bench/results/lowcomm.json, lowcomm.png and lowcomm_curves.png.
 """
 
 from __future__ import annotations
@@ -103,229 +73,257 @@ import dataclasses
 import json
 import multiprocessing
 import os
+import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Mapping
+from pathlib import Path
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import trio
 import trio.testing
 
-from common import progress, pyplot, save_figure, save_json, table
-from daemon.task import Context, Shard, Task
-from daemon.tasks import charlm, digits
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    import tomli as tomllib
+
+import gossip.replica
+from common import progress, pyplot, results_path, save_figure, save_json, table
+from daemon.task import Context, TaskError
+from daemon.tasks import charlm
 from gossip import AveragingConfig, NodeConfig
 from gossip.averaging import Result
+from gossip.config import LARGE_SPACING
+from gossip.plan import plan
 from gossip.testing import SimNode, open_sim_swarm
+from replicas import DILOCO_LR, DILOCO_MOMENTUM, blocking_time, run_ddp, run_diloco
+from workloads import (GPU_LM_OPTIONS, LM_OPTIONS, N, STEP_TIME, WORKLOADS, Workload,
+                       allreduce_bytes, budget, build, evaluate, figures, link_rate, lm_workloads,
+                       mean_model, numel, points, spread)
 
-N = 8  # nodes (replicas, shards)
-HS = (1, 10, 100, 500)  # local steps between syncs
-STEP_TIME = 0.05  # virtual s per training step in the swarms
-LM_OPTIONS = {"d_model": 32, "layers": 1, "context": 32, "batch_size": 8}  # 64, 2, 64, 16
-DILOCO_LR, DILOCO_MOMENTUM = 0.7, 0.9  # the outer Nesterov SGD of the DiLoCo replication
-TARGET_LM_IID = 0.02  # loss over DDP's, as a fraction, at H = 100
-TARGET_LM_SKEWED = 0.04
-TARGET_DIGITS = 5.0  # points of mean node accuracy below DDP's, at H = 100
-TARGET_H = 100
+HS = (1, 50, 100, 500)  # local steps between syncs
+QUICK_LM_HS = (100,)
+GPU_HS = (100, 500)
+LEAST = 2000  # steps per node at the smallest budget (then ROUNDS x H)
+LATENCY = 0.02  # s one way on every link
+TARGET_H = (100, 500)  # the H values the targets judge
+TARGET_DDP_GAP = 0.05  # the IID LM's loss over DDP's, at H = 100
+TARGET_DIGITS = 10.0  # points below DDP, at H = 100
 CPU = torch.device("cpu")
 
-METHODS = {"ddp": "DDP (all-reduce)", "diloco": "DiLoCo", "today": "gossip as today",
-           "outer": "gossip, outer step"}
-# The codecs below 8 bits (gossip.lowbit), each a method of its own: "gossip, outer step" with
-# averaging.codec set to it, at CODEC_HS only. Their bytes are measured, not assumed.
-CODECS = ("mod4", "mod4/4", "mod4/8", "mod4/16")
-CODEC_HS = (100, 500)
-SIXTEENTH, FIFTIETH = 1 / 16, 1 / 50  # the targets' byte budgets, of fp32's
-TARGET_LOWBIT_LM = (0.01, 0.03)  # relative loss gap to fp32 at H = 100, within each budget
-TARGET_LOWBIT_DIGITS = 1.0  # points below fp32, within 1/16 of its bytes
+METHODS = {"ddp": "DDP (all-reduce every step)", "diloco": "DiLoCo (all-reduce every H)",
+           "plain": "gossip, plain averaging", "gossipd": "gossipd (defaults)"}
+SWARMS = ("plain", "gossipd")
 
-Run = dict[str, Any]  # one run: per-node "loss" (and "accuracy"), "exchanges", "mean_model_*"
+Run = dict[str, Any]  # one run: "curve" [(step, figures)], "final", "bytes", ...
 
 
-@dataclass(frozen=True)
-class Workload:
-    """A task and how its data is split over the nodes."""
-
-    name: str
-    label: str
-    factory: Callable[[Context], Task]
-    options: Mapping[str, Any]
-    iid: bool  # every node on all the data, each in its own order; else Shard(i, N)
-
-    @property
-    def classifier(self) -> bool:
-        return self.factory is digits.task
+def gossip_config(method: str, h: int, overrides: Mapping[str, Any]) -> NodeConfig:
+    """A node's settings: the library's defaults (WAN membership timing, as on the
+    internet) with rounds every ``h`` steps and no timer; "plain" averages weights only;
+    ``overrides`` (``--set``) change gossipd's."""
+    averaging = AveragingConfig(every=h, interval=None, start="own")
+    if method == "plain":
+        averaging = dataclasses.replace(averaging, outer=False, correction=False)
+    else:
+        averaging = dataclasses.replace(averaging, **overrides)
+    return dataclasses.replace(NodeConfig.wan(), averaging=averaging)
 
 
-WORKLOADS = [
-    Workload("lm_iid", "char LM, IID (all files on every node)", charlm.task, LM_OPTIONS, True),
-    Workload("lm_skewed", "char LM, skewed (node i: files i mod 8)", charlm.task, LM_OPTIONS,
-             False),
-    Workload("digits", "digits MLP, label-sorted shards", digits.task, {}, False),
-]
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """``key=value`` pairs of :class:`AveragingConfig` fields, each value in TOML.
 
-
-def build(work: Workload, seed: int) -> tuple[list[Task], list[Iterator[Any]]]:
-    """N tasks with the same initial weights and each node's batch iterator."""
-    if work.iid:
-        # A task's seed picks its batch order, so one seed per node; then node 0's initial
-        # weights everywhere, as in the skewed runs, which share one seed.
-        tasks = [work.factory(Context(seed * 1000 + i, CPU, work.options)) for i in range(N)]
-        for t in tasks[1:]:
-            t.model.load_state_dict(tasks[0].model.state_dict())
-        return tasks, [t.batches(Shard(0, 1)) for t in tasks]
-    tasks = [work.factory(Context(seed, CPU, work.options)) for _ in range(N)]
-    return tasks, [t.batches(Shard(i, N)) for i, t in enumerate(tasks)]
-
-
-def evaluate(tasks: list[Task]) -> Run:
-    """Every node's held-out figures: ``loss`` and, for a classifier, ``accuracy`` in %."""
-    results = [t.evaluate() for t in tasks]  # type: ignore[misc]  # both tasks have one
-    out: Run = {"loss": [r["loss"] for r in results]}
-    if "accuracy" in results[0]:
-        out["accuracy"] = [100 * r["accuracy"] for r in results]
+    Raises:
+        ValueError: not key=value, a key that is no averaging setting, or a bad value.
+    """
+    out: dict[str, Any] = {}
+    names = {f.name for f in dataclasses.fields(AveragingConfig)}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in names:
+            raise ValueError(f"--set {item!r}: expected key=value with key one of "
+                             f"{', '.join(sorted(names))}")
+        try:
+            out[key] = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:
+            out[key] = value  # a bare word: a string
+    dataclasses.replace(AveragingConfig(), **out)  # validates: ValueError names the field
     return out
 
 
-def mean_model(work: Workload, seed: int, tasks: list[Task]) -> Run:
-    """The held-out figures of the nodes' parameters averaged, a model no node holds: it tells
-    the nodes' drift from one another apart from what the swarm learned as a whole."""
+def parse_lm(items: list[str], base: Mapping[str, Any]) -> dict[str, Any]:
+    """``base``, the LM's options (``daemon.tasks.charlm``), with ``key=value`` options over
+    it, each value in TOML.
+
+    Raises:
+        ValueError: not key=value, or an option the task does not take (its own check, on a
+            model built with them, names the option).
+    """
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--lm {item!r}: expected key=value")
+        try:
+            out[key] = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:
+            out[key] = value
+    if out:
+        try:
+            charlm.task(Context(0, CPU, {**base, **out}))
+        except TaskError as exc:
+            raise ValueError(f"--lm: {exc}") from None
+    return {**base, **out}
+
+
+def payload_bytes(parameters: int) -> int:
+    """Bytes of the payload a column's link is sized for: the weights in float32, what plain
+    averaging sends each way per exchange and what DiLoCo all-reduces. gossipd's wide plan
+    (three exchanges a round, int8: :mod:`gossip.plan`) sends 3 x 1.06 bytes a parameter a
+    round, 0.8 of it, so on this link ``every = "auto"`` would space its rounds a little
+    closer than H; the columns fix ``every = H`` so that every method syncs equally often."""
+    return 4 * parameters
+
+
+def run_gossip(work: Workload, method: str, seed: int, steps: int, h: int, tag: str,
+               overrides: Mapping[str, Any]) -> Run:
+    """A sim swarm of N nodes until they have trained ``N * steps`` steps in all, evaluated
+    at :func:`workloads.points` (every node inside the step that reaches the point)."""
+    tasks, batches = build(work, seed, CPU)
     probe = work.factory(Context(seed, CPU, work.options))
-    states = [t.model.state_dict() for t in tasks]
-    probe.model.load_state_dict({k: torch.stack([s[k] for s in states]).mean(0)
-                                 if v.is_floating_point() else v for k, v in states[0].items()})
-    return {f"mean_model_{key}": values[0] for key, values in evaluate([probe]).items()}
-
-
-def run_ddp(work: Workload, seed: int, steps: int) -> Run:
-    """One model takes ``steps`` steps, each on one batch of each of the N shards."""
-    tasks, batches = build(work, seed)
-    model = tasks[0]
-    for _ in range(steps):
-        parts = [next(b) for b in batches]
-        # Equal batches, so the mean loss over their concatenation is the mean of their N
-        # mean losses: one call of the task's own step is DDP's averaged gradient.
-        model.step(tuple(torch.cat(xs) for xs in zip(*parts)))
-    return {**evaluate([model]), "exchanges": 0.0}
-
-
-def run_diloco(work: Workload, seed: int, steps: int, h: int) -> Run:
-    """N replicas, ``steps / h`` outer steps of ``h`` inner steps each."""
-    tasks, batches = build(work, seed)
-    anchor = [p.detach().clone() for p in tasks[0].model.parameters()]
-    outer = torch.optim.SGD(anchor, lr=DILOCO_LR, momentum=DILOCO_MOMENTUM, nesterov=True)
-    for _ in range(steps // h):
-        for task, batch in zip(tasks, batches):
-            for _ in range(h):
-                task.step(next(batch))
-        with torch.no_grad():
-            replicas = [list(t.model.parameters()) for t in tasks]
-            for k, a in enumerate(anchor):
-                # The pseudo-gradient: how far the replicas moved from the anchor, averaged.
-                a.grad = torch.stack([a - r[k] for r in replicas]).mean(0)
-            outer.step()
-            for params in replicas:
-                for p, a in zip(params, anchor):
-                    p.copy_(a)  # the inner optimizers' state stays as it is, per replica
-    return {**evaluate(tasks), "exchanges": float(steps // h)}
-
-
-def run_gossip(work: Workload, seed: int, steps: int, h: int, outer: bool,
-               codec: str = "fp32") -> Run:
-    """A sim swarm of N nodes until they have trained ``N * steps`` steps in all; every node
-    is evaluated inside the step that reaches it, so none has stepped past it."""
-    tasks, batches = build(work, seed)
+    parameters = numel(tasks[0])
+    rate = link_rate(payload_bytes(parameters), h)
+    marks = {N * p: p for p in points(steps)}
     total = 0
-    result: Run = {}
+    curve: list[tuple[int, dict[str, float]]] = []
+    clock: list[float] = []
+    out: Run = {}
 
     def train(node: SimNode) -> float:
-        nonlocal total, result
-        if result:  # the budget is spent; the swarm is closing
+        nonlocal total
+        if out:  # the budget is spent; the swarm is closing
             return 0.0
         loss = tasks[node.index].step(next(batches[node.index]))
         total += 1
-        if total == N * steps:
-            result = {**evaluate(tasks), **mean_model(work, seed, tasks)}
+        if total in marks:
+            result = evaluate(tasks)
+            curve.append((marks[total], figures(result) | {"spread": spread(tasks)}))
+            clock.append(trio.current_time())
+            progress(f"  {tag}: step {marks[total]}/{steps} loss {curve[-1][1]['loss']:.4f}")
+            if total == N * steps:
+                out.update(final=result, **mean_model(work, tasks, probe))
         return float(loss)
 
     async def main() -> None:
-        # The outer step's settings are left to the library, so that the row follows them.
-        averaging = AveragingConfig(every=h, interval=None, start="own", codec=codec)
-        if not outer:
-            averaging = dataclasses.replace(averaging, outer=False)
-        config = dataclasses.replace(NodeConfig.local(), averaging=averaging)
         async with open_sim_swarm(N, seed=seed, model=lambda i: tasks[i].model,
                                   optimizer=lambda i: tasks[i].optimizer, train=train,
-                                  step_time=STEP_TIME, config=config) as sim:
-            await sim.wait_until(lambda: bool(result))
-            # Both sides report an exchange, so this is per node, started or answered.
-            result["exchanges"] = sum(e.result is Result.COMMITTED for e in sim.exchanges) / N
-            # Bytes per committed exchange and side: its payload (the codec's, int8 while a
-            # node is cold), and all a node sent (handshakes, messages and refused offers
-            # too: about 2 KB an exchange, which at this model's 30K parameters is as much
-            # as a mod4/16 payload, and nothing at 100M).
+                                  step_time=STEP_TIME,
+                                  config=gossip_config(method, h, overrides),
+                                  latency=LATENCY, bandwidth=rate) as sim:
+            began = trio.current_time()
+            await sim.wait_until(lambda: bool(out))
             committed = [e for e in sim.exchanges if e.result is Result.COMMITTED]
-            result["bytes_per_exchange"] = (sum(e.nbytes or 0 for e in committed)
-                                            / max(1, len(committed)))
-            sent = sum(n.node.statistics().bytes_sent for n in sim.nodes if n.node is not None)
-            result["wire_per_exchange"] = sent / max(1, len(committed))
+            # Both sides report an exchange, so this is per node, started or answered.
+            out["exchanges"] = len(committed) / N
+            sent = [n.node.statistics().bytes_sent for n in sim.nodes if n.node is not None]
+            out["bytes"] = sum(sent) / len(sent)
+            out["clock"] = [t - began for t in clock]
 
+    # Every node's copies and mixing run inline, on the virtual clock: in a worker thread
+    # (the library's choice from 1 MiB of float32 up) trio would jump the clock while the
+    # thread works, so an exchange's length would depend on this machine's speed.
+    gossip.replica.OFFLOAD_NUMEL = 1 << 62
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
-    return result
+    return {**out, "curve": curve, "params": parameters, "rate": rate}
 
 
-def run(name: str, method: str, h: int, seed: int, steps: int) -> tuple[Run, float, float]:
-    """One run of ``method`` on the workload named ``name``, its wall time and its CPU time
-    in s (on a busy machine the CPU time says what the run costs; the wall time does not)."""
+Job = tuple[str, str, int, int]  # workload, method, H (0: DDP, all budgets), seed
+
+
+def run(job: Job, workloads: list[Workload], hs: dict[str, tuple[int, ...]], least: int,
+        device: str, overrides: Mapping[str, Any]) -> tuple[Run, float, float]:
+    """One run, its wall time and its CPU time in s (on a busy machine the CPU time says what
+    the run costs; the wall time does not)."""
     began, cpu = time.perf_counter(), time.process_time()
-    work = next(w for w in WORKLOADS if w.name == name)
+    name, method, h, seed = job
+    work = next(w for w in workloads if w.name == name)
     if method == "ddp":
-        result = run_ddp(work, seed, steps)
+        budgets = [budget(x, least) for x in hs[name]]
+        result = run_ddp(work, seed, max(budgets), torch.device(device), budgets)
     elif method == "diloco":
-        result = run_diloco(work, seed, steps, h)
-    elif method in CODECS:
-        result = run_gossip(work, seed, steps, h, outer=True, codec=method)
+        result = run_diloco(work, seed, budget(h, least), h, torch.device(device))
     else:
-        result = run_gossip(work, seed, steps, h, outer=method == "outer")
+        result = run_gossip(work, method, seed, budget(h, least), h,
+                            f"{name} {method} H={h} seed {seed}", overrides)
     return result, time.perf_counter() - began, time.process_time() - cpu
 
 
-Job = tuple[str, str, int, int]  # workload, method, H, seed
+def jobs(workloads: list[Workload], hs: dict[str, tuple[int, ...]], seeds: int) -> list[Job]:
+    """Every run, the slowest first (the longest budgets, swarms before DiLoCo before DDP,
+    the LM before the digits), so that the pool ends together."""
+    out = [(w.name, "ddp", 0, s) for w in workloads for s in range(1, seeds + 1)]
+    out += [(w.name, m, h, s) for w in workloads for m in ("diloco", *SWARMS)
+            for h in hs[w.name] for s in range(1, seeds + 1)]
+    cost = {"gossipd": 0, "plain": 0, "diloco": 1, "ddp": 2}
+    return sorted(out, key=lambda j: (j[0] == "digits", -j[2], cost[j[1]]))
 
 
-def jobs(seeds: int) -> list[Job]:
-    """Every run, the slowest first (the LM before the digits, swarms before the rest, small
-    H first: a swarm's cost grows with its exchanges), so that the pool ends together."""
-    out = [(w.name, m, h, seed) for w in WORKLOADS for m in METHODS
-           for h in (HS[:1] if m == "ddp" else HS) for seed in range(1, seeds + 1)]
-    out += [(w.name, c, h, seed) for w in WORKLOADS for c in CODECS for h in CODEC_HS
-            for seed in range(1, seeds + 1)]
-    cost = {"today": 0, "outer": 0, "diloco": 1, "ddp": 2, **{c: 0 for c in CODECS}}
-    return sorted(out, key=lambda j: (j[0] == "digits", cost[j[1]], j[2]))
+def journal_key(job: Job, workloads: list[Workload], hs: dict[str, tuple[int, ...]],
+                least: int, device: str, overrides: Mapping[str, Any]) -> str:
+    """What makes a run the same run: its job and every setting its figures depend on."""
+    name, method, h, seed = job
+    work = next(w for w in workloads if w.name == name)
+    return json.dumps({"job": job, "least": least, "device": device, "options": dict(work.options),
+                       "hs": list(hs[name]) if method == "ddp" else None,
+                       "overrides": dict(overrides) if method == "gossipd" else None},
+                      sort_keys=True)
 
 
-def run_all(seeds: int, steps: int, workers: int,
-            started: float) -> dict[str, dict[str, dict[int, list[Run]]]]:
-    """Every run, in ``workers`` processes; returns the runs by workload, method, H, seed."""
+def run_all(workloads: list[Workload], hs: dict[str, tuple[int, ...]], seeds: int,
+            least: int, workers: int, device: str, overrides: Mapping[str, Any],
+            started: float, journal: Path,
+            resume: bool) -> dict[str, dict[str, dict[int, list[Run]]]]:
+    """Every run, in ``workers`` processes; returns the runs by workload, method, H, seed.
+    Each run is appended to ``journal`` as it ends; with ``resume``, the runs found there
+    with the same settings are taken from it, not run again."""
     out: dict[str, dict[str, dict[int, list[Run]]]] = {
-        w.name: {m: {} for m in (*METHODS, *CODECS)} for w in WORKLOADS}
-    todo = jobs(seeds)
-    # Each run is independent, so separate processes use every core. One torch thread each:
-    # these models are small enough that a second thread made a step slower, not faster.
+        w.name: {m: {} for m in METHODS} for w in workloads}
+    done: dict[str, Run] = {}
+    if resume and journal.exists():
+        for line in journal.read_text().splitlines():
+            entry = json.loads(line)
+            done[entry["key"]] = entry["run"]
+    todo = []
+    for job in jobs(workloads, hs, seeds):
+        found = done.get(journal_key(job, workloads, hs, least, device, overrides))
+        if found is None:
+            todo.append(job)
+        else:
+            name, method, h, _ = job
+            out[name][method].setdefault(h, []).append(found)
+    if len(todo) < len(jobs(workloads, hs, seeds)):
+        progress(f"{len(jobs(workloads, hs, seeds)) - len(todo)} runs taken from {journal}")
     # Spawn, not fork: a forked child of a process that has run torch may hang in its pool.
+    # One torch thread each: a second thread made these small models' steps no faster.
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(workers, mp_context=context, initializer=torch.set_num_threads,
                              initargs=(1,)) as pool:
-        futures = {pool.submit(run, *job, steps): job for job in todo}
+        futures = {pool.submit(run, job, workloads, hs, least, device, overrides): job
+                   for job in todo}
         for future in as_completed(futures):
-            (name, method, h, seed), (result, wall, cpu) = futures[future], future.result()
-            out[name][method].setdefault(h, []).append(
-                {"seed": seed, **result, "wall_s": round(wall, 1), "cpu_s": round(cpu, 1)})
-            progress(f"[{time.perf_counter() - started:6.1f}s] {name} {method} H={h} seed "
-                     f"{seed}: loss {sum(result['loss']) / len(result['loss']):.4f} "
-                     f"({wall:.1f}s, CPU {cpu:.1f}s)")
+            job, (result, wall, cpu) = futures[future], future.result()
+            name, method, h, seed = job
+            mine = {"seed": seed, **result, "wall_s": round(wall, 1), "cpu_s": round(cpu, 1)}
+            out[name][method].setdefault(h, []).append(mine)
+            with journal.open("a") as file:
+                key = journal_key(job, workloads, hs, least, device, overrides)
+                file.write(json.dumps({"key": key, "run": mine}) + "\n")
+            last = result["curve"][-1][1]
+            progress(f"[{time.perf_counter() - started:6.0f}s] {name} {method} "
+                     f"{'H=' + str(h) if h else ''} seed {seed}: loss {last['loss']:.4f} "
+                     f"({wall:.0f}s, CPU {cpu:.0f}s)")
     for by_method in out.values():
         for by_h in by_method.values():
             for runs in by_h.values():
@@ -333,271 +331,293 @@ def run_all(seeds: int, steps: int, workers: int,
     return out
 
 
-def summarize(runs: list[Run]) -> dict[str, float]:
-    """Mean over seeds of the mean node's and the worst node's figures."""
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values)
 
-    def mean(values: list[float]) -> float:
-        return sum(values) / len(values)
 
-    out = {"loss": mean([mean(r["loss"]) for r in runs]),
-           "worst_loss": mean([max(r["loss"]) for r in runs]),
-           "exchanges": mean([r["exchanges"] for r in runs])}
-    for key in ("bytes_per_exchange", "wire_per_exchange"):
-        if key in runs[0]:
-            out[key] = mean([r[key] for r in runs])
-    if "accuracy" in runs[0]:
-        out["accuracy"] = mean([mean(r["accuracy"]) for r in runs])
-        out["worst_accuracy"] = mean([min(r["accuracy"]) for r in runs])
-    for key in ("mean_model_loss", "mean_model_accuracy"):
-        if key in runs[0]:
-            out[key] = mean([r[key] for r in runs])
+def at_step(curve: list[tuple[int, dict[str, float]]], step: int) -> dict[str, float]:
+    """The figures of the evaluation at ``step``."""
+    return next(f for s, f in curve if s == step)
+
+
+def summarize(work: Workload, runs: dict[str, dict[int, list[Run]]], h: int,
+              least: int) -> dict[str, dict[str, float]]:
+    """Per method, at spacing ``h``: the figures at the budget, mean over seeds, the gaps,
+    and the communication per node."""
+    steps = budget(h, least)
+    out: dict[str, dict[str, float]] = {}
+    for method in METHODS:
+        mine = runs[method][0 if method == "ddp" else h]
+        finals = [at_step(r["curve"], steps) for r in mine]
+        s = {key: mean([f[key] for f in finals]) for key in finals[0] if key != "spread"}
+        params = mine[0]["params"]
+        if method == "ddp":
+            s["mb_per_node"] = allreduce_bytes(params) * steps / 1e6
+        elif method == "diloco":
+            s["mb_per_node"] = allreduce_bytes(params) * steps // h / 1e6
+            s["syncs"] = steps // h
+        else:
+            s["mb_per_node"] = mean([r["bytes"] for r in mine]) / 1e6
+            s["syncs"] = mean([r["exchanges"] for r in mine])
+            s["spread"] = mean([r["curve"][-1][1]["spread"] for r in mine])
+            for key in ("mean_model_loss", "mean_model_accuracy"):
+                if key in mine[0]:
+                    s[key] = mean([r[key] for r in mine])
+        out[method] = s
+    ddp, diloco = out["ddp"], out["diloco"]
+    for method, s in out.items():
+        if work.classifier:
+            s["gap"] = ddp["accuracy"] - s["accuracy"]
+            s["vs_diloco"] = s["accuracy"] - diloco["accuracy"]  # points, above 0: better
+        else:
+            s["gap"] = (s["loss"] - ddp["loss"]) / ddp["loss"]
+            s["vs_diloco"] = s["loss"] / diloco["loss"]
     return out
 
 
-def gaps(work: Workload, s: dict[str, float], ddp: dict[str, float],
-         diloco: dict[str, float]) -> dict[str, float]:
-    """A method's gap to DDP (LM: relative loss, a fraction; digits: accuracy points) and
-    its loss over DiLoCo's at the same H."""
-    if work.classifier:
-        return {"gap": ddp["accuracy"] - s["accuracy"],
-                "worst_gap": ddp["accuracy"] - s["worst_accuracy"],
-                "vs_diloco": s["loss"] / diloco["loss"]}
-    return {"gap": (s["loss"] - ddp["loss"]) / ddp["loss"],
-            "worst_gap": (s["worst_loss"] - ddp["loss"]) / ddp["loss"],
-            "vs_diloco": s["loss"] / diloco["loss"]}
+Summary = dict[str, dict[int, dict[str, dict[str, float]]]]  # workload, H, method: figures
 
 
-Summary = dict[str, dict[str, dict[int, dict[str, float]]]]  # workload, method, H: figures
-
-
-def report(work: Workload, summary: dict[str, dict[int, dict[str, float]]]) -> str:
+def report(work: Workload, summary: dict[int, dict[str, dict[str, float]]],
+           least: int) -> str:
     """One workload's table: rows are (method, figure), columns the H values."""
-    every, compared, swarms = set(METHODS), {"diloco", "today", "outer"}, {"today", "outer"}
-    figures = ([("accuracy", "accuracy %, mean node", "{:.1f}", every),
-                ("worst_accuracy", "accuracy %, worst node", "{:.1f}", every),
-                ("mean_model_accuracy", "accuracy %, mean model", "{:.1f}", swarms),
-                ("gap", "pts below DDP", "{:+.1f}", compared),
-                ("loss", "loss, mean node", "{:.3f}", every)]
-               if work.classifier else
-               [("loss", "loss, mean node", "{:.3f}", every),
-                ("worst_loss", "loss, worst node", "{:.3f}", every),
-                ("mean_model_loss", "loss, mean model", "{:.3f}", swarms),
-                ("gap", "gap to DDP %", "{:+.1f}", compared),
-                ("vs_diloco", "loss / DiLoCo's", "{:.3f}", swarms)])
-    figures.append(("exchanges", "exchanges per node", "{:.1f}", swarms))
+    hs = sorted(summary)
+    swarms, compared = set(SWARMS), {"diloco", *SWARMS}
+    every = set(METHODS)
+    if work.classifier:
+        figures = [("accuracy", "accuracy %, mean node", "{:.1f}", every),
+                   ("worst_accuracy", "accuracy %, worst node", "{:.1f}", every),
+                   ("mean_model_accuracy", "accuracy %, mean model", "{:.1f}", swarms),
+                   ("gap", "pts below DDP", "{:+.1f}", compared),
+                   ("vs_diloco", "pts above DiLoCo", "{:+.1f}", swarms)]
+    else:
+        figures = [("loss", "loss, mean node", "{:.4f}", every),
+                   ("worst_loss", "loss, worst node", "{:.4f}", every),
+                   ("mean_model_loss", "loss, mean model", "{:.4f}", swarms),
+                   ("gap", "gap to DDP %", "{:+.2f}", compared),
+                   ("vs_diloco", "loss / DiLoCo's", "{:.4f}", swarms)]
+    figures += [("syncs", "syncs per node", "{:.1f}", compared),
+                ("spread", "spread of nodes", "{:.4f}", swarms),
+                ("mb_per_node", "MB sent per node", "{:.0f}", every)]
     rows = []
     for method, label in METHODS.items():
         mine = [(key, name, fmt) for key, name, fmt, methods in figures if method in methods]
         for k, (key, name, fmt) in enumerate(mine):
             scale = 100 if key == "gap" and not work.classifier else 1
             rows.append([label if k == 0 else "", name,
-                         *(fmt.format(scale * summary[method][h][key]) for h in HS)])
-    return f"\n{work.label}\n" + table(["method", "figure", *(f"H={h}" for h in HS)], rows)
+                         *(fmt.format(scale * summary[h][method][key]) for h in hs)])
+    head = ["method", "figure", *(f"H={h} ({budget(h, least):,} steps)" for h in hs)]
+    return f"\n{work.label}\n" + table(head, rows)
 
 
-def headline(summary: Summary) -> dict[str, float]:
-    """The JSON figures of the two gossip methods at the smallest H, ``TARGET_H`` and the
-    largest."""
-    out: dict[str, float] = {}
-    for method, prefix in (("outer", ""), ("today", "today_")):
-        for h in sorted({HS[0], TARGET_H, HS[-1]}):
-            iid, skewed = summary["lm_iid"][method][h], summary["lm_skewed"][method][h]
-            out[f"{prefix}lm_iid_gap_to_ddp_h{h}"] = round(iid["gap"], 4)
-            out[f"{prefix}lm_iid_vs_diloco_h{h}"] = round(iid["vs_diloco"], 4)
-            out[f"{prefix}lm_skewed_gap_to_ddp_h{h}"] = round(skewed["gap"], 4)
-            out[f"{prefix}digits_sorted_gap_h{h}_n{N}"] = round(
-                summary["digits"][method][h]["gap"], 2)
+def headline(summary: Summary, params: int, prefix: str = "") -> dict[str, Any]:
+    """The JSON figures of gossipd (and of plain gossip, ``plain_``) against DiLoCo and DDP,
+    at the targets' H values (None where not run) and at every other H the LM ran."""
+    out: dict[str, Any] = {f"{prefix}lm_params": params}
+    ran = {h for work in ("lm_iid", "lm_skewed") for h in summary.get(work, {})}
+    for method, name in (("gossipd", ""), ("plain", "plain_")):
+        for h in sorted(ran | set(TARGET_H)):
+            for work in ("lm_iid", "lm_skewed"):
+                s = summary.get(work, {}).get(h, {}).get(method)
+                out[f"{prefix}{name}{work}_vs_diloco_h{h}"] = (
+                    None if s is None else round(s["vs_diloco"], 4))
+                out[f"{prefix}{name}{work}_gap_to_ddp_h{h}"] = (
+                    None if s is None else round(s["gap"], 4))
+        digits = summary.get("digits", {}).get(100, {}).get(method)
+        if not prefix:
+            out[f"{name}digits_sorted_gap_h100_n{N}"] = (
+                None if digits is None else round(digits["gap"], 2))
+            out[f"{name}digits_sorted_vs_diloco_h100_n{N}"] = (
+                None if digits is None else round(digits["vs_diloco"], 2))
     return out
 
 
-def verdicts(summary: Summary) -> dict[str, bool]:
-    """The targets, for "gossip, outer step" at H = 100."""
-    iid, skewed = summary["lm_iid"]["outer"][TARGET_H], summary["lm_skewed"]["outer"][TARGET_H]
-    return {"lm_iid_gap": iid["gap"] <= TARGET_LM_IID,
-            "lm_iid_vs_diloco": iid["vs_diloco"] <= 1.0,
-            "lm_skewed_gap": skewed["gap"] <= TARGET_LM_SKEWED,
-            "digits_gap": summary["digits"]["outer"][TARGET_H]["gap"] <= TARGET_DIGITS}
+def verdicts(summary: Summary) -> dict[str, bool | None]:
+    """The targets, for gossipd (None: not run)."""
+    def judged(work: str, h: int, test: Any) -> bool | None:
+        s = summary.get(work, {}).get(h, {}).get("gossipd")
+        return None if s is None else bool(test(s))
 
-
-def lowbit(summary: Summary) -> dict[str, dict[str, dict[int, dict[str, float]]]]:
-    """Per workload, codec and H in CODEC_HS: its bytes per exchange over fp32's (the outer
-    step's run, measured the same way) and its gap to fp32 (LM: relative loss, a fraction;
-    digits: accuracy points below)."""
-    out: dict[str, dict[str, dict[int, dict[str, float]]]] = {}
-    for work in WORKLOADS:
-        mine = out[work.name] = {}
-        for codec in CODECS:
-            mine[codec] = {}
-            for h in CODEC_HS:
-                s, fp32 = summary[work.name][codec][h], summary[work.name]["outer"][h]
-                gap = (fp32["accuracy"] - s["accuracy"] if work.classifier
-                       else (s["loss"] - fp32["loss"]) / fp32["loss"])
-                mine[codec][h] = {"bytes_ratio": s["bytes_per_exchange"]
-                                  / fp32["bytes_per_exchange"],
-                                  "wire_ratio": s["wire_per_exchange"]
-                                  / fp32["wire_per_exchange"], "gap": gap,
-                                  "loss": s["loss"], **({"accuracy": s["accuracy"]}
-                                                        if work.classifier else {})}
+    out: dict[str, bool | None] = {}
+    for work in ("lm_iid", "lm_skewed"):
+        for h in TARGET_H:
+            out[f"{work}_vs_diloco_h{h}"] = judged(work, h, lambda s: s["vs_diloco"] <= 1.0)
+    out["lm_iid_gap_to_ddp_h100"] = judged("lm_iid", 100,
+                                           lambda s: s["gap"] <= TARGET_DDP_GAP)
+    out["digits_gap_h100"] = judged("digits", 100, lambda s: s["gap"] <= TARGET_DIGITS)
+    out["digits_vs_diloco_h100"] = judged("digits", 100, lambda s: s["vs_diloco"] >= 0)
     return out
 
 
-def best(low: dict[str, dict[str, dict[int, dict[str, float]]]], budget: float) -> str | None:
-    """The codec with the smallest LM gap at H = 100 among those within ``budget`` of fp32's
-    bytes (on the IID LM), or None."""
-    fits = [c for c in CODECS if low["lm_iid"][c][TARGET_H]["bytes_ratio"] <= budget]
-    return min(fits, key=lambda c: low["lm_iid"][c][TARGET_H]["gap"], default=None)
+def wall_clock(method: str, runs: list[Run], h: int, least: int) -> list[float]:
+    """Virtual seconds at each point of the first seed's curve on the column's link: the
+    swarms' measured clock; DiLoCo's and DDP's compute plus their blocking all-reduces."""
+    first = runs[0]
+    if method in SWARMS:
+        return first["clock"]
+    rate = link_rate(payload_bytes(first["params"]), h)
+    steps = [s for s, _ in first["curve"] if s <= budget(h, least)]
+    sync = allreduce_bytes(first["params"])
+    return [blocking_time(s, s if method == "ddp" else s // h, sync, rate) for s in steps]
 
 
-def lowbit_report(low: dict[str, dict[str, dict[int, dict[str, float]]]]) -> str:
-    """The codecs' table: rows (codec, figure), columns (workload, H)."""
-    columns = [(w, h) for w in WORKLOADS for h in CODEC_HS]
-    rows = []
-    for codec in CODECS:
-        for k, (key, name) in enumerate((("bytes_ratio", "payload / fp32's"),
-                                         ("wire_ratio", "all bytes / fp32's"),
-                                         ("gap", "gap to fp32"))):
-            cells = []
-            for work, h in columns:
-                value = low[work.name][codec][h][key]
-                cells.append(f"1/{1 / value:.1f}" if key != "gap" else
-                             f"{value:+.1f} pts" if work.classifier else f"{100 * value:+.2f}%")
-            rows.append([codec if k == 0 else "", name, *cells])
-    head = ["codec", "figure", *(f"{w.name} H={h}" for w, h in columns)]
-    return ("\nCodecs below 8 bits (gossip, outer step; gap to the same with fp32: LM relative "
-            "loss, digits points)\n" + table(head, rows))
-
-
-def lowbit_headline(low: dict[str, dict[str, dict[int, dict[str, float]]]]) -> dict[str, Any]:
-    """The JSON figures of the best codec within 1/16 and within 1/50 of fp32's bytes."""
-    out: dict[str, Any] = {}
-    for budget, prefix in ((SIXTEENTH, "lm_lowbit"), (FIFTIETH, "lm_lowbit50")):
-        codec = best(low, budget)
-        out[f"{prefix}_codec_h100"] = codec
-        lm = low["lm_iid"][codec][TARGET_H] if codec else None
-        out[f"{prefix}_loss_gap_h100"] = None if lm is None else round(lm["gap"], 4)
-        out[f"{prefix}_bytes_ratio_h100"] = None if lm is None else round(lm["bytes_ratio"], 4)
-        out[f"{prefix}_wire_ratio_h100"] = None if lm is None else round(lm["wire_ratio"], 4)
-    codec = out["lm_lowbit_codec_h100"]
-    out[f"digits_lowbit_gap_h100_n{N}"] = (
-        None if codec is None else round(low["digits"][codec][TARGET_H]["gap"], 2))
-    out[f"digits_lowbit_bytes_ratio_h100_n{N}"] = (
-        None if codec is None else round(low["digits"][codec][TARGET_H]["bytes_ratio"], 4))
-    for codec in CODECS:
-        name = codec.replace("/", "_")
-        for work in WORKLOADS:
-            out[f"{work.name}_{name}_gap_h100"] = round(low[work.name][codec][TARGET_H]["gap"], 4)
-    return out
-
-
-def lowbit_verdicts(lows: dict[str, Any]) -> str:
-    """The codecs' targets, in words."""
-    def said(value: float | None, limit: float) -> str:
-        return "none within the bytes" if value is None else (
-            "met" if value <= limit else "MISSED")
-
-    return (f"codec targets at H = {TARGET_H}: LM within {TARGET_LOWBIT_LM[0]:.0%} of fp32 at "
-            f"<= 1/16 of its bytes ({lows['lm_lowbit_codec_h100']}) "
-            f"{said(lows['lm_lowbit_loss_gap_h100'], TARGET_LOWBIT_LM[0])}; within "
-            f"{TARGET_LOWBIT_LM[1]:.0%} at <= 1/50 ({lows['lm_lowbit50_codec_h100']}) "
-            f"{said(lows['lm_lowbit50_loss_gap_h100'], TARGET_LOWBIT_LM[1])}; digits within "
-            f"{TARGET_LOWBIT_DIGITS:g} point at <= 1/16 "
-            f"{said(lows[f'digits_lowbit_gap_h100_n{N}'], TARGET_LOWBIT_DIGITS)}")
-
-
-def plot(summary: Summary) -> None:
+def plot(workloads: list[Workload], per_seed: dict[str, dict[str, dict[int, list[Run]]]],
+         summary: Summary, least: int, name: str) -> None:
+    """Held-out figure against H per method (``name``.png) and the time-to-loss curves at
+    each H (``name``_curves.png)."""
     plt = pyplot()
-    fig, axes = plt.subplots(1, len(WORKLOADS), figsize=(5 * len(WORKLOADS), 4.5))
-    for ax, work in zip(axes, WORKLOADS):
+    fig, axes = plt.subplots(1, len(workloads), figsize=(5 * len(workloads), 4.5),
+                             squeeze=False, constrained_layout=True)
+    for ax, work in zip(axes[0], workloads):
         key = "accuracy" if work.classifier else "loss"
+        hs = sorted(summary[work.name])
         for k, (method, label) in enumerate(METHODS.items()):
-            values = [summary[work.name][method][h][key] for h in HS]
-            ax.plot(HS, values, marker="o", color="black" if method == "ddp" else f"C{k}",
+            ax.plot(hs, [summary[work.name][h][method][key] for h in hs], marker="o",
+                    color="black" if method == "ddp" else f"C{k}",
                     linestyle="--" if method == "ddp" else "-", label=label)
         ax.set_xscale("log")
-        ax.set_xticks(HS, [str(h) for h in HS])
+        ax.set_xticks(hs, [str(h) for h in hs])
         ax.minorticks_off()
         ax.set_xlabel("H, local steps between syncs")
         ax.set_ylabel("held-out accuracy %, mean node" if work.classifier
                       else "held-out loss (nats), mean node")
         ax.set_title(work.label, fontsize=9)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.suptitle(f"N = {N}, the same samples for every method and H")
-    save_figure(fig, "lowcomm")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"N = {N}, the same samples for every method at each H")
+    save_figure(fig, name)
+
+    columns = sorted({h for w in workloads for h in summary[w.name]})
+    fig, axes = plt.subplots(len(workloads), len(columns), squeeze=False,
+                             figsize=(4.2 * len(columns), 3.6 * len(workloads)),
+                             constrained_layout=True)
+    for row, work in zip(axes, workloads):
+        key = "accuracy" if work.classifier else "loss"
+        for ax, h in zip(row, columns):
+            if h not in summary[work.name]:
+                ax.set_visible(False)
+                continue
+            for k, (method, label) in enumerate(METHODS.items()):
+                runs = per_seed[work.name][method][0 if method == "ddp" else h]
+                seconds = wall_clock(method, runs, h, least)
+                values = [mean([at_step(r["curve"], s)[key] for r in runs])
+                          for s, _ in runs[0]["curve"][:len(seconds)]]
+                ax.plot([t / 60 for t in seconds], values, marker=".",
+                        color="black" if method == "ddp" else f"C{k}",
+                        linestyle="--" if method == "ddp" else "-", label=label)
+            ax.set_xscale("log")
+            ax.set_title(f"{work.name}, H = {h} (the link that gives it)", fontsize=9)
+            ax.set_xlabel(f"virtual minutes ({STEP_TIME * 1000:g} ms a step)")
+            ax.set_ylabel("accuracy %, mean node" if work.classifier else "loss, mean node")
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle("Time to loss: held-out figure against time on the link where every = "
+                 "\"auto\" picks H\n(all-reduces block; exchanges overlap training)")
+    save_figure(fig, f"{name}_curves")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="1 seed, 1,000 steps per node (about 8 minutes on 2 idle cores)")
-    parser.add_argument("--seeds", type=int, help="seeds per run (default 2, --quick 1)")
-    parser.add_argument("--steps", type=int,
-                        help="steps per node, a multiple of every H (default 2000, --quick 1000)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true",
+                      help="1 seed, the LM at H = 100 only (about 25 minutes on 2 cores)")
+    mode.add_argument("--gpu", action="store_true",
+                      help="the IID LM at 25M parameters, H = 100 and 500, on one GPU")
+    parser.add_argument("--seeds", type=int, help="seeds per run (default 2, --quick and "
+                        "--gpu 1)")
+    parser.add_argument("--least", type=int, default=LEAST,
+                        help=f"steps per node at the smallest budget (default {LEAST}; "
+                        "each H gets at least 20 syncs)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
-                        help="runs at once, one process each (default: one per core)")
+                        help="runs at once, one process each (default: one per core; "
+                        "--gpu: 1)")
+    parser.add_argument("--device", default="cuda", help="--gpu's device (default cuda)")
+    parser.add_argument("--hs", help="the H values to run, comma-separated (default 1,50,100,"
+                        "500; --quick: the LM at 100 only; --gpu: 100,500)")
+    parser.add_argument("--resume", action="store_true",
+                        help="take the runs already in bench/results/lowcomm_runs.jsonl (or "
+                        "lowcomm_gpu_runs.jsonl) with the same settings instead of running "
+                        "them again (every run is appended there as it ends)")
+    parser.add_argument("--lm", action="append", default=[], metavar="KEY=VALUE",
+                        help="an option of the LM (charlm's, a TOML value: d_model=512, "
+                        "layers=8, ...), over the mode's")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="an averaging setting for the gossipd rows (AveragingConfig's "
+                        "name, a TOML value), to measure another choice than the defaults")
     args = parser.parse_args()
-    seeds = args.seeds or (1 if args.quick else 2)
-    steps = args.steps or (1000 if args.quick else 2000)
-    if seeds < 1 or args.jobs < 1:
-        parser.error("--seeds and --jobs must be at least 1")
-    if steps < max(HS) or steps % max(HS):
-        parser.error(f"--steps must be a multiple of {max(HS)}, so that DiLoCo ends on a sync")
+    seeds = args.seeds or (1 if args.quick or args.gpu else 2)
+    if seeds < 1 or args.jobs < 1 or args.least < 1:
+        parser.error("--seeds, --jobs and --least must be at least 1")
+    try:
+        overrides = parse_overrides(args.set)
+        lm_options = parse_lm(args.lm, GPU_LM_OPTIONS if args.gpu else LM_OPTIONS)
+        chosen = tuple(int(h) for h in args.hs.split(",")) if args.hs else None
+    except ValueError as exc:
+        parser.error(str(exc))
+    if chosen is not None and (not chosen or min(chosen) < 1):
+        parser.error("--hs: positive integers, comma-separated")
+    if args.gpu:
+        workloads, device, jobs_at_once = lm_workloads(lm_options)[:1], args.device, 1
+        hs = {workloads[0].name: chosen or GPU_HS}
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            parser.error("--gpu: torch sees no CUDA device (--device cpu runs it here)")
+    else:
+        workloads = [*lm_workloads(lm_options), *(w for w in WORKLOADS if w.classifier)]
+        device, jobs_at_once = "cpu", args.jobs
+        hs = {w.name: chosen or (QUICK_LM_HS if args.quick and not w.classifier else HS)
+              for w in workloads}
     started = time.perf_counter()
-    per_seed = run_all(seeds, steps, args.jobs, started)
-    summary: Summary = {}
-    for work in WORKLOADS:
-        stats = {m: {h: summarize(runs) for h, runs in by_h.items()}
-                 for m, by_h in per_seed[work.name].items()}
-        stats["ddp"] = {h: stats["ddp"][HS[0]] for h in HS}  # DDP has no H
-        for method in ("diloco", "today", "outer"):
-            for h in HS:
-                stats[method][h].update(gaps(work, stats[method][h], stats["ddp"][h],
-                                             stats["diloco"][h]))
-        summary[work.name] = stats
-    plot(summary)
+    name = "lowcomm_gpu" if args.gpu else "lowcomm"
+    per_seed = run_all(workloads, hs, seeds, args.least, jobs_at_once, device, overrides,
+                       started, results_path(f"{name}_runs.jsonl"), args.resume)
+    summary: Summary = {w.name: {h: summarize(w, per_seed[w.name], h, args.least)
+                                 for h in hs[w.name]} for w in workloads}
+    plot(workloads, per_seed, summary, args.least, name)
     elapsed = time.perf_counter() - started
 
-    defaults = AveragingConfig()
-    print(f"\nN = {N} nodes, {steps:,} steps per node (the same samples for every method and "
-          f"H), {seeds} seed{'s' * (seeds > 1)}; LM options {LM_OPTIONS}; DiLoCo outer SGD lr "
-          f"{DILOCO_LR}, Nesterov momentum {DILOCO_MOMENTUM}; gossip: {STEP_TIME * 1000:g} ms "
-          f"per step (virtual), drift correction on, outer step lr {defaults.outer_lr}, "
-          f"momentum {defaults.outer_momentum} (the library's defaults)")
-    for work in WORKLOADS:
-        print(report(work, summary[work.name]))
-    low = lowbit(summary)
-    print(lowbit_report(low))
+    lm = next(w for w in workloads if not w.classifier)
+    params = per_seed[lm.name]["ddp"][0][0]["params"]
+    used = gossip_config("gossipd", 1, overrides).averaging
+    wide = plan(used, max(TARGET_H))  # what gossipd's rounds do at the targets' spacings
+    print(f"\nN = {N} nodes, {seeds} seed{'s' * (seeds > 1)}, max({args.least:,}, 20 H) steps "
+          f"per node at each H, the same samples for every method; LM {params:,} parameters "
+          f"{dict(lm.options)}; DiLoCo outer SGD lr {DILOCO_LR}, Nesterov momentum "
+          f"{DILOCO_MOMENTUM}; gossipd: the defaults{f' with {overrides}' if overrides else ''}"
+          f" (outer {used.outer}, lr {used.outer_lr}; from H = {LARGE_SPACING}: {wide.peers} "
+          f"exchanges a round, outer momentum {wide.momentum} "
+          f"{'once a round' if wide.by_round else 'at each exchange'}, codec "
+          f"{wide.codec or used.codec}, drift correction {used.correction and wide.correct}); "
+          f"links: an fp32 model's time = H/2 "
+          f"steps of {STEP_TIME * 1000:g} ms, {LATENCY * 1000:g} ms one way")
+    for work in workloads:
+        print(report(work, summary[work.name], args.least))
     met = verdicts(summary)
-    print(f"\nheld-out figures at the end of the budget, every node evaluated; mean over "
-          f"seeds. gap to DDP: (L - L_ddp) / L_ddp of the mean node loss; pts below DDP: its "
-          f"accuracy minus the mean node's.\nmean model: the nodes' parameters averaged (no "
-          f"node holds it; DiLoCo's replicas and DDP's model are their own).\nexchanges per "
-          f"node: committed exchanges each node took part in (started or answered). DiLoCo "
-          f"syncs {steps}/H times.")
-    print(f"targets at H = {TARGET_H} (gossip, outer step): LM IID within "
-          f"{TARGET_LM_IID:.0%} of DDP {'met' if met['lm_iid_gap'] else 'MISSED'}, no worse "
-          f"than DiLoCo {'met' if met['lm_iid_vs_diloco'] else 'MISSED'}; LM skewed within "
-          f"{TARGET_LM_SKEWED:.0%} {'met' if met['lm_skewed_gap'] else 'MISSED'}; digits "
-          f"within {TARGET_DIGITS:g} points {'met' if met['digits_gap'] else 'MISSED'}")
+    print("\nheld-out figures at each budget, every node evaluated, mean over seeds. gap to DDP:"
+          " (L - L_ddp) / L_ddp of the mean node loss; pts below DDP: its accuracy minus the "
+          "mean node's.\nmean model: the nodes' parameters averaged (no node holds it). syncs:"
+          " DiLoCo's all-reduces; a swarm's committed exchanges per node (started or "
+          "answered). spread: mean ||x_i - mean|| / ||mean|| at the end. MB sent per node: the"
+          " swarms measured, DDP and DiLoCo their ring all-reduces.")
+    print("targets (gossipd): " + "; ".join(
+        f"{k} {'not run' if v is None else 'met' if v else 'MISSED'}" for k, v in met.items()))
     cpu = sum(r["cpu_s"] for by_m in per_seed.values() for by_h in by_m.values()
               for runs in by_h.values() for r in runs)
-    print(f"wall time {elapsed:.1f} s, {args.jobs} jobs; the runs' CPU time {cpu:.0f} s")
+    print(f"wall time {elapsed:.0f} s, {jobs_at_once} jobs; the runs' CPU time {cpu:.0f} s")
 
-    lowbits = lowbit_headline(low)
-    print(lowbit_verdicts(lowbits))
-    out = {**headline(summary), **lowbits, "targets_met": all(met.values()),
+    out = {**headline(summary, params, "gpu_" if args.gpu else ""),
+           "targets_met": all(v for v in met.values() if v is not None),
+           "overrides": overrides,
            "quick": args.quick, "seconds": round(elapsed, 1)}
-    save_json("lowcomm", {
-        **out, "nodes": N, "hs": list(HS), "steps_per_node": steps, "seeds": seeds,
-        "step_time": STEP_TIME, "lm_options": LM_OPTIONS, "jobs": args.jobs, "cpu_s": round(cpu),
+    save_json(name, {
+        **out, "nodes": N, "hs": hs, "least": args.least, "seeds": seeds, "device": device,
+        "step_time": STEP_TIME, "latency": LATENCY, "lm_options": dict(lm.options),
+        "jobs": jobs_at_once, "cpu_s": round(cpu), "overrides": overrides,
         "diloco": {"lr": DILOCO_LR, "momentum": DILOCO_MOMENTUM},
-        "gossip_averaging": {k: v for k, v in dataclasses.asdict(defaults).items()
+        "gossip_averaging": {k: v for k, v in dataclasses.asdict(used).items()
                              if k in ("outer", "outer_lr", "outer_momentum", "correction",
                                       "weight", "codec")},
-        "verdicts": met, "lowbit": {w: {c: {str(h): f for h, f in by_h.items()}
-                                        for c, by_h in by_c.items()} for w, by_c in low.items()},
-        "summary": {w: {m: {str(h): s for h, s in by_h.items()} for m, by_h in by_m.items()}
-                    for w, by_m in summary.items()},
+        "wide_plan": dataclasses.asdict(wide), "verdicts": met,
+        "summary": {w: {str(h): s for h, s in by_h.items()} for w, by_h in summary.items()},
         "per_seed": {w: {m: {str(h): r for h, r in by_h.items()} for m, by_h in by_m.items()}
                      for w, by_m in per_seed.items()}})
     print(json.dumps(out))
