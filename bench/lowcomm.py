@@ -23,22 +23,26 @@ counted). Methods, side by side:
 - gossip, plain: :func:`gossip.testing.open_sim_swarm`, real protocol nodes (membership,
   encrypted channels, the exchange and its checks) on a simulated network under trio's
   ``MockClock``, each starting a pairwise round every ``every = H`` local steps (x U(0.75,
-  1.25)), averaging weights only: ``outer = False``, ``correction = False``.
+  1.25)), averaging weights only, one exchange a round in fp32 at every spacing: ``outer =
+  False``, ``correction = False``, ``peers = 1``, ``wide_codec = "fp32"``.
 - gossipd: the same swarm with the library's defaults for everything but ``every``,
   ``interval`` and ``start`` (the node hands its optimizer to the swarm, as the daemon does).
 
 The link: every pair of nodes is joined by a link of :func:`workloads.link_rate` bytes/s each
 way, 20 ms one way: the link on which an exchange of the model in float32 takes H/2 steps,
 where ``every = "auto"`` picks this H for plain averaging (:func:`payload_bytes`), so each
-column is what a volunteer's link of that speed gives. An exchange runs while both nodes train on (the steps it overlaps stay on top of what
-it brings). DiLoCo and DDP block for their all-reduce: on the same link a ring all-reduce of
-the model takes ``2 (N - 1) / N`` of a payload's time, which the time-to-loss plot adds to
-their clocks (DiLoCo once per H steps, DDP at every step); their learning is not affected.
+column is what a volunteer's link of that speed gives. An exchange runs while both nodes
+train on (the steps it overlaps stay on top of what it brings). DiLoCo and DDP block for their
+all-reduce: on the same link a ring all-reduce of the model takes ``2 (N - 1) / N`` of a
+payload's time, which the time-to-loss plot adds to their clocks (DiLoCo once per H steps,
+DDP at every step); their learning is not affected.
 
 Budget: at each H every method trains ``max(2,000, 20 H)`` steps per node (``--least``) x 8
 nodes x the task's batch: at least 20 syncs for every method at every H, and 10,000 steps at
-H = 500. ``--quick`` runs the LM at H = 100 only (the H = 500 column alone is 20 CPU-hours
-of 1M-parameter steps on this machine: see the README's Performance section).
+H = 500. ``--quick`` runs one seed, DDP, DiLoCo and gossipd on the LM at H = 100 only and every
+method on the digits at every H: 2,540 s of CPU, about 21 minutes of two cores (a run of
+2,000 steps of 8 nodes of the LM takes 400-450 s of CPU, one of 10,000 five times that, so the
+full run is about 9 CPU-hours; ``--resume`` takes it in parts).
 
 Measure: 8 times per run every node is evaluated on the fixed held-out data with the task's
 own ``evaluate()`` (the LM: cross-entropy in nats on 256 windows of 64 bytes of files never
@@ -125,8 +129,9 @@ def gossip_config(method: str, h: int, overrides: Mapping[str, Any]) -> NodeConf
     internet) with rounds every ``h`` steps and no timer; "plain" averages weights only;
     ``overrides`` (``--set``) change gossipd's."""
     averaging = AveragingConfig(every=h, interval=None, start="own")
-    if method == "plain":
-        averaging = dataclasses.replace(averaging, outer=False, correction=False)
+    if method == "plain":  # classic pairwise gossip, whatever the spacing
+        averaging = dataclasses.replace(averaging, outer=False, correction=False, peers=1,
+                                        wide_codec="fp32")
     else:
         averaging = dataclasses.replace(averaging, **overrides)
     return dataclasses.replace(NodeConfig.wan(), averaging=averaging)
@@ -260,12 +265,16 @@ def run(job: Job, workloads: list[Workload], hs: dict[str, tuple[int, ...]], lea
     return result, time.perf_counter() - began, time.process_time() - cpu
 
 
-def jobs(workloads: list[Workload], hs: dict[str, tuple[int, ...]], seeds: int) -> list[Job]:
-    """Every run, the slowest first (the longest budgets, swarms before DiLoCo before DDP,
-    the LM before the digits), so that the pool ends together."""
-    out = [(w.name, "ddp", 0, s) for w in workloads for s in range(1, seeds + 1)]
+def jobs(workloads: list[Workload], hs: dict[str, tuple[int, ...]], seeds: int,
+         methods: Mapping[str, tuple[str, ...]] | None = None) -> list[Job]:
+    """Every run of each workload's ``methods`` (default: all), the slowest first (the longest
+    budgets, swarms before DiLoCo before DDP, the LM before the digits), so that the pool ends
+    together."""
+    ran = {w.name: tuple(METHODS) if methods is None else methods[w.name] for w in workloads}
+    out = [(w.name, "ddp", 0, s) for w in workloads for s in range(1, seeds + 1)
+           if "ddp" in ran[w.name]]
     out += [(w.name, m, h, s) for w in workloads for m in ("diloco", *SWARMS)
-            for h in hs[w.name] for s in range(1, seeds + 1)]
+            if m in ran[w.name] for h in hs[w.name] for s in range(1, seeds + 1)]
     cost = {"gossipd": 0, "plain": 0, "diloco": 1, "ddp": 2}
     return sorted(out, key=lambda j: (j[0] == "digits", -j[2], cost[j[1]]))
 
@@ -283,8 +292,8 @@ def journal_key(job: Job, workloads: list[Workload], hs: dict[str, tuple[int, ..
 
 def run_all(workloads: list[Workload], hs: dict[str, tuple[int, ...]], seeds: int,
             least: int, workers: int, device: str, overrides: Mapping[str, Any],
-            started: float, journal: Path,
-            resume: bool) -> dict[str, dict[str, dict[int, list[Run]]]]:
+            started: float, journal: Path, resume: bool,
+            methods: Mapping[str, tuple[str, ...]]) -> dict[str, dict[str, dict[int, list[Run]]]]:
     """Every run, in ``workers`` processes; returns the runs by workload, method, H, seed.
     Each run is appended to ``journal`` as it ends; with ``resume``, the runs found there
     with the same settings are taken from it, not run again."""
@@ -296,15 +305,16 @@ def run_all(workloads: list[Workload], hs: dict[str, tuple[int, ...]], seeds: in
             entry = json.loads(line)
             done[entry["key"]] = entry["run"]
     todo = []
-    for job in jobs(workloads, hs, seeds):
+    for job in jobs(workloads, hs, seeds, methods):
         found = done.get(journal_key(job, workloads, hs, least, device, overrides))
         if found is None:
             todo.append(job)
         else:
             name, method, h, _ = job
             out[name][method].setdefault(h, []).append(found)
-    if len(todo) < len(jobs(workloads, hs, seeds)):
-        progress(f"{len(jobs(workloads, hs, seeds)) - len(todo)} runs taken from {journal}")
+    if len(todo) < len(jobs(workloads, hs, seeds, methods)):
+        taken = len(jobs(workloads, hs, seeds, methods)) - len(todo)
+        progress(f"{taken} runs taken from {journal}")
     # Spawn, not fork: a forked child of a process that has run torch may hang in its pool.
     # One torch thread each: a second thread made these small models' steps no faster.
     context = multiprocessing.get_context("spawn")
@@ -342,12 +352,14 @@ def at_step(curve: list[tuple[int, dict[str, float]]], step: int) -> dict[str, f
 
 def summarize(work: Workload, runs: dict[str, dict[int, list[Run]]], h: int,
               least: int) -> dict[str, dict[str, float]]:
-    """Per method, at spacing ``h``: the figures at the budget, mean over seeds, the gaps,
-    and the communication per node."""
+    """Per method that ran, at spacing ``h``: the figures at the budget, mean over seeds, the
+    gaps (where DDP, DiLoCo ran), and the communication per node."""
     steps = budget(h, least)
     out: dict[str, dict[str, float]] = {}
     for method in METHODS:
-        mine = runs[method][0 if method == "ddp" else h]
+        mine = runs[method].get(0 if method == "ddp" else h)
+        if not mine:
+            continue
         finals = [at_step(r["curve"], steps) for r in mine]
         s = {key: mean([f[key] for f in finals]) for key in finals[0] if key != "spread"}
         params = mine[0]["params"]
@@ -364,14 +376,18 @@ def summarize(work: Workload, runs: dict[str, dict[int, list[Run]]], h: int,
                 if key in mine[0]:
                     s[key] = mean([r[key] for r in mine])
         out[method] = s
-    ddp, diloco = out["ddp"], out["diloco"]
+    ddp, diloco = out.get("ddp"), out.get("diloco")
     for method, s in out.items():
         if work.classifier:
-            s["gap"] = ddp["accuracy"] - s["accuracy"]
-            s["vs_diloco"] = s["accuracy"] - diloco["accuracy"]  # points, above 0: better
+            if ddp:
+                s["gap"] = ddp["accuracy"] - s["accuracy"]
+            if diloco:
+                s["vs_diloco"] = s["accuracy"] - diloco["accuracy"]  # points, above 0: better
         else:
-            s["gap"] = (s["loss"] - ddp["loss"]) / ddp["loss"]
-            s["vs_diloco"] = s["loss"] / diloco["loss"]
+            if ddp:
+                s["gap"] = (s["loss"] - ddp["loss"]) / ddp["loss"]
+            if diloco:
+                s["vs_diloco"] = s["loss"] / diloco["loss"]
     return out
 
 
@@ -399,13 +415,18 @@ def report(work: Workload, summary: dict[int, dict[str, dict[str, float]]],
     figures += [("syncs", "syncs per node", "{:.1f}", compared),
                 ("spread", "spread of nodes", "{:.4f}", swarms),
                 ("mb_per_node", "MB sent per node", "{:.0f}", every)]
+    def cell(h: int, method: str, key: str, fmt: str) -> str:
+        value = summary[h].get(method, {}).get(key)
+        scale = 100 if key == "gap" and not work.classifier else 1
+        return "-" if value is None else fmt.format(scale * value)
+
     rows = []
     for method, label in METHODS.items():
+        if not any(method in summary[h] for h in hs):
+            continue
         mine = [(key, name, fmt) for key, name, fmt, methods in figures if method in methods]
         for k, (key, name, fmt) in enumerate(mine):
-            scale = 100 if key == "gap" and not work.classifier else 1
-            rows.append([label if k == 0 else "", name,
-                         *(fmt.format(scale * summary[h][method][key]) for h in hs)])
+            rows.append([label if k == 0 else "", name, *(cell(h, method, key, fmt) for h in hs)])
     head = ["method", "figure", *(f"H={h} ({budget(h, least):,} steps)" for h in hs)]
     return f"\n{work.label}\n" + table(head, rows)
 
@@ -418,25 +439,28 @@ def headline(summary: Summary, params: int, prefix: str = "") -> dict[str, Any]:
     for method, name in (("gossipd", ""), ("plain", "plain_")):
         for h in sorted(ran | set(TARGET_H)):
             for work in ("lm_iid", "lm_skewed"):
-                s = summary.get(work, {}).get(h, {}).get(method)
-                out[f"{prefix}{name}{work}_vs_diloco_h{h}"] = (
-                    None if s is None else round(s["vs_diloco"], 4))
-                out[f"{prefix}{name}{work}_gap_to_ddp_h{h}"] = (
-                    None if s is None else round(s["gap"], 4))
-        digits = summary.get("digits", {}).get(100, {}).get(method)
+                s = summary.get(work, {}).get(h, {}).get(method, {})
+                out[f"{prefix}{name}{work}_vs_diloco_h{h}"] = rounded(s.get("vs_diloco"), 4)
+                out[f"{prefix}{name}{work}_gap_to_ddp_h{h}"] = rounded(s.get("gap"), 4)
+        digits = summary.get("digits", {}).get(100, {}).get(method, {})
         if not prefix:
-            out[f"{name}digits_sorted_gap_h100_n{N}"] = (
-                None if digits is None else round(digits["gap"], 2))
-            out[f"{name}digits_sorted_vs_diloco_h100_n{N}"] = (
-                None if digits is None else round(digits["vs_diloco"], 2))
+            out[f"{name}digits_sorted_gap_h100_n{N}"] = rounded(digits.get("gap"), 2)
+            out[f"{name}digits_sorted_vs_diloco_h100_n{N}"] = rounded(digits.get("vs_diloco"), 2)
     return out
 
 
+def rounded(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
+
+
 def verdicts(summary: Summary) -> dict[str, bool | None]:
-    """The targets, for gossipd (None: not run)."""
+    """The targets, for gossipd (None: not run, or the baseline it is judged against not)."""
     def judged(work: str, h: int, test: Any) -> bool | None:
         s = summary.get(work, {}).get(h, {}).get("gossipd")
-        return None if s is None else bool(test(s))
+        try:
+            return None if s is None else bool(test(s))
+        except KeyError:
+            return None
 
     out: dict[str, bool | None] = {}
     for work in ("lm_iid", "lm_skewed"):
@@ -472,7 +496,10 @@ def plot(workloads: list[Workload], per_seed: dict[str, dict[str, dict[int, list
         key = "accuracy" if work.classifier else "loss"
         hs = sorted(summary[work.name])
         for k, (method, label) in enumerate(METHODS.items()):
-            ax.plot(hs, [summary[work.name][h][method][key] for h in hs], marker="o",
+            ran = [h for h in hs if method in summary[work.name][h]]
+            if not ran:
+                continue
+            ax.plot(ran, [summary[work.name][h][method][key] for h in ran], marker="o",
                     color="black" if method == "ddp" else f"C{k}",
                     linestyle="--" if method == "ddp" else "-", label=label)
         ax.set_xscale("log")
@@ -498,7 +525,9 @@ def plot(workloads: list[Workload], per_seed: dict[str, dict[str, dict[int, list
                 ax.set_visible(False)
                 continue
             for k, (method, label) in enumerate(METHODS.items()):
-                runs = per_seed[work.name][method][0 if method == "ddp" else h]
+                runs = per_seed[work.name][method].get(0 if method == "ddp" else h)
+                if not runs:
+                    continue
                 seconds = wall_clock(method, runs, h, least)
                 values = [mean([at_step(r["curve"], s)[key] for r in runs])
                           for s, _ in runs[0]["curve"][:len(seconds)]]
@@ -520,7 +549,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true",
-                      help="1 seed, the LM at H = 100 only (about 25 minutes on 2 cores)")
+                      help="1 seed, the LM at H = 100 only, without plain gossip (about 21 "
+                      "minutes on 2 cores)")
     mode.add_argument("--gpu", action="store_true",
                       help="the IID LM at 25M parameters, H = 100 and 500, on one GPU")
     parser.add_argument("--seeds", type=int, help="seeds per run (default 2, --quick and "
@@ -544,7 +574,16 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="an averaging setting for the gossipd rows (AveragingConfig's "
                         "name, a TOML value), to measure another choice than the defaults")
+    parser.add_argument("--methods",
+                        help=f"the methods to run, comma-separated (default {','.join(METHODS)}"
+                        "; --quick: the LM without plain; the gaps need ddp, the ratios "
+                        "diloco, here or in the journal with --resume)")
+    parser.add_argument("--tasks", help="the workloads to run, comma-separated (default "
+                        "lm_iid,lm_skewed,digits; --gpu: lm_iid)")
     args = parser.parse_args()
+    chosen_methods = tuple(m for m in (args.methods or ",".join(METHODS)).split(",") if m)
+    if not chosen_methods or any(m not in METHODS for m in chosen_methods):
+        parser.error(f"--methods: each of {', '.join(METHODS)}")
     seeds = args.seeds or (1 if args.quick or args.gpu else 2)
     if seeds < 1 or args.jobs < 1 or args.least < 1:
         parser.error("--seeds, --jobs and --least must be at least 1")
@@ -566,22 +605,32 @@ def main() -> None:
         device, jobs_at_once = "cpu", args.jobs
         hs = {w.name: chosen or (QUICK_LM_HS if args.quick and not w.classifier else HS)
               for w in workloads}
+    if args.tasks:
+        names = [t for t in args.tasks.split(",") if t]
+        if not names or any(t not in {w.name for w in workloads} for t in names):
+            parser.error(f"--tasks: each of {', '.join(w.name for w in workloads)}")
+        workloads = [w for w in workloads if w.name in names]
+    # --quick leaves plain gossip's LM runs out (a third of its CPU time): a reference, no target.
+    methods = {w.name: tuple(m for m in chosen_methods if args.methods or not args.quick
+                             or w.classifier or m != "plain") for w in workloads}
     started = time.perf_counter()
     name = "lowcomm_gpu" if args.gpu else "lowcomm"
     per_seed = run_all(workloads, hs, seeds, args.least, jobs_at_once, device, overrides,
-                       started, results_path(f"{name}_runs.jsonl"), args.resume)
+                       started, results_path(f"{name}_runs.jsonl"), args.resume, methods)
     summary: Summary = {w.name: {h: summarize(w, per_seed[w.name], h, args.least)
                                  for h in hs[w.name]} for w in workloads}
     plot(workloads, per_seed, summary, args.least, name)
     elapsed = time.perf_counter() - started
 
-    lm = next(w for w in workloads if not w.classifier)
-    params = per_seed[lm.name]["ddp"][0][0]["params"]
+    lm = next((w for w in workloads if not w.classifier), None)
+    params = next((r[0]["params"] for w in workloads if not w.classifier
+                   for by_h in per_seed[w.name].values() for r in by_h.values()), None)
     used = gossip_config("gossipd", 1, overrides).averaging
     wide = plan(used, max(TARGET_H))  # what gossipd's rounds do at the targets' spacings
     print(f"\nN = {N} nodes, {seeds} seed{'s' * (seeds > 1)}, max({args.least:,}, 20 H) steps "
-          f"per node at each H, the same samples for every method; LM {params:,} parameters "
-          f"{dict(lm.options)}; DiLoCo outer SGD lr {DILOCO_LR}, Nesterov momentum "
+          f"per node at each H, the same samples for every method; "
+          f"{f'LM {params:,} parameters {dict(lm.options)}; ' if lm and params else ''}"
+          f"DiLoCo outer SGD lr {DILOCO_LR}, Nesterov momentum "
           f"{DILOCO_MOMENTUM}; gossipd: the defaults{f' with {overrides}' if overrides else ''}"
           f" (outer {used.outer}, lr {used.outer_lr}; from H = {LARGE_SPACING}: {wide.peers} "
           f"exchanges a round, outer momentum {wide.momentum} "
@@ -605,12 +654,14 @@ def main() -> None:
     print(f"wall time {elapsed:.0f} s, {jobs_at_once} jobs; the runs' CPU time {cpu:.0f} s")
 
     out = {**headline(summary, params, "gpu_" if args.gpu else ""),
-           "targets_met": all(v for v in met.values() if v is not None),
+           # None where no target could be judged (a subset of the runs).
+           "targets_met": (all(v for v in met.values() if v is not None)
+                           if any(v is not None for v in met.values()) else None),
            "overrides": overrides,
            "quick": args.quick, "seconds": round(elapsed, 1)}
     save_json(name, {
         **out, "nodes": N, "hs": hs, "least": args.least, "seeds": seeds, "device": device,
-        "step_time": STEP_TIME, "latency": LATENCY, "lm_options": dict(lm.options),
+        "step_time": STEP_TIME, "latency": LATENCY, "lm_options": dict(lm.options) if lm else None,
         "jobs": jobs_at_once, "cpu_s": round(cpu), "overrides": overrides,
         "diloco": {"lr": DILOCO_LR, "momentum": DILOCO_MOMENTUM},
         "gossip_averaging": {k: v for k, v in dataclasses.asdict(used).items()
