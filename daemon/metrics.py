@@ -217,6 +217,7 @@ class Metrics:
             "bytes": {"sent": stats.bytes_sent, "received": stats.bytes_received},
             "mean_exchange_s": round(stats.mean_duration, 4),
             "spacing": stats.spacing,  # local steps between our rounds; None: by time only
+            "round_peers": stats.round_peers,  # exchanges each of our rounds makes
             "last_distance": stats.last_distance,
             "pending": stats.pending,
             "quarantined": stats.quarantined,

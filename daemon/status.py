@@ -213,7 +213,9 @@ def _spacing(s: dict[str, Any]) -> str:
     if s["spacing"] is None:
         return "; no rounds by steps (averaging.every = 0)"
     how = " (auto)" if s.get("every") == "auto" else ""
-    return f"; a round every {s['spacing']} steps{how}"
+    peers = s.get("round_peers") or 1
+    of = f" of {peers} exchanges" if peers > 1 else ""
+    return f"; a round{of} every {s['spacing']} steps{how}"
 
 
 def _processes(p: dict[str, Any]) -> str:

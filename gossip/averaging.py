@@ -177,7 +177,8 @@ class Averaging:
         return self._tally.statistics(
             trio.current_time(), self.replica.counters(), self._trust,
             pending=self.replica.pending, ready=self.ready.is_set(),
-            downloads_served=downloads_served, spacing=self._rounds.steps())
+            downloads_served=downloads_served, spacing=self._rounds.steps(),
+            round_peers=self._rounds.plan().peers)
 
     async def run(self) -> None:
         """Start our rounds (:meth:`Rounds.run <gossip.rounds.Rounds.run>`) until cancelled."""

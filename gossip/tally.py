@@ -82,6 +82,9 @@ class AveragingStatistics:
     # Local steps between the rounds this node starts, before the jitter: ``every``, or with
     # every = "auto" what the node measures now (gossip.spacing); None: by interval only.
     spacing: int | None
+    # Exchanges each round of ours makes at that spacing (gossip.plan): 1 at close spacing, up
+    # to 3 from LARGE_SPACING on.
+    round_peers: int = 1
 
 
 @dataclass
@@ -116,8 +119,8 @@ class Tally:
         self.durations += now - started
 
     def statistics(self, now: float, counters: Counters, trust: Trust, *, pending: int,
-                   ready: bool, downloads_served: int, spacing: int | None
-                   ) -> AveragingStatistics:
+                   ready: bool, downloads_served: int, spacing: int | None,
+                   round_peers: int = 1) -> AveragingStatistics:
         """The snapshot at ``now``, with the node's ``counters``, its ``trust`` in its peers
         and the figures the tally does not keep (see :class:`AveragingStatistics`)."""
         committed = self.results[Result.COMMITTED]
@@ -148,4 +151,5 @@ class Tally:
             ready=ready,
             corrected=self.corrected,
             spacing=spacing,
+            round_peers=round_peers,
         )

@@ -672,6 +672,8 @@ def test_format_status_says_whether_others_can_dial_us(reachability, says) -> No
 @pytest.mark.parametrize("changes, ending", [
     ({"spacing": 1280, "every": "auto"}, "; 1 pending; a round every 1280 steps (auto)"),
     ({"spacing": 4, "every": 4}, "; 1 pending; a round every 4 steps"),
+    ({"spacing": 510, "every": "auto", "round_peers": 3},
+     "; 1 pending; a round of 3 exchanges every 510 steps (auto)"),
     ({"spacing": None, "every": 0}, "; 1 pending; no rounds by steps (averaging.every = 0)"),
 ])
 def test_format_status_says_how_far_apart_our_rounds_are(changes: dict[str, Any],
