@@ -24,8 +24,7 @@ what is queued is the difference to the anchor and is applied in full (spread ov
 When it is taken (:mod:`gossip.plan`): at close spacing at every committed exchange, started
 or answered, as above (:meth:`Outer.step`); at wide spacing once a round, at the round's
 first commit, the exchanges between (answered, or the round's later ones) applied as plain
-averages and so part of the next step's ``u``; :meth:`Outer.round` takes it on a snapshot
-with no exchange at all. Its lr is ``α``, its momentum the plan's unless a setting fixes it.
+averages and so part of the next step's ``u``. Its lr is ``α``, its momentum the plan's unless a setting fixes it.
 
 Defaults at close spacing: α = 0.7 and μ = 0.5, NoLoCo's settings for pairwise syncs. In a
 steady state (the same ``u`` each time) the step is ``α/(1 − μ) = 1.4 u``: a node's progress
@@ -106,25 +105,6 @@ class Outer:
             raise ValueError(f"outer momentum must be in [0, 1), not {mu}")
         with self._lock:
             self._step(own, delta, scale, mu)
-
-    def round(self, own: torch.Tensor, change: torch.Tensor,
-              momentum: float | None = None) -> None:
-        """The outer step once a round, on everything that moved the state since the last
-        (local steps and every exchange, which were applied plainly): ``change`` gets what to
-        queue with scale 1. The first call sets the anchor and moves nothing.
-
-        Args:
-            own: a snapshot of the state, pending deltas included (``numel`` values).
-            change: ``numel`` values, overwritten.
-            momentum: as for :meth:`step`.
-        """
-        change.zero_()
-        if self.anchored:
-            self.step(own, change, 0.0, momentum)
-        else:
-            with self._lock:
-                self._anchor = own.clone()
-                self._velocity = torch.zeros_like(own)
 
     def _step(self, own: torch.Tensor, delta: torch.Tensor, scale: float, mu: float) -> None:
         if self._anchor is None or self._velocity is None:
