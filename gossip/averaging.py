@@ -201,7 +201,7 @@ class Averaging:
         self._outer_due = chosen.by_round  # the round's first commit takes the outer step
         await self.ready.wait()
         self._roster.set_meta(step=self.replica.counters().step)
-        self._trust.round()
+        self._trust.round(chosen.peers)
         self.codecs.stepped(self.replica.local_steps, trio.current_time())
         # A peer that failed or refused is not tried again this round. One that was busy
         # may be, when nobody untried is left: two nodes whose rounds start at the same

@@ -82,14 +82,16 @@ class Trust:
         self.newcomers_limited = 0
         self.members_limited = 0
 
-    def round(self) -> None:
-        """A round of ours starts: each host's budgets grow by its share of it."""
+    def round(self, exchanges: int = 1) -> None:
+        """A round of ours starts, of ``exchanges`` exchanges (gossip.plan): each host's
+        budgets grow by its share of it."""
         self._newcomers.round()
-        # Each host picks among the hosts that take offers: its share of our offers is one
-        # over those (but us). Proven ones only: claims could shrink everyone's share.
+        # Each host picks among the hosts that take offers, as many times a round as we do
+        # (a swarm's nodes run one plan): its share of our offers is that many over those
+        # (but us). Proven ones only: claims could shrink everyone's share.
         hosts = len(by_host(self._roster.alive(ready=True, reachable=True, proven=True),
                             self._roster.proven_host))
-        self._members.round(MEMBER_SHARE / max(hosts, 1))
+        self._members.round(MEMBER_SHARE * exchanges / max(hosts, 1))
 
     def offerer(self, peer: str) -> Standing:
         """The standing of an offer from ``peer``: a member's, or a newcomer's. Its time

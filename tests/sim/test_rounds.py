@@ -50,3 +50,25 @@ async def test_a_round_of_three_exchanges_and_where_the_outer_step_is_taken(
             assert float(off.norm()) > 1e-3
             # Nodes that only answered take no outer step: theirs comes in their own rounds.
             assert not any(n.node.replica.outer.anchored for n in answered)
+
+
+async def test_honest_peers_of_rounds_of_three_stay_within_each_others_budgets(
+        autojump_clock: MockClock) -> None:
+    """A host's budget of members' offers grows with the exchanges the responder's own rounds
+    make: where every node makes three a round, an honest peer offers three times as often
+    as at one, and is not answered busy for it."""
+    # trust_after > 0: with 0 every key holder is trusted at once and there is no budget.
+    config = local(averaging=AveragingConfig(every=None, interval=None, start="own",
+                                             trust_after=1.0, peers=3))
+    async with open_sim_swarm(4, seed=5, model=lambda i: torch.nn.Linear(4, 4),
+                              config=config) as sim:
+        await sim.wait_ready()
+        await sim.run_for(2.0)  # virtual: past trust_after, every peer stands with the others
+        with trio.fail_after(600):
+            for _ in range(30):  # rounds in turn: each node's three offers a round
+                for node in sim.nodes:
+                    assert node.node is not None
+                    await node.node.average_now()
+        stats = [n.node.statistics() for n in sim.nodes if n.node is not None]
+    assert sum(s.committed for s in stats) >= 2 * 30 * 4 * 3 * 0.9
+    assert sum(s.members_limited for s in stats) == 0
