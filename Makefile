@@ -31,9 +31,10 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 # Every benchmark (quick settings where a script has them; the straggler comparison needs its
-# three repetitions): about 18 minutes on 2 cores (bench/wan.py's real-socket check needs root
-# for ip netns, and says so and skips it without). Each prints a table and, last, one JSON
-# line; the comparison benchmarks also write bench/results/<name>.json and .png.
+# three repetitions): about 40 minutes on 2 cores, 21 of them bench/lowcomm.py --quick's
+# 1M-parameter language model (the rest took 15 to 18 before it). bench/wan.py's real-socket
+# check needs root for ip netns, and says so and skips it without. Each prints a table and,
+# last, one JSON line; the comparison benchmarks also write bench/results/<name>.json and .png.
 bench: $(STAMP)
 	$(PY) bench/channel.py
 	$(PY) bench/membership.py --quick
@@ -50,7 +51,8 @@ bench: $(STAMP)
 	$(PY) bench/straggler.py
 
 # The checks that need a GPU (bench/gpu_check.py: the CUDA tests, the demo twice, the overhead
-# and exchange benchmarks on the GPU; 5 minutes on one H200), with the machine's own
+# and exchange benchmarks on the GPU, 5 minutes on one H200; and lowcomm's short form on the
+# GPU, not yet run on one, given 6 minutes), with the machine's own
 # python3 and its CUDA build of torch, no venv and no network. WHEELS: a folder of wheels for
 # the rest (make gpu-wheels makes one); without a GPU it says so and exits 0.
 #   make gpu-check WHEELS=/path/to/wheels

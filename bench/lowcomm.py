@@ -41,8 +41,8 @@ Budget: at each H every method trains ``max(2,000, 20 H)`` steps per node (``--l
 nodes x the task's batch: at least 20 syncs for every method at every H, and 10,000 steps at
 H = 500. ``--quick`` runs one seed, DDP, DiLoCo and gossipd on the LM at H = 100 only and every
 method on the digits at every H: 2,540 s of CPU, about 21 minutes of two cores (a run of
-2,000 steps of 8 nodes of the LM takes 400-450 s of CPU, one of 10,000 five times that, so the
-full run is about 9 CPU-hours; ``--resume`` takes it in parts).
+2,000 steps of 8 nodes of the LM takes 400-450 s of CPU, one of 10,000 about 1,900 s, so the
+full run is about 13 CPU-hours; ``--resume`` takes it in parts).
 
 Measure: 8 times per run every node is evaluated on the fixed held-out data with the task's
 own ``evaluate()`` (the LM: cross-entropy in nats on 256 windows of 64 bytes of files never
