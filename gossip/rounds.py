@@ -19,7 +19,8 @@ its own rounds behind it, and the time bound is at least the median exchange, so
 too leaves its link free half the time for its peers' offers. Which plan's rounds it runs is
 chosen on the link measured, each plan with its own payloads: the wide plan where its rounds
 come out ``LARGE_SPACING`` steps apart or more, else the close plan. So the choice is stable:
-it does not flip with the smaller payloads the wide plan sends.
+it does not flip with the smaller payloads the wide plan sends. (With ``codec = "auto"`` a
+payload's size is picked per peer at the offer, so the exchanges count as they were measured.)
 
 What a round makes is :mod:`gossip.plan`'s, from the spacing in use: how many exchanges, and
 when the outer step is taken with what momentum.

@@ -98,3 +98,22 @@ def test_a_duration_that_is_no_duration_is_ignored(bad: float) -> None:
     spacing = measured(0.1, [2.0])
     spacing.exchanged(bad)
     assert spacing.exchange == 2.0 and spacing.steps() == 40
+
+
+def test_exchanges_of_other_sizes_count_in_proportion_to_their_bytes() -> None:
+    """A spacing asked for payloads of some size counts each exchange whose size it knows at
+    its seconds times that size over its own (the wide plan's small payloads measure the
+    link for the close plan's large ones, and back), one of unknown size as it was."""
+    spacing = measured(0.1, [])
+    for _ in range(5):
+        spacing.exchanged(1.0, 1_000)  # 1 s for 1 kB each way
+    assert spacing.steps() == 20 and spacing.steps(1_000) == 20
+    assert spacing.steps(8_000) == 160 and spacing.steps(125) == 3  # ceil(2.5)
+    for _ in range(4):
+        spacing.exchanged(1.0, 8_000)  # the same link carrying 8 kB in a second: faster now
+    # Scaled to 8 kB: 8 s five times and 1 s four times, the median 8 s.
+    assert spacing.steps(8_000) == 160
+    spacing.exchanged(4.0)  # a size not known: counted as measured
+    spacing.exchanged(4.0, 0)  # a size that is no size: likewise
+    # The last nine, scaled to 8 kB: 8 s three times, 1 s four times, 4 s twice: median 4 s.
+    assert spacing.steps(8_000) == 80 and spacing.steps() == 20
