@@ -157,7 +157,10 @@ class Averaging:
         self._rates = rates  # per peer host: what its link carried
         self._rounds = Rounds(config, rng, lambda: len(self._candidates(set())),
                               self._payload_nbytes)
-        self._plan, self._outer_due = plan(config, None), False  # the last round's
+        # The last round's plan; before the first, the one a fixed every gives.
+        self._plan = plan(config, None if isinstance(config.every, str) else config.every)
+        self._outer_due = False
+        self._hold_correction()
         # every = "auto": the spacing learns each committed exchange's duration, from our
         # offers and our answers alike, from the report _ended makes for on_exchange.
         spacing = self._rounds.meter
@@ -194,11 +197,13 @@ class Averaging:
         ``attempts`` random peers for each until one commits.
 
         Returns:
-            COMMITTED if one did, else the last attempt's result (``NO_PEER`` if there was
-            nobody to try).
+            INVALID if a peer's payload was (the round stops there), else COMMITTED if one
+            exchange did, else the last attempt's result (``NO_PEER`` if there was nobody to
+            try).
         """
         chosen = self._plan = self._rounds.plan()
         self._outer_due = chosen.by_round  # the round's first commit takes the outer step
+        self._hold_correction()
         await self.ready.wait()
         self._roster.set_meta(step=self.replica.counters().step)
         self._trust.round(chosen.peers)
@@ -212,7 +217,7 @@ class Averaging:
         result, committed = Result.NO_PEER, 0
         for attempt in range(self.config.attempts * chosen.peers):
             if self.stopping:
-                return result
+                break
             if attempt:
                 await trio.sleep(self.config.backoff * self._rng.uniform(0.5, 1.5))
             if self._busy:  # answering someone else's offer: no peer is at fault
@@ -231,7 +236,7 @@ class Averaging:
                 now = trio.current_time()
                 await trio.sleep(min(self._pace.wait(p, now) for p in paced) + PACE_SLACK)
                 if self.stopping:
-                    return result
+                    break
                 if self._busy:  # an offer came meanwhile, and we answer it
                     result = Result.BUSY
                     continue
@@ -248,7 +253,7 @@ class Averaging:
             (busy if result is Result.BUSY else failed).add(peer.peer)
         if committed and result is not Result.INVALID:
             result = Result.COMMITTED
-        if result is Result.NO_PEER:
+        if result is Result.NO_PEER and not self.stopping:  # a leaving node looked for none
             self._tally.results[Result.NO_PEER] += 1
         return result
 
@@ -263,6 +268,14 @@ class Averaging:
         now = trio.current_time()
         return {m.peer for m in self._roster.alive(ready=True, reachable=True)
                 if self._pace.wait(m.peer, now) > 0}
+
+    def _hold_correction(self) -> None:
+        """A plan that exchanges no estimates holds the drift correction (nothing updates
+        it then): it is kept, but the trainer's steps add none of it."""
+        # One flag, read by the trainer at its next step: no lock, which a step may hold for
+        # as long as it runs.
+        if self.replica.correction is not None:
+            self.replica.correction.held = not self._plan.correct
 
     def _payload_nbytes(self, chosen: Plan) -> int | None:
         """Bytes of each payload of an exchange we offer under ``chosen`` (None: the codec is

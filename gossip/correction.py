@@ -250,6 +250,10 @@ class Correction:
         self._updated = False  # whether an exchange has updated c yet (its gap is a measure)
         self._uncovered = _gaps([where for _, where in self._slots], schema.numel)
         self.bounded = 0  # exchanges after which c was longer than REACH x scale, and cut
+        # The node's rounds exchange no estimates (gossip.plan: wide spacing): c, which
+        # nothing updates then, is kept but not added, so that a correction frozen when the
+        # plan changed (or restored from a checkpoint) is no bias on every step.
+        self.held = False
 
     @property
     def measured(self) -> bool:
@@ -302,7 +306,10 @@ class Correction:
     def strength(self) -> float:
         """The fraction of ``c`` a step adds: 1 while the node updates ``c`` at least every
         :data:`FULL_SPACING` steps, ``FULL_SPACING / k`` when it takes ``k`` steps between
-        updates (on average, or since the last one if that is longer); per exchange, 1."""
+        updates (on average, or since the last one if that is longer); per exchange, 1;
+        held, 0."""
+        if self.held:
+            return 0.0
         if self.per_exchange:
             return 1.0
         return min(1.0, FULL_SPACING / max(self._spacing, self._since))

@@ -72,3 +72,27 @@ async def test_honest_peers_of_rounds_of_three_stay_within_each_others_budgets(
         stats = [n.node.statistics() for n in sim.nodes if n.node is not None]
     assert sum(s.committed for s in stats) >= 2 * 30 * 4 * 3 * 0.9
     assert sum(s.members_limited for s in stats) == 0
+
+
+@pytest.mark.parametrize("every, held", [(1, False), (40, True)])
+async def test_a_plan_that_exchanges_no_estimates_holds_the_correction(
+        autojump_clock: MockClock, every: int, held: bool) -> None:
+    """From the start (a restarted node's checkpoint may bring a correction) and after each
+    round's plan: at wide spacing nothing updates the correction, so no step adds it."""
+    config = local(averaging=AveragingConfig(every=every, interval=None, start="own",
+                                             trust_after=0.0))
+    models = [torch.nn.Linear(4, 4) for _ in range(2)]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    async with open_sim_swarm(2, seed=2, model=lambda i: models[i],
+                              optimizer=lambda i: optimizers[i], config=config) as sim:
+        await sim.wait_ready()
+        nodes = [n.node for n in sim.nodes if n.node is not None]
+        for node in nodes:
+            correction = node.replica.correction
+            assert correction is not None and correction.held is held
+        with trio.fail_after(60):
+            await nodes[0].average_now()
+        for node in nodes:
+            correction = node.replica.correction
+            assert correction is not None and correction.held is held
+            assert correction.strength() == (0.0 if held else 1.0)
