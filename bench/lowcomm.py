@@ -188,7 +188,9 @@ def payload_bytes(parameters: int) -> int:
     averaging sends each way per exchange and what DiLoCo all-reduces. gossipd's wide plan
     (three exchanges a round, int8: :mod:`gossip.plan`) sends 3 x 1.06 bytes a parameter a
     round, 0.8 of it, so on this link ``every = "auto"`` would space its rounds a little
-    closer than H; the columns fix ``every = H`` so that every method syncs equally often."""
+    closer than H; the columns fix ``every = H`` so that every method starts its syncs equally
+    often (a gossipd node takes part in about six exchanges a round, three it starts and about
+    as many it answers, plain gossip's in two; the table counts them)."""
     return 4 * parameters
 
 

@@ -57,7 +57,7 @@ class Plan:
     """One round's choices."""
 
     peers: int  # exchanges the round makes, each with another peer
-    by_round: bool  # the outer step once, at the round's end (else at each exchange)
+    by_round: bool  # the outer step once a round, at its first commit (else at each exchange)
     momentum: float  # the outer step's Nesterov momentum
     codec: str | None = None  # the codec of our offers, where it is not the setting's
     correct: bool = True  # swap the drift correction's estimates (where the node keeps one)

@@ -56,6 +56,9 @@ class Rounds:
         rng: the node's random generator (the jitters).
         others: how many peers a round could exchange with now (a round makes no more
             exchanges than that, and the spacing counts no more).
+        payload: the bytes of each payload of an exchange under a plan (None: not known
+            before the offer); with ``every = "auto"`` the spacing of each plan is measured
+            on exchanges scaled to it.
     """
 
     def __init__(self, config: AveragingConfig, rng: random.Random,

@@ -114,9 +114,9 @@ def test_a_measured_spacing_counts_each_exchange_of_a_round(others, peers) -> No
     rounds = Rounds(AveragingConfig(every="auto"), random.Random(0), lambda: others, payload)
     measured(rounds, 1000)  # rounds of one fp32 exchange with the estimate: 1,000 steps
     wide = payload(WIDE) / payload(CLOSE)  # int8 without the estimate: 0.13 of the bytes
-    if peers * 1000 * wide >= LARGE_SPACING:
-        assert rounds.plan() == dataclasses.replace(WIDE, peers=peers)
-        assert rounds.steps() == pytest.approx(peers * 1000 * wide, abs=peers)  # ceil each
+    assert peers * 1000 * wide >= LARGE_SPACING  # wide, with any number of peers
+    assert rounds.plan() == dataclasses.replace(WIDE, peers=peers)
+    assert rounds.steps() == pytest.approx(peers * 1000 * wide, abs=peers)  # ceil each
 
 
 @pytest.mark.parametrize("close", [10, 40, 100, 160, 1000])
