@@ -275,7 +275,7 @@ class Averaging:
         # One flag, read by the trainer at its next step: no lock, which a step may hold for
         # as long as it runs.
         if self.replica.correction is not None:
-            self.replica.correction.held = not self._plan.correct
+            self.replica.correction.hold = not self._plan.correct
 
     def _payload_nbytes(self, chosen: Plan) -> int | None:
         """Bytes of each payload of an exchange we offer under ``chosen`` (None: the codec is

@@ -252,8 +252,11 @@ class Correction:
         self.bounded = 0  # exchanges after which c was longer than REACH x scale, and cut
         # The node's rounds exchange no estimates (gossip.plan: wide spacing): c, which
         # nothing updates then, is kept but not added, so that a correction frozen when the
-        # plan changed (or restored from a checkpoint) is no bias on every step.
-        self.held = False
+        # plan changed (or restored from a checkpoint) is no bias on every step. ``hold`` is
+        # what the averaging asks; a node of several processes latches it into ``held`` at a
+        # step boundary, in every process at once (gossip.nodegroup); None: ``hold`` as is.
+        self.hold = False
+        self.held: bool | None = None
 
     @property
     def measured(self) -> bool:
@@ -308,7 +311,7 @@ class Correction:
         :data:`FULL_SPACING` steps, ``FULL_SPACING / k`` when it takes ``k`` steps between
         updates (on average, or since the last one if that is longer); per exchange, 1;
         held, 0."""
-        if self.held:
+        if self.hold if self.held is None else self.held:
             return 0.0
         if self.per_exchange:
             return 1.0

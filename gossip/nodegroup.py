@@ -82,6 +82,7 @@ SYNC_SPACING = 9.0  # a broadcast waits 9x as long as the last one took: <= 10% 
 # A header's flags: what follows it.
 _STATE, _CHECK, _STOP = 1, 2, 4  # the speaker's state; a bit-identity check; nothing, ever
 _FRESH = 8  # at the start: the speaker took a downloaded state; optimizers start afresh
+_HELD = 16  # the drift correction is held (gossip.correction): no step adds it
 
 
 @dataclass(frozen=True)
@@ -338,6 +339,10 @@ class NodeGroup:
         header = _Header()
         replica = self._replica
         if self.speaker and replica is not None:
+            correction = replica.correction
+            if correction is not None:  # latched here, so every process steps alike
+                correction.held = correction.hold
+                flags |= _HELD if correction.held else 0
             since, spacing = replica.correction_timing()
             elements = sum(t.numel() for t in self._state_tensors()) if flags & _STATE else 0
             header = _Header(flags, replica.counters().step, since, spacing, replica.parts,
@@ -350,6 +355,8 @@ class NodeGroup:
         self._header_seconds += time.perf_counter() - started
         header = _Header.decode(slots)
         self.global_step = header.step
+        if not self.speaker and replica is not None and replica.correction is not None:
+            replica.correction.held = bool(header.flags & _HELD)
         return header
 
     def _broadcast_state(self, header: _Header) -> None:

@@ -89,10 +89,10 @@ async def test_a_plan_that_exchanges_no_estimates_holds_the_correction(
         nodes = [n.node for n in sim.nodes if n.node is not None]
         for node in nodes:
             correction = node.replica.correction
-            assert correction is not None and correction.held is held
+            assert correction is not None and correction.hold is held
         with trio.fail_after(60):
             await nodes[0].average_now()
         for node in nodes:
             correction = node.replica.correction
-            assert correction is not None and correction.held is held
+            assert correction is not None and correction.hold is held
             assert correction.strength() == (0.0 if held else 1.0)
