@@ -98,8 +98,9 @@ class Rounds:
             return min(meter.steps(self._payload(chosen)) * chosen.peers, MAX_SPACING)
 
         wide = self._capped(plan(self.config, math.inf))
-        if spacing(wide) >= LARGE_SPACING:
-            return wide, spacing(wide)
+        steps = spacing(wide)
+        if steps >= LARGE_SPACING:
+            return wide, steps
         close = self._capped(plan(self.config, 0))
         return close, spacing(close)
 
