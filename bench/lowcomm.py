@@ -17,7 +17,8 @@ counted). Methods, side by side:
 
 - DDP: one model, one optimizer, each step on one batch of each of the 8 shards (8 batches a
   step), at the task's learning rate. It does not depend on H: one run per task and seed,
-  evaluated at every budget the columns use.
+  evaluated at every budget the columns use (with ``--schedule cosine``, one run per budget,
+  each on its own schedule).
 - DiLoCo: all-reduce of the pseudo-gradients every H steps, outer Nesterov SGD lr 0.7,
   momentum 0.9, inner AdamW (the task's optimizer), every replica restarting from the anchor.
 - gossip, plain: :func:`gossip.testing.open_sim_swarm`, real protocol nodes (membership,
@@ -51,7 +52,14 @@ reaches the point, so a swarm's nodes are caught wherever they are between round
 evaluated just after a sync (its replicas hold the anchor), DDP has one model. Figures are
 the mean over nodes (and the worst node), then the mean over seeds. For the swarms the mean
 model (the nodes' parameters averaged, which no node holds) is evaluated at the end too: it
-tells the drift between nodes apart from what the swarm learned.
+tells the drift between nodes apart from what the swarm learned; and so are the nodes'
+anchors (the state each node's last outer step left it, before its local steps since: the
+swarm's counterpart of the state DiLoCo is evaluated in), mean over nodes.
+
+``--schedule cosine`` runs every method's inner learning rate down a cosine to 10% of the
+task's at the budget (the published runs' recipe; by default it is constant): at the end of a
+run each node's last local steps then move it little, and what is left of the nodes' drift
+is what the exchanges did not mix.
 
 - LM gap to DDP: ``(L - L_ddp) / L_ddp`` of the mean node loss, in % (JSON: a fraction).
 - vs DiLoCo: the method's mean node loss over DiLoCo's at the same H (below 1: better).
@@ -65,7 +73,8 @@ the figures do not depend on how many. ``--gpu`` runs the IID LM at 25M paramete
 each run in turn on the one device, and prints its own JSON keys (``gpu_*``).
 
 Usage: python bench/lowcomm.py [--quick | --gpu] [--seeds 2] [--least 2000] [--jobs 2]
-       [--hs 1,50,100,500] [--resume] [--lm KEY=VALUE ...] [--set KEY=VALUE ...]
+       [--hs 1,50,100,500] [--schedule constant|cosine] [--resume] [--lm KEY=VALUE ...]
+       [--set KEY=VALUE ...]
 Tables on stdout, progress on stderr; the last line printed is one JSON object with the
 headline figures. Writes bench/results/lowcomm.json, lowcomm.png and lowcomm_curves.png.
 """
@@ -94,8 +103,9 @@ else:
     import tomli as tomllib
 
 import gossip.replica
+import gossip.tensors
 from common import progress, pyplot, results_path, save_figure, save_json, table
-from daemon.task import Context, TaskError
+from daemon.task import Context, Task, TaskError
 from daemon.tasks import charlm
 from gossip import AveragingConfig, NodeConfig
 from gossip.averaging import Result
@@ -103,7 +113,7 @@ from gossip.config import LARGE_SPACING
 from gossip.plan import plan
 from gossip.testing import SimNode, open_sim_swarm
 from replicas import DILOCO_LR, DILOCO_MOMENTUM, blocking_time, run_ddp, run_diloco
-from workloads import (GPU_LM_OPTIONS, LM_OPTIONS, N, STEP_TIME, WORKLOADS, Workload,
+from workloads import (GPU_LM_OPTIONS, LM_OPTIONS, N, SCHEDULES, STEP_TIME, WORKLOADS, Workload,
                        allreduce_bytes, budget, build, evaluate, figures, link_rate, lm_workloads,
                        mean_model, numel, points, spread)
 
@@ -198,7 +208,7 @@ def run_gossip(work: Workload, method: str, seed: int, steps: int, h: int, tag: 
                overrides: Mapping[str, Any]) -> Run:
     """A sim swarm of N nodes until they have trained ``N * steps`` steps in all, evaluated
     at :func:`workloads.points` (every node inside the step that reaches the point)."""
-    tasks, batches = build(work, seed, CPU)
+    tasks, batches = build(work, seed, CPU, steps)
     probe = work.factory(Context(seed, CPU, work.options))
     parameters = numel(tasks[0])
     rate = link_rate(payload_bytes(parameters), h)
@@ -207,6 +217,7 @@ def run_gossip(work: Workload, method: str, seed: int, steps: int, h: int, tag: 
     curve: list[tuple[int, dict[str, float]]] = []
     clock: list[float] = []
     out: Run = {}
+    swarm: list[Any] = []  # the sim, once open
 
     def train(node: SimNode) -> float:
         nonlocal total
@@ -220,7 +231,8 @@ def run_gossip(work: Workload, method: str, seed: int, steps: int, h: int, tag: 
             clock.append(trio.current_time())
             progress(f"  {tag}: step {marks[total]}/{steps} loss {curve[-1][1]['loss']:.4f}")
             if total == N * steps:
-                out.update(final=result, **mean_model(work, tasks, probe))
+                out.update(final=result, **mean_model(work, tasks, probe),
+                           **anchors(swarm[0], probe))
         return float(loss)
 
     async def main() -> None:
@@ -229,6 +241,7 @@ def run_gossip(work: Workload, method: str, seed: int, steps: int, h: int, tag: 
                                   step_time=STEP_TIME,
                                   config=gossip_config(method, h, overrides),
                                   latency=LATENCY, bandwidth=rate) as sim:
+            swarm.append(sim)
             began = trio.current_time()
             await sim.wait_until(lambda: bool(out))
             committed = [e for e in sim.exchanges if e.result is Result.COMMITTED]
@@ -246,7 +259,34 @@ def run_gossip(work: Workload, method: str, seed: int, steps: int, h: int, tag: 
     return {**out, "curve": curve, "params": parameters, "rate": rate}
 
 
-Job = tuple[str, str, int, int]  # workload, method, H (0: DDP, all budgets), seed
+def anchors(sim: Any, probe: Task) -> dict[str, float]:
+    """The held-out figures of the nodes' outer anchors (the state each node's last outer step
+    left, before the local steps since: what DiLoCo's replicas hold when it is evaluated),
+    mean over the nodes that have one, loaded into ``probe``; empty where none has."""
+    results = []
+    for n in sim.nodes:
+        replica = n.node.replica if n.node is not None else None
+        state = replica.outer_state() if replica is not None else None
+        if state:
+            gossip.tensors.load_(probe.model, replica.schema, state["anchor"])
+            results.append(evaluate([probe]))
+    if not results:
+        return {}
+    return {f"anchor_{key}": mean([r[key][0] for r in results]) for key in results[0]}
+
+
+Job = tuple[str, str, int, int]  # workload, method, H (DDP: 0, all budgets; or the budget), seed
+
+
+def ddp_key(work: Workload, h: int, least: int) -> int:
+    """The H of the DDP run that column ``h`` compares with: 0, one run evaluated at every
+    budget, where the learning rate does not depend on the budget; else the budget's own."""
+    return 0 if work.schedule == "constant" else budget(h, least)
+
+
+def run_key(work: Workload, method: str, h: int, least: int) -> int:
+    """The H under which column ``h``'s runs of ``method`` are kept."""
+    return ddp_key(work, h, least) if method == "ddp" else h
 
 
 def run(job: Job, workloads: list[Workload], hs: dict[str, tuple[int, ...]], least: int,
@@ -257,7 +297,7 @@ def run(job: Job, workloads: list[Workload], hs: dict[str, tuple[int, ...]], lea
     name, method, h, seed = job
     work = next(w for w in workloads if w.name == name)
     if method == "ddp":
-        budgets = [budget(x, least) for x in hs[name]]
+        budgets = [budget(x, least) for x in hs[name]] if h == 0 else [h]
         result = run_ddp(work, seed, max(budgets), torch.device(device), budgets)
     elif method == "diloco":
         result = run_diloco(work, seed, budget(h, least), h, torch.device(device))
@@ -267,18 +307,19 @@ def run(job: Job, workloads: list[Workload], hs: dict[str, tuple[int, ...]], lea
     return result, time.perf_counter() - began, time.process_time() - cpu
 
 
-def jobs(workloads: list[Workload], hs: dict[str, tuple[int, ...]], seeds: int,
+def jobs(workloads: list[Workload], hs: dict[str, tuple[int, ...]], seeds: int, least: int,
          methods: Mapping[str, tuple[str, ...]] | None = None) -> list[Job]:
     """Every run of each workload's ``methods`` (default: all), the slowest first (the longest
     budgets, swarms before DiLoCo before DDP, the LM before the digits), so that the pool ends
     together."""
     ran = {w.name: tuple(METHODS) if methods is None else methods[w.name] for w in workloads}
-    out = [(w.name, "ddp", 0, s) for w in workloads for s in range(1, seeds + 1)
-           if "ddp" in ran[w.name]]
+    out = [(w.name, "ddp", k, s) for w in workloads if "ddp" in ran[w.name]
+           for k in sorted({ddp_key(w, h, least) for h in hs[w.name]})
+           for s in range(1, seeds + 1)]
     out += [(w.name, m, h, s) for w in workloads for m in ("diloco", *SWARMS)
             if m in ran[w.name] for h in hs[w.name] for s in range(1, seeds + 1)]
     cost = {"gossipd": 0, "plain": 0, "diloco": 1, "ddp": 2}
-    return sorted(out, key=lambda j: (j[0] == "digits", -j[2], cost[j[1]]))
+    return sorted(out, key=lambda j: (j[0] == "digits", j[1] != "ddp" and -j[2], cost[j[1]]))
 
 
 def journal_key(job: Job, workloads: list[Workload], hs: dict[str, tuple[int, ...]],
@@ -287,6 +328,7 @@ def journal_key(job: Job, workloads: list[Workload], hs: dict[str, tuple[int, ..
     name, method, h, seed = job
     work = next(w for w in workloads if w.name == name)
     return json.dumps({"job": job, "least": least, "device": device, "options": dict(work.options),
+                       "schedule": work.schedule,
                        "hs": list(hs[name]) if method == "ddp" else None,
                        "overrides": dict(overrides) if method == "gossipd" else None},
                       sort_keys=True)
@@ -307,15 +349,15 @@ def run_all(workloads: list[Workload], hs: dict[str, tuple[int, ...]], seeds: in
             entry = json.loads(line)
             done[entry["key"]] = entry["run"]
     todo = []
-    for job in jobs(workloads, hs, seeds, methods):
+    for job in jobs(workloads, hs, seeds, least, methods):
         found = done.get(journal_key(job, workloads, hs, least, device, overrides))
         if found is None:
             todo.append(job)
         else:
             name, method, h, _ = job
             out[name][method].setdefault(h, []).append(found)
-    if len(todo) < len(jobs(workloads, hs, seeds, methods)):
-        taken = len(jobs(workloads, hs, seeds, methods)) - len(todo)
+    if len(todo) < len(jobs(workloads, hs, seeds, least, methods)):
+        taken = len(jobs(workloads, hs, seeds, least, methods)) - len(todo)
         progress(f"{taken} runs taken from {journal}")
     # Spawn, not fork: a forked child of a process that has run torch may hang in its pool.
     # One torch thread each: a second thread made these small models' steps no faster.
@@ -359,7 +401,7 @@ def summarize(work: Workload, runs: dict[str, dict[int, list[Run]]], h: int,
     steps = budget(h, least)
     out: dict[str, dict[str, float]] = {}
     for method in METHODS:
-        mine = runs[method].get(0 if method == "ddp" else h)
+        mine = runs[method].get(run_key(work, method, h, least))
         if not mine:
             continue
         finals = [at_step(r["curve"], steps) for r in mine]
@@ -374,7 +416,8 @@ def summarize(work: Workload, runs: dict[str, dict[int, list[Run]]], h: int,
             s["mb_per_node"] = mean([r["bytes"] for r in mine]) / 1e6
             s["syncs"] = mean([r["exchanges"] for r in mine])
             s["spread"] = mean([r["curve"][-1][1]["spread"] for r in mine])
-            for key in ("mean_model_loss", "mean_model_accuracy"):
+            for key in ("mean_model_loss", "mean_model_accuracy", "anchor_loss",
+                        "anchor_accuracy"):
                 if key in mine[0]:
                     s[key] = mean([r[key] for r in mine])
         out[method] = s
@@ -406,12 +449,14 @@ def report(work: Workload, summary: dict[int, dict[str, dict[str, float]]],
         figures = [("accuracy", "accuracy %, mean node", "{:.1f}", every),
                    ("worst_accuracy", "accuracy %, worst node", "{:.1f}", every),
                    ("mean_model_accuracy", "accuracy %, mean model", "{:.1f}", swarms),
+                   ("anchor_accuracy", "accuracy %, anchors", "{:.1f}", swarms),
                    ("gap", "pts below DDP", "{:+.1f}", compared),
                    ("vs_diloco", "pts above DiLoCo", "{:+.1f}", swarms)]
     else:
         figures = [("loss", "loss, mean node", "{:.4f}", every),
                    ("worst_loss", "loss, worst node", "{:.4f}", every),
                    ("mean_model_loss", "loss, mean model", "{:.4f}", swarms),
+                   ("anchor_loss", "loss, anchors", "{:.4f}", swarms),
                    ("gap", "gap to DDP %", "{:+.2f}", compared),
                    ("vs_diloco", "loss / DiLoCo's", "{:.4f}", swarms)]
     figures += [("syncs", "syncs per node", "{:.1f}", compared),
@@ -527,7 +572,7 @@ def plot(workloads: list[Workload], per_seed: dict[str, dict[str, dict[int, list
                 ax.set_visible(False)
                 continue
             for k, (method, label) in enumerate(METHODS.items()):
-                runs = per_seed[work.name][method].get(0 if method == "ddp" else h)
+                runs = per_seed[work.name][method].get(run_key(work, method, h, least))
                 if not runs:
                     continue
                 seconds = wall_clock(method, runs, h, least)
@@ -580,6 +625,9 @@ def main() -> None:
                         help=f"the methods to run, comma-separated (default {','.join(METHODS)}"
                         "; --quick: the LM without plain; the gaps need ddp, the ratios "
                         "diloco, here or in the journal with --resume)")
+    parser.add_argument("--schedule", choices=SCHEDULES, default="constant",
+                        help="the inner learning rate over each run's budget, every method "
+                        "alike: the task's throughout (default), or a cosine to 10%% of it")
     parser.add_argument("--tasks", help="the workloads to run, comma-separated (default "
                         "lm_iid,lm_skewed,digits; --gpu: lm_iid)")
     args = parser.parse_args()
@@ -612,6 +660,7 @@ def main() -> None:
         if not names or any(t not in {w.name for w in workloads} for t in names):
             parser.error(f"--tasks: each of {', '.join(w.name for w in workloads)}")
         workloads = [w for w in workloads if w.name in names]
+    workloads = [dataclasses.replace(w, schedule=args.schedule) for w in workloads]
     # --quick leaves plain gossip's LM runs out (a third of its CPU time): a reference, no target.
     methods = {w.name: tuple(m for m in chosen_methods if args.methods or not args.quick
                              or w.classifier or m != "plain") for w in workloads}
@@ -632,6 +681,7 @@ def main() -> None:
     print(f"\nN = {N} nodes, {seeds} seed{'s' * (seeds > 1)}, max({args.least:,}, 20 H) steps "
           f"per node at each H, the same samples for every method; "
           f"{f'LM {params:,} parameters {dict(lm.options)}; ' if lm and params else ''}"
+          f"inner lr {'constant' if args.schedule == 'constant' else 'cosine to 10% at the budget'}; "
           f"DiLoCo outer SGD lr {DILOCO_LR}, Nesterov momentum "
           f"{DILOCO_MOMENTUM}; gossipd: the defaults{f' with {overrides}' if overrides else ''}"
           f" (outer {used.outer}, lr {used.outer_lr}; from H = {LARGE_SPACING}: {wide.peers} "
@@ -659,7 +709,7 @@ def main() -> None:
            # None where no target could be judged (a subset of the runs).
            "targets_met": (all(v for v in met.values() if v is not None)
                            if any(v is not None for v in met.values()) else None),
-           "overrides": overrides,
+           "overrides": overrides, "schedule": args.schedule,
            "quick": args.quick, "seconds": round(elapsed, 1)}
     save_json(name, {
         **out, "nodes": N, "hs": hs, "least": args.least, "seeds": seeds, "device": device,

@@ -37,7 +37,7 @@ def run_ddp(work: Workload, seed: int, steps: int, device: torch.device,
             at: list[int]) -> dict[str, Any]:
     """One model, ``steps`` steps of N batches each; evaluated after each step in ``at``
     (and :func:`workloads.points`) as a curve: ``(step, figures)`` pairs."""
-    tasks, batches = build(work, seed, device)
+    tasks, batches = build(work, seed, device, steps)
     model = tasks[0]
     curve = []
     marks = set(at) | set(points(steps))
@@ -55,7 +55,7 @@ def run_diloco(work: Workload, seed: int, steps: int, h: int,
     """N replicas, ``steps / h`` outer steps of ``h`` inner steps each; evaluated at
     :func:`workloads.points` (rounded down to the last sync: the replicas then hold the
     anchor)."""
-    tasks, batches = build(work, seed, device)
+    tasks, batches = build(work, seed, device, steps)
     anchor = [p.detach().clone() for p in tasks[0].model.parameters()]
     outer = torch.optim.SGD(anchor, lr=DILOCO_LR, momentum=DILOCO_MOMENTUM, nesterov=True)
     marks = {max(h, p - p % h) for p in points(steps)}

@@ -21,6 +21,10 @@ batches, and is evaluated on the same held-out data.
   node i on ``Shard(i, 8)``: the training split sorted by label and cut in 8 blocks, so each
   node sees one or two classes.
 
+Every method's inner optimizer runs at the task's learning rate throughout (``schedule =
+"constant"``), or (``"cosine"``) at a cosine of it over the run's budget down to
+:data:`DECAY_FLOOR` of it, each node counting its own steps.
+
 The held-out text is every 20th file of the corpus (36 files, 455 KB), never trained on;
 :data:`LM_OPTIONS` scores 256 windows of 64 bytes of it (16,384 predictions), the same for
 every run. The digits: the 359 test images.
@@ -39,13 +43,18 @@ from torch.nn.utils import parameters_to_vector
 from daemon.task import Context, Shard, Task
 from daemon.tasks import charlm, digits
 
-__all__ = ["GPU_LM_OPTIONS", "LM_OPTIONS", "N", "ROUNDS", "STEP_TIME", "Workload",
+__all__ = ["GPU_LM_OPTIONS", "LM_OPTIONS", "N", "ROUNDS", "SCHEDULES", "STEP_TIME", "Workload",
            "WORKLOADS", "allreduce_bytes", "build", "budget", "evaluate", "figures", "link_rate",
            "mean_model", "numel", "points"]
 
 N = 8  # nodes (replicas, shards)
 ROUNDS = 20  # the fewest syncs any method gets at any H: a budget is at least ROUNDS x H
 STEP_TIME = 0.05  # virtual s per training step, every method
+# The inner learning rate over a run's budget, the same for every method: constant (the
+# task's), or a cosine to DECAY_FLOOR of it at the budget (the published runs' recipe: a run
+# ends at a small learning rate, so its nodes' last local steps move them little).
+SCHEDULES = ("constant", "cosine")
+DECAY_FLOOR = 0.1
 CURVE_POINTS = 8  # held-out evaluations per run, the last at the budget
 LM_OPTIONS: Mapping[str, Any] = {"corpus": "stdlib", "d_model": 192, "layers": 2, "heads": 4,
                                  "context": 64, "batch_size": 4, "eval_windows": 256}
@@ -65,6 +74,7 @@ class Workload:
     factory: Callable[[Context], Task]
     options: Mapping[str, Any]
     iid: bool  # every node on all the data, each in its own order; else Shard(i, N)
+    schedule: str = "constant"  # the inner optimizer's learning rate over the budget: SCHEDULES
 
     @property
     def classifier(self) -> bool:
@@ -83,9 +93,10 @@ WORKLOADS = [*lm_workloads(LM_OPTIONS),
              Workload("digits", "digits MLP, label-sorted shards", digits.task, {}, False)]
 
 
-def build(work: Workload, seed: int, device: torch.device,
+def build(work: Workload, seed: int, device: torch.device, steps: int,
           count: int = N) -> tuple[list[Task], list[Iterator[Any]]]:
-    """``count`` tasks with the same initial weights, on ``device``, and each one's batches.
+    """``count`` tasks with the same initial weights, on ``device``, and each one's batches;
+    each to train ``steps`` steps (the length of ``work.schedule``).
 
     IID: a task's seed picks its batch order, so one seed per node, then node 0's initial
     weights everywhere. Skewed: one seed, node i on shard i.
@@ -101,7 +112,32 @@ def build(work: Workload, seed: int, device: torch.device,
         shards = [Shard(i, count) for i in range(count)]
     for t in tasks:
         t.model.to(device)
+        if work.schedule == "cosine":
+            _cosine(t, steps)
+        elif work.schedule != "constant":
+            raise ValueError(f"schedule: one of {', '.join(SCHEDULES)}, not {work.schedule!r}")
     return tasks, [_on(device, t.batches(s)) for t, s in zip(tasks, shards)]
+
+
+def _cosine(task: Task, steps: int) -> None:
+    """From its next step on, ``task`` steps at its optimizer's learning rates times a cosine
+    from 1 at its first step to ``DECAY_FLOOR`` at its ``steps``-th (and after), counted in
+    its own steps."""
+    base = [group["lr"] for group in task.optimizer.param_groups]
+    inner = task.step
+    assert inner is not None
+    taken = 0
+
+    def step(batch: Any) -> Any:
+        nonlocal taken
+        done = min(taken, steps - 1) / max(steps - 1, 1)
+        factor = DECAY_FLOOR + (1 - DECAY_FLOOR) * (1 + math.cos(math.pi * done)) / 2
+        for group, lr in zip(task.optimizer.param_groups, base):
+            group["lr"] = lr * factor
+        taken += 1
+        return inner(batch)
+
+    task.step = step
 
 
 def _on(device: torch.device, batches: Iterator[Any]) -> Iterator[Any]:
