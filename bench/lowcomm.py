@@ -62,7 +62,11 @@ run each node's last local steps then move it little, and what is left of the no
 is what the exchanges did not mix.
 
 - LM gap to DDP: ``(L - L_ddp) / L_ddp`` of the mean node loss, in % (JSON: a fraction).
-- vs DiLoCo: the method's mean node loss over DiLoCo's at the same H (below 1: better).
+- vs DiLoCo: the method's mean node loss over DiLoCo's at the same H (below 1: better), at
+  the same steps; and at the same time on the column's link ("same time", JSON ``..._same_time``):
+  the swarm's figure at its budget against DiLoCo's, interpolated between its evaluations, at
+  the moment the swarm got there, DiLoCo's clock counting its blocking all-reduces (the
+  time-to-loss plot's reading at that moment).
 - digits gap: DDP's accuracy minus the mean node accuracy, in points.
 - communication per node: MB each node sent over the budget (the swarms: measured, every
   byte on the wire; DDP and DiLoCo: their ring all-reduces).
@@ -422,6 +426,10 @@ def summarize(work: Workload, runs: dict[str, dict[int, list[Run]]], h: int,
                     s[key] = mean([r[key] for r in mine])
         out[method] = s
     ddp, diloco = out.get("ddp"), out.get("diloco")
+    for method in SWARMS:
+        swarm, theirs = runs[method].get(h), runs["diloco"].get(h)
+        if method in out and swarm and theirs:
+            out[method]["vs_diloco_same_time"] = same_time(work, swarm, theirs, h, least)
     for method, s in out.items():
         if work.classifier:
             if ddp:
@@ -451,14 +459,16 @@ def report(work: Workload, summary: dict[int, dict[str, dict[str, float]]],
                    ("mean_model_accuracy", "accuracy %, mean model", "{:.1f}", swarms),
                    ("anchor_accuracy", "accuracy %, anchors", "{:.1f}", swarms),
                    ("gap", "pts below DDP", "{:+.1f}", compared),
-                   ("vs_diloco", "pts above DiLoCo", "{:+.1f}", swarms)]
+                   ("vs_diloco", "pts above DiLoCo", "{:+.1f}", swarms),
+                   ("vs_diloco_same_time", "pts above DiLoCo, same time", "{:+.1f}", swarms)]
     else:
         figures = [("loss", "loss, mean node", "{:.4f}", every),
                    ("worst_loss", "loss, worst node", "{:.4f}", every),
                    ("mean_model_loss", "loss, mean model", "{:.4f}", swarms),
                    ("anchor_loss", "loss, anchors", "{:.4f}", swarms),
                    ("gap", "gap to DDP %", "{:+.2f}", compared),
-                   ("vs_diloco", "loss / DiLoCo's", "{:.4f}", swarms)]
+                   ("vs_diloco", "loss / DiLoCo's", "{:.4f}", swarms),
+                   ("vs_diloco_same_time", "loss / DiLoCo's, same time", "{:.4f}", swarms)]
     figures += [("syncs", "syncs per node", "{:.1f}", compared),
                 ("spread", "spread of nodes", "{:.4f}", swarms),
                 ("mb_per_node", "MB sent per node", "{:.0f}", every)]
@@ -488,11 +498,15 @@ def headline(summary: Summary, params: int, prefix: str = "") -> dict[str, Any]:
             for work in ("lm_iid", "lm_skewed"):
                 s = summary.get(work, {}).get(h, {}).get(method, {})
                 out[f"{prefix}{name}{work}_vs_diloco_h{h}"] = rounded(s.get("vs_diloco"), 4)
+                out[f"{prefix}{name}{work}_vs_diloco_h{h}_same_time"] = rounded(
+                    s.get("vs_diloco_same_time"), 4)
                 out[f"{prefix}{name}{work}_gap_to_ddp_h{h}"] = rounded(s.get("gap"), 4)
         digits = summary.get("digits", {}).get(100, {}).get(method, {})
         if not prefix:
             out[f"{name}digits_sorted_gap_h100_n{N}"] = rounded(digits.get("gap"), 2)
             out[f"{name}digits_sorted_vs_diloco_h100_n{N}"] = rounded(digits.get("vs_diloco"), 2)
+            out[f"{name}digits_sorted_vs_diloco_h100_n{N}_same_time"] = rounded(
+                digits.get("vs_diloco_same_time"), 2)
     return out
 
 
@@ -523,13 +537,54 @@ def verdicts(summary: Summary) -> dict[str, bool | None]:
 def wall_clock(method: str, runs: list[Run], h: int, least: int) -> list[float]:
     """Virtual seconds at each point of the first seed's curve on the column's link: the
     swarms' measured clock; DiLoCo's and DDP's compute plus their blocking all-reduces."""
-    first = runs[0]
+    return run_clock(method, runs[0], h, least)
+
+
+def run_clock(method: str, run: Run, h: int, least: int) -> list[float]:
+    """:func:`wall_clock` of one run."""
     if method in SWARMS:
-        return first["clock"]
-    rate = link_rate(payload_bytes(first["params"]), h)
-    steps = [s for s, _ in first["curve"] if s <= budget(h, least)]
-    sync = allreduce_bytes(first["params"])
+        return run["clock"]
+    rate = link_rate(payload_bytes(run["params"]), h)
+    steps = [s for s, _ in run["curve"] if s <= budget(h, least)]
+    sync = allreduce_bytes(run["params"])
     return [blocking_time(s, s if method == "ddp" else s // h, sync, rate) for s in steps]
+
+
+def at_time(curve: list[tuple[int, dict[str, float]]], clock: list[float], seconds: float,
+            key: str) -> float | None:
+    """The figure ``key`` of a run at ``seconds`` on its clock, interpolated between its
+    evaluations (from the start's, taken as its first); None past its last."""
+    if seconds > clock[-1]:
+        return None
+    times = [0.0, *clock]
+    values = [curve[0][1][key], *(f[key] for _, f in curve[:len(clock)])]
+    for k in range(1, len(times)):
+        if seconds <= times[k]:
+            part = (seconds - times[k - 1]) / max(times[k] - times[k - 1], 1e-12)
+            return values[k - 1] + part * (values[k] - values[k - 1])
+    return values[-1]
+
+
+def same_time(work: Workload, swarm: list[Run], diloco: list[Run], h: int,
+              least: int) -> float | None:
+    """The swarm's figure at its budget against DiLoCo's at the same time on the same link
+    (its blocking all-reduces counted), mean over the seeds both ran: a loss ratio, or points
+    above DiLoCo; None where DiLoCo had not got as far by then (it would have to be
+    extrapolated)."""
+    key = "accuracy" if work.classifier else "loss"
+    ratios = []
+    by_seed = {r["seed"]: r for r in diloco}
+    for mine in swarm:
+        theirs = by_seed.get(mine["seed"])
+        if theirs is None:
+            continue
+        then = at_time(theirs["curve"], run_clock("diloco", theirs, h, least),
+                       mine["clock"][-1], key)
+        if then is None:
+            return None
+        own = at_step(mine["curve"], budget(h, least))[key]
+        ratios.append(own - then if work.classifier else own / then)
+    return mean(ratios) if ratios else None
 
 
 def plot(workloads: list[Workload], per_seed: dict[str, dict[str, dict[int, list[Run]]]],
