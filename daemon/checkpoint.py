@@ -3,8 +3,24 @@
 Theory of operation
 -------------------
 A checkpoint is one file, ``checkpoint-<step>.ckpt``, the step written in decimal with zeros
-in front to 12 digits at least (so that names sort by step up to 10^12 - 1; past that a name is
-longer, and :func:`checkpoints` orders by the number, not the name). Its bytes are::
+in front to 12 digits at least. The step alone does not name a state: a node ahead of the swarm
+pays a debt (its optimizer steps do not count for a while), so it saves different states at one
+step, and with one name for them each save would replace the file of the one before. So a save
+whose step already has a file in the directory, under the plain name or a repeat's name, set
+aside or not, is a repeat: ``checkpoint-<step>.<k>.ckpt``, k one more than the largest that
+step has (1 after the plain name), in decimal without zeros in front. Set-aside files
+(``<name>.corrupt``, ``<name>.before-jump``) count because they keep their name with a suffix
+added: a new file under the old name, set aside in its turn, would replace them. No save takes
+a name that a file holds, so a file, once written, holds one state until it is deleted; a step
+saved once, the common case, keeps the plain name, the one that older directories hold.
+
+Checkpoints are ordered by step and then k, the plain name being k = 0, everywhere: listing,
+pruning, resuming, the jump rule. That is not the order of the names (the name of repeat 1
+sorts before the plain name, repeat 10 before repeat 2, and a step past 10^12 - 1 has more
+digits), so :func:`checkpoints` orders by the numbers. A name that :func:`save` would not write
+(extra zeros in front of the step, a k of 0, zeros in front of k) is not a checkpoint.
+
+A checkpoint's bytes are::
 
     header   12 bytes   FORMAT: MAGIC b"GOSSIPCK" + VERSION as u32 little-endian
     payload  n bytes    exactly what torch.save(state, ...) writes (a torch zip archive)
@@ -21,15 +37,15 @@ which refuses pickles that name arbitrary classes or functions.
 
 Writing (:func:`save`) streams: ``torch.save`` writes through :class:`_HashingWriter`, which
 hashes each chunk on its way to the file, so the payload is never held in memory. The file is a
-temp file in the same directory (``.checkpoint-<step>.ckpt.<random>.tmp``, which
-:func:`checkpoints` ignores), flushed, fsynced, renamed over the final name with
+temp file in the same directory (``.<name>.<random>.tmp``, which :func:`checkpoints`
+ignores), flushed, fsynced, renamed to the final name with
 ``os.replace``, and the directory fsynced (:func:`daemon.files.atomic_write`). Until the rename
 the previous checkpoint is untouched, so a crash at any instant leaves the last completed
 checkpoint on disk, plus at most a temp file, which the next save removes. After the rename,
 all but the newest ``keep`` checkpoints are deleted, never the new one. A save whose step is
 more than twice the newest checkpoint's plus :data:`JUMP_SLACK` first sets that one aside as
-``<name>.before-jump``, out of the pruning's reach: names follow the step, so a step taken from
-a lying peer would otherwise prune every checkpoint from before it (the newest ``keep`` of
+``<name>.before-jump``, out of the pruning's reach: the order follows the step, so a step taken
+from a lying peer would otherwise prune every checkpoint from before it (the newest ``keep`` of
 those are kept, and :func:`load_latest` does not read them: resuming from one is the operator's
 choice). One process writes a directory at a time (the daemon's trainer): a second writer's
 temp file would be taken for a stale one.
@@ -83,7 +99,7 @@ FORMAT = MAGIC + struct.pack("<I", VERSION)  # the 12 bytes every checkpoint sta
 END_MAGIC = b"GOSSIPND"
 _TRAILER = struct.Struct("<Q32s8s")  # payload length, SHA-256(header + payload), END_MAGIC
 MAX_STEP = MAX_COUNT  # the protocol's counter range: any step a peer can give us
-_NAME = re.compile(r"checkpoint-(\d{12,16})\.ckpt")
+_NAME = re.compile(r"checkpoint-(\d{12,16})(?:\.(\d{1,16}))?\.ckpt")  # step, then k (repeats)
 _TEMP_PREFIX = ".checkpoint-"  # and files.TEMP_SUFFIX: the temp file of a save
 # A save more than twice the newest checkpoint's step, plus this, is a jump: more than one
 # exchange may move a step (gossip.standing.step_move caps a move up at the step plus the same
@@ -91,6 +107,7 @@ _TEMP_PREFIX = ".checkpoint-"  # and files.TEMP_SUFFIX: the temp file of a save
 # before it is kept aside (BEFORE_JUMP), out of the pruning's reach.
 JUMP_SLACK = 100_000
 BEFORE_JUMP = ".before-jump"
+_CORRUPT = ".corrupt"  # an unusable checkpoint set aside by load_latest
 
 
 class CheckpointError(Exception):
@@ -140,14 +157,16 @@ def save(directory: Path, state: Mapping[str, Any], *, step: int, keep: int) -> 
     """Write ``state`` as the checkpoint for ``step``, atomically, then prune old ones.
 
     Creates ``directory`` (mode 0700) if missing and removes temp files left by a crash.
-    Saving a step twice replaces the first file. After the rename, all but the newest
-    ``keep`` checkpoints are deleted, never the one just written.
+    The file is ``checkpoint-<step>.ckpt``, or, when that step already has a name in the
+    directory, ``checkpoint-<step>.<k>.ckpt`` with k one more than its largest (see the module
+    docstring): no file is ever replaced. After the rename, all but the newest ``keep``
+    checkpoints (by step, then k) are deleted, never the one just written.
 
     Args:
         directory: where checkpoints live.
         state: anything ``torch.load(weights_only=True)`` can read back: tensors, dicts,
             lists, tuples, str, int, float, bool, None.
-        step: the training step, 0 to :data:`MAX_STEP`; it names the file.
+        step: the training step, 0 to :data:`MAX_STEP`; it names the file, with k.
         keep: how many checkpoints to keep, at least 1.
 
     Returns:
@@ -162,14 +181,23 @@ def save(directory: Path, state: Mapping[str, Any], *, step: int, keep: int) -> 
     _check_int("keep", keep, 1, MAX_STEP)
     directory = Path(directory)
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    repeats: list[int] = []  # the k of each name this step has, set-aside ones included
     for name in os.listdir(directory):
         stale = directory / name
         if name.startswith(_TEMP_PREFIX) and name.endswith(TEMP_SUFFIX) and stale.is_file():
             log.warning("checkpoint stale temp removed path=%s", stale)
             with contextlib.suppress(FileNotFoundError):
                 stale.unlink()
+            continue
+        for suffix in (BEFORE_JUMP, _CORRUPT):  # a set-aside file keeps its name too
+            if name.endswith(suffix):
+                name = name[:-len(suffix)]
+                break
+        key = _key(name)
+        if key is not None and key[0] == step:
+            repeats.append(key[1])
 
-    path = directory / _name(step)
+    path = directory / _name(step, max(repeats) + 1 if repeats else 0)
     started = time.monotonic()
     size = 0
 
@@ -191,7 +219,7 @@ def save(directory: Path, state: Mapping[str, Any], *, step: int, keep: int) -> 
     atomic_write(path, write)
     log.debug("checkpoint saved path=%s step=%d bytes=%d seconds=%.3f",
               path, step, size, time.monotonic() - started)
-    if before and before[-1] != path and step > jump_bound(_step_of(before[-1])):
+    if before and before[-1] != path and step > jump_bound(_key_of(before[-1])[0]):
         _keep_before_jump(before[-1], step, keep)
 
     for old in checkpoints(directory)[:-keep]:
@@ -295,7 +323,7 @@ def _set_aside(path: Path) -> None:
     """Rename an unusable checkpoint to ``<name>.corrupt``: kept for a post-mortem, out of
     :func:`checkpoints`, so that it is not tried again and, being newer than the checkpoints
     written after resuming, does not make pruning delete those."""
-    target = path.with_name(path.name + ".corrupt")
+    target = path.with_name(path.name + _CORRUPT)
     try:
         os.replace(path, target)
     except OSError as exc:
@@ -305,32 +333,45 @@ def _set_aside(path: Path) -> None:
 
 
 def checkpoints(directory: Path) -> list[Path]:
-    """Checkpoint files in ``directory`` by step, oldest first, without verifying them.
+    """Checkpoint files in ``directory`` by step and then k (the plain name first), oldest
+    first, without verifying them.
 
     Temp files and anything not named as :func:`save` names a checkpoint (the step to 12
-    digits at least, no extra zeros in front) are ignored; a missing directory has none.
+    digits at least, no extra zeros in front; a k of 1 or more, no zeros in front) are
+    ignored; a missing directory has none.
     """
     directory = Path(directory)
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
         return []
-    steps: dict[str, int] = {}
+    keys: dict[str, tuple[int, int]] = {}
     for name in names:
-        match = _NAME.fullmatch(name)
-        if match and _name(int(match[1])) == name and (directory / name).is_file():
-            steps[name] = int(match[1])
-    return [directory / n for n in sorted(steps, key=steps.__getitem__)]
+        key = _key(name)
+        if key is not None and (directory / name).is_file():
+            keys[name] = key
+    return [directory / n for n in sorted(keys, key=keys.__getitem__)]
 
 
-def _name(step: int) -> str:
-    return f"checkpoint-{step:012d}.ckpt"
+def _name(step: int, k: int = 0) -> str:
+    """The name :func:`save` gives the checkpoint of ``step`` written after k others of it."""
+    return f"checkpoint-{step:012d}.ckpt" if k == 0 else f"checkpoint-{step:012d}.{k}.ckpt"
 
 
-def _step_of(path: Path) -> int:
-    match = _NAME.fullmatch(path.name)
-    assert match is not None  # checkpoints() lists only such names
-    return int(match[1])
+def _key(name: str) -> tuple[int, int] | None:
+    """``(step, k)`` of a checkpoint's name (k 0 for the plain name), or None for a name
+    :func:`save` does not write."""
+    match = _NAME.fullmatch(name)
+    if match is None:
+        return None
+    key = int(match[1]), int(match[2] or 0)
+    return key if _name(*key) == name else None
+
+
+def _key_of(path: Path) -> tuple[int, int]:
+    key = _key(path.name)
+    assert key is not None  # checkpoints() lists only such names
+    return key
 
 
 def jump_bound(step: int) -> int:
@@ -346,13 +387,16 @@ def _keep_before_jump(newest: Path, step: int, keep: int) -> None:
     checkpoint from before it. At most ``keep`` are kept, the newest."""
     kept = newest.with_name(newest.name + BEFORE_JUMP)
     with contextlib.suppress(FileNotFoundError):
-        os.replace(newest, kept)
+        os.replace(newest, kept)  # no file holds that name: save gave newest's name a new one
         log.warning("checkpoint step jumped from %d to %d: the one before it is kept at %s "
                     "(to resume from it, rename it to %s and move the newer ones away)",
-                    _step_of(newest), step, kept, newest.name)
-    olds = sorted(kept.parent.glob(f"checkpoint-*.ckpt{BEFORE_JUMP}"),
-                  key=lambda p: _step_of(p.with_name(p.name[:-len(BEFORE_JUMP)])))
-    for old in olds[:-keep]:
+                    _key_of(newest)[0], step, kept, newest.name)
+    olds: dict[Path, tuple[int, int]] = {}
+    for old in kept.parent.glob(f"checkpoint-*{BEFORE_JUMP}"):
+        key = _key(old.name[:-len(BEFORE_JUMP)])
+        if key is not None:
+            olds[old] = key
+    for old in sorted(olds, key=olds.__getitem__)[:-keep]:
         with contextlib.suppress(FileNotFoundError):
             old.unlink()
 

@@ -144,7 +144,7 @@ def _parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("export", help="write a checkpoint's model as a plain state-dict file "
                         "(for torch.load and load_state_dict)")
-    sp.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint-<step>.ckpt file")
+    sp.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint-<step>[.<k>].ckpt file")
     sp.add_argument("output", metavar="OUT", help="the state-dict file to write")
 
     sp = sub.add_parser("demo", help="run a swarm of real daemons on 127.0.0.1 and report")

@@ -251,7 +251,7 @@ def export_file(path: Path, out: Path) -> dict[str, Any]:
     """Write the model of the checkpoint ``path`` to ``out`` as a plain state dict.
 
     Args:
-        path: a checkpoint (``checkpoint-<step>.ckpt``).
+        path: a checkpoint (``checkpoint-<step>[.<k>].ckpt``).
         out: the output file, written atomically as a plain ``torch.save``'d state dict
             (loadable with ``torch.load(weights_only=True)`` and ``model.load_state_dict``).
 

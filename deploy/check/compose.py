@@ -16,7 +16,9 @@ NODES = ("node1", "node2", "node3")
 COMPOSE = ROOT / "deploy" / "compose.yaml"
 STEPS = re.compile(r"^training\s+(\d+) own steps", re.M)
 PEER = re.compile(r"^\s+\w+\s+(node\d):7070\s+alive\b", re.M)
-CHECKPOINT = re.compile(r"checkpoint-(\d+)\.ckpt")
+# A checkpoint's name, one per line of ls: its step, and .<k> for a repeat save at that step
+# (not .corrupt or .before-jump files, which are set aside).
+CHECKPOINT = re.compile(r"^checkpoint-(\d+)(?:\.\d+)?\.ckpt$", re.M)
 
 
 def container(service: str) -> str:

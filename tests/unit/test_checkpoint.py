@@ -1,6 +1,7 @@
 """Tests for daemon.checkpoint: round trips, the file layout, every truncation and flipped
-byte caught before unpickling, fallback to the previous checkpoint, pruning, crash safety,
-RNG capture, and refusal of hostile pickles by weights_only."""
+byte caught before unpickling, fallback to the previous checkpoint, pruning, repeats of a step
+under names of their own, crash safety, RNG capture, and refusal of hostile pickles by
+weights_only."""
 
 from __future__ import annotations
 
@@ -319,7 +320,10 @@ def test_a_step_that_jumps_cannot_prune_every_checkpoint_from_before_it(
     assert "step jumped from 2000" in caplog.text and kept.name in caplog.text
     # load_latest does not resume from it by itself: that is the operator's choice.
     assert checkpoint.load_latest(tmp_path)[1] == {"step": MAX_COUNT}
-    assert checkpoint.checkpoints(tmp_path) == [tmp_path / f"checkpoint-{MAX_COUNT}.ckpt"]
+    # The three saves at MAX_COUNT are repeats (the first is the jump, the others are not:
+    # the newest is at MAX_COUNT by then), and keep=1 keeps the last.
+    assert checkpoint.checkpoints(tmp_path) == [tmp_path / f"checkpoint-{MAX_COUNT}.2.ckpt"]
+    assert len(list(tmp_path.glob("*.before-jump"))) == 1
 
 
 def test_checkpoints_kept_from_before_jumps_are_at_most_keep(tmp_path: Path) -> None:
@@ -332,24 +336,161 @@ def test_checkpoints_kept_from_before_jumps_are_at_most_keep(tmp_path: Path) -> 
     assert kept == [f"checkpoint-{s:012d}.ckpt{checkpoint.BEFORE_JUMP}" for s in steps[1:3]]
 
 
-def test_same_step_replaces(tmp_path: Path) -> None:
-    checkpoint.save(tmp_path, {"v": 1}, step=7, keep=3)
-    path = checkpoint.save(tmp_path, {"v": 2}, step=7, keep=3)
-    assert checkpoint.checkpoints(tmp_path) == [path]
-    assert checkpoint.load(path) == {"v": 2}
-
-
 def test_checkpoints_ignores_other_names_and_stale_temps_are_removed(tmp_path: Path) -> None:
-    names = [".checkpoint-000000000009.ckpt.abc.tmp", "checkpoint-9.ckpt",
-             "checkpoint-000000000009.ckpt.bak", "checkpoint-0000000000009.ckpt", "notes.txt"]
-    for name in names:
+    temps = [".checkpoint-000000000009.ckpt.abc.tmp", ".checkpoint-000000000009.3.ckpt.abc.tmp"]
+    names = ["checkpoint-9.ckpt", "checkpoint-000000000009.ckpt.bak",
+             "checkpoint-0000000000009.ckpt", "checkpoint-0000000000009.1.ckpt",
+             "checkpoint-000000000009.0.ckpt", "checkpoint-000000000009.01.ckpt",
+             "checkpoint-000000000009..ckpt", "checkpoint-000000000009.-1.ckpt",
+             "checkpoint-000000000009.1a.ckpt", "checkpoint-000000000009.1.ckpt.bak",
+             "checkpoint-000000000009.1.2.ckpt", "notes.txt"]
+    for name in temps + names:
         (tmp_path / name).write_bytes(b"x")
     (tmp_path / "checkpoint-000000000008.ckpt").mkdir()
     assert checkpoint.checkpoints(tmp_path) == []
     path = checkpoint.save(tmp_path, {"x": 1}, step=1, keep=1)
     assert checkpoint.checkpoints(tmp_path) == [path]
-    assert not (tmp_path / names[0]).exists()
-    assert all((tmp_path / name).exists() for name in names[1:])
+    assert not any((tmp_path / name).exists() for name in temps)
+    assert all((tmp_path / name).read_bytes() == b"x" for name in names)
+    # None of those names is one save writes, so none makes a save at 9 a repeat.
+    assert checkpoint.save(tmp_path, {"x": 9}, step=9, keep=9).name == (
+        "checkpoint-000000000009.ckpt")
+    # A directory in the way of the plain name holds it as a file would.
+    assert checkpoint.save(tmp_path, {"x": 8}, step=8, keep=9).name == (
+        "checkpoint-000000000008.1.ckpt")
+    assert all((tmp_path / name).read_bytes() == b"x" for name in names)
+
+
+# --- repeats: saves at a step that already has a checkpoint --------------------------------
+
+
+def name(step: int, k: int = 0) -> str:
+    """The name the module docstring gives the k-th repeat of ``step``, written out here."""
+    return f"checkpoint-{step:012d}.ckpt" if k == 0 else f"checkpoint-{step:012d}.{k}.ckpt"
+
+
+def test_saves_at_one_step_never_replace_each_other(tmp_path: Path) -> None:
+    # A node ahead of the swarm trains on at one step: each save is a different state.
+    paths, contents = [], []
+    for v in (1, 2, 3):
+        paths.append(checkpoint.save(tmp_path, {"v": v}, step=7, keep=5))
+        contents.append(paths[-1].read_bytes())
+    assert [p.name for p in paths] == [name(7), name(7, 1), name(7, 2)]
+    assert checkpoint.checkpoints(tmp_path) == paths  # oldest first: the plain name, 1, 2
+    assert [checkpoint.load(p) for p in paths] == [{"v": 1}, {"v": 2}, {"v": 3}]
+    assert [p.read_bytes() for p in paths] == contents  # each file as it was written
+    assert sorted(os.listdir(tmp_path)) == sorted(p.name for p in paths)  # no temp left
+
+
+def test_repeats_are_ordered_by_step_then_k_not_by_name(tmp_path: Path) -> None:
+    for v in range(12):  # the plain name, then 1 to 11: by name, .10 and .11 sort before .2
+        checkpoint.save(tmp_path, {"v": v}, step=5, keep=20)
+    checkpoint.save(tmp_path, {"v": 12}, step=6, keep=20)
+    checkpoint.save(tmp_path, {"v": 13}, step=4, keep=20)  # an older step: the plain name
+    expected = [name(4)] + [name(5)] + [name(5, k) for k in range(1, 12)] + [name(6)]
+    listed = [p.name for p in checkpoint.checkpoints(tmp_path)]
+    assert listed == expected and sorted(listed) != expected
+    assert [checkpoint.load(tmp_path / n)["v"] for n in expected] == [13, *range(13)]
+
+
+def test_pruning_keeps_the_newest_across_repeats(tmp_path: Path) -> None:
+    for v in range(4):
+        checkpoint.save(tmp_path, {"v": v}, step=3, keep=2)
+    assert [p.name for p in checkpoint.checkpoints(tmp_path)] == [name(3, 2), name(3, 3)]
+    checkpoint.save(tmp_path, {"v": 4}, step=4, keep=2)
+    checkpoint.save(tmp_path, {"v": 5}, step=4, keep=2)
+    checkpoints = checkpoint.checkpoints(tmp_path)
+    assert [p.name for p in checkpoints] == [name(4), name(4, 1)]
+    assert [checkpoint.load(p)["v"] for p in checkpoints] == [4, 5]
+    # After step 3's files were all pruned, a save at 3 takes the plain name again: no file
+    # holds it. Older than the newest, it is kept as it is written, as any older step is.
+    older = checkpoint.save(tmp_path, {"v": 6}, step=3, keep=1)
+    assert older.name == name(3)
+    assert checkpoint.checkpoints(tmp_path) == [older, tmp_path / name(4, 1)]
+    # That pruned step 4's plain name. k follows the largest a step has, not the first free
+    # one, which would put the new file before repeat 1, the older state.
+    assert not (tmp_path / name(4)).exists()
+    newest = checkpoint.save(tmp_path, {"v": 7}, step=4, keep=9)
+    assert newest.name == name(4, 2) and checkpoint.checkpoints(tmp_path)[-1] == newest
+
+
+def test_load_latest_picks_the_latest_repeat(tmp_path: Path) -> None:
+    checkpoint.save(tmp_path, {"v": 0}, step=8, keep=20)
+    for v in range(1, 12):
+        latest = checkpoint.save(tmp_path, {"v": v}, step=9, keep=20)
+    assert latest.name == name(9, 10)
+    assert checkpoint.load_latest(tmp_path) == (latest, {"v": 11})
+
+
+def test_a_torn_newest_repeat_falls_back_to_the_previous_one(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    for v in (1, 2, 3):
+        checkpoint.save(tmp_path, {"v": v}, step=7, keep=5)
+    torn = tmp_path / name(7, 2)
+    torn.write_bytes(torn.read_bytes()[:-10])
+    with caplog.at_level(logging.WARNING, logger="daemon.checkpoint"):
+        assert checkpoint.load_latest(tmp_path) == (tmp_path / name(7, 1), {"v": 2})
+    assert f"checkpoint unusable path={torn}" in caplog.text
+    corrupt = tmp_path / (name(7, 2) + ".corrupt")
+    kept = corrupt.read_bytes()
+    # Resumed from repeat 1, the node saves at 7 again: the set-aside file still holds the
+    # name of repeat 2, so the new one is repeat 3, and the torn one stays for a post-mortem.
+    path = checkpoint.save(tmp_path, {"v": 4}, step=7, keep=5)
+    assert path.name == name(7, 3) and corrupt.read_bytes() == kept
+    assert checkpoint.load_latest(tmp_path) == (path, {"v": 4})
+
+
+def test_the_jump_rule_with_repeats(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    for v in (1, 2):
+        checkpoint.save(tmp_path, {"v": v}, step=1000, keep=2)
+    # Up to jump_bound of the newest checkpoint's step is no jump, from the last repeat too.
+    bound = checkpoint.jump_bound(1000)
+    checkpoint.save(tmp_path, {"v": 3}, step=bound, keep=2)
+    assert not list(tmp_path.glob("*.before-jump"))
+    assert [p.name for p in checkpoint.checkpoints(tmp_path)] == [name(1000, 1), name(bound)]
+    checkpoint.save(tmp_path, {"v": 4}, step=bound, keep=2)  # a repeat: no jump either
+    assert not list(tmp_path.glob("*.before-jump"))
+    # Past jump_bound of the newest: that one, repeat 1 of `bound`, is set aside.
+    with caplog.at_level(logging.WARNING, logger=checkpoint.log.name):
+        checkpoint.save(tmp_path, {"v": 5}, step=MAX_COUNT, keep=1)
+    kept = tmp_path / (name(bound, 1) + checkpoint.BEFORE_JUMP)
+    assert [p.name for p in tmp_path.glob("*.before-jump")] == [kept.name]
+    assert checkpoint.load(kept) == {"v": 4}
+    assert f"step jumped from {bound} to {MAX_COUNT}" in caplog.text
+    assert checkpoint.load_latest(tmp_path) == (tmp_path / name(MAX_COUNT), {"v": 5})
+
+
+def test_checkpoints_kept_from_before_jumps_are_the_newest_by_step_then_k(
+        tmp_path: Path) -> None:
+    data = checkpoint.save(tmp_path / "x", {"v": 0}, step=0, keep=1).read_bytes()
+    aside = [name(10, k) + checkpoint.BEFORE_JUMP for k in (0, 2, 10)]
+    foreign = ["checkpoint-10.ckpt.before-jump", "checkpoint-000000000010.0.ckpt.before-jump"]
+    for n in aside + foreign:
+        (tmp_path / n).write_bytes(data)
+    checkpoint.save(tmp_path, {"v": 1}, step=20, keep=2)
+    newest = checkpoint.save(tmp_path, {"v": 2}, step=checkpoint.jump_bound(20) + 1, keep=2)
+    kept = sorted(p.name for p in tmp_path.glob("*.before-jump") if p.name not in foreign)
+    assert kept == sorted([aside[2], name(20) + checkpoint.BEFORE_JUMP])  # by name, .10 < .2
+    assert all((tmp_path / n).exists() for n in foreign)  # not ours: left alone
+    assert checkpoint.checkpoints(tmp_path) == [newest]
+
+
+async def test_checkpointer_repeats_a_step_under_new_names(tmp_path: Path) -> None:
+    class Metrics:
+        checkpoint_failures = None
+
+        def checkpointed(self, seconds: float) -> None:
+            pass
+
+    events: list[dict[str, Any]] = []
+    writer = checkpoint.Checkpointer(tmp_path, 3, Metrics(),
+                                     lambda event, **fields: events.append(fields))
+    for v in (1, 2):
+        await writer.write({"counters": {"step": 4844}, "v": v})
+    assert [e["path"] for e in events] == [str(tmp_path / name(4844)),
+                                           str(tmp_path / name(4844, 1))]
+    assert writer.last is not None and writer.last["path"] == events[-1]["path"]
+    assert [checkpoint.load(Path(e["path"]))["v"] for e in events] == [1, 2]
 
 
 class Bomb:
@@ -406,6 +547,31 @@ def test_crash_at_rename_keeps_previous(tmp_path: Path, monkeypatch: pytest.Monk
         checkpoint.save(tmp_path, {"v": 2}, step=2, keep=1)
     assert os.listdir(tmp_path) == [good.name]
     assert checkpoint.load_latest(tmp_path) == (good, {"v": 1})
+
+
+def test_crash_at_rename_of_a_repeat_keeps_previous_and_its_temp_is_ours(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    good = checkpoint.save(tmp_path, {"v": 1}, step=1, keep=1)
+    temps: list[str] = []
+
+    def fail(src: Any, dst: Any) -> None:
+        temps.append(Path(src).name)
+        assert Path(dst).name == name(1, 1) and checkpoint.load(Path(src)) == {"v": 2}
+        (tmp_path / "left").write_bytes(Path(src).read_bytes()[:30])  # as a kill -9 would
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", fail)
+    with pytest.raises(OSError):
+        checkpoint.save(tmp_path, {"v": 2}, step=1, keep=1)
+    monkeypatch.undo()
+    [temp] = temps
+    assert temp.startswith(f".{name(1, 1)}.") and temp.endswith(".tmp")
+    assert set(os.listdir(tmp_path)) == {good.name, "left"}
+    assert checkpoint.load_latest(tmp_path) == (good, {"v": 1})
+    # A temp file that a crash left under that name is the next save's to remove.
+    os.rename(tmp_path / "left", tmp_path / temp)
+    path = checkpoint.save(tmp_path, {"v": 3}, step=1, keep=2)
+    assert path.name == name(1, 1) and set(os.listdir(tmp_path)) == {good.name, path.name}
 
 
 def test_crash_leftover_temp_does_not_shadow(tmp_path: Path) -> None:
