@@ -115,6 +115,9 @@ def status_reply(source: Source, now: float) -> dict[str, Any]:
         **source.metrics.sample(node),
         "every": c.averaging.every,  # as configured: "auto" means spacing is measured
         "own_steps": own,
+        # Steps of ours still to take without counting: the step is ahead of the swarm's, held
+        # while the swarm catches up (gossip.replica's debt).
+        "step_held": node.statistics().held,
         "own_steps_total": None if before is None else before + own,
         "evaluation": evaluation,
         "eval_every": c.task.eval_interval,  # the reply's key as older daemons send it
@@ -182,7 +185,9 @@ def format_status(s: dict[str, Any]) -> str:
         *([f"processes {_processes(s['processes'])}"] if s.get("processes") else []),
         *([f"NOT READY {not_ready(s)}"] if not_ready(s) else []),
         f"training  {', '.join(training)}",
-        f"step      {s['step']} (the swarm's: the step the task's schedule follows)",
+        f"step      {s['step']} (the swarm's: the step the task's schedule follows)"
+        + (f"; held for {s['step_held']} own steps: ahead of the swarm, which catches up"
+           if s.get("step_held") else ""),
     ]
     if s.get("rotation"):
         lines.append(f"rotation  {rotation_line(s['rotation'])}")

@@ -186,8 +186,26 @@ class Daemon:
         return sum(e["result"] == "committed" for e in self.of("exchange", since))
 
     def step(self) -> int:
-        progress = self.last("progress")
+        """The swarm's step in the latest run's latest progress event (0 before its first):
+        the step the schedule follows, which a node ahead of the swarm holds while it trains
+        on."""
+        progress = self._progress()
         return progress["step"] if progress else 0
+
+    def own_steps(self) -> int:
+        """The latest run's own optimizer steps in its latest progress event (0 before its
+        first): what says it trains."""
+        progress = self._progress()
+        return progress["own"] if progress else 0
+
+    def _progress(self) -> dict[str, Any] | None:
+        self.poll()
+        for e in reversed(self.events):
+            if e["event"] == "start":
+                return None
+            if e["event"] == "progress":
+                return e
+        return None
 
     def text(self) -> str:
         """The daemon's own log (stdout and stderr), all runs."""

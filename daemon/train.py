@@ -494,13 +494,17 @@ class Training:
                                   trio.current_time())
 
     def progress(self, chunk: Chunk) -> None:
+        # step is the swarm's (the schedule's), which a node ahead of the swarm holds while it
+        # trains on (gossip.replica: a debt, held); own counts this process's optimizer steps,
+        # so a line shows training going on whatever the step does.
         stats, peers = self.node.statistics(), self.node.roster.statistics().alive
         rate = self.metrics.samples_per_second()
-        run_log.info("progress step=%d loss=%.4f samples_per_s=%.0f peers=%d exchanges=%d "
-                     "pending=%d", stats.step, chunk.loss, rate, peers, stats.committed,
-                     stats.pending)
-        self.event("progress", step=stats.step, loss=_finite(chunk.loss),
-                   samples_per_s=round(rate, 1), peers=peers, exchanges=stats.committed)
+        run_log.info("progress step=%d own=%d held=%d loss=%.4f samples_per_s=%.0f peers=%d "
+                     "exchanges=%d pending=%d", stats.step, stats.own_steps, stats.held,
+                     chunk.loss, rate, peers, stats.committed, stats.pending)
+        self.event("progress", step=stats.step, own=stats.own_steps, held=stats.held,
+                   loss=_finite(chunk.loss), samples_per_s=round(rate, 1), peers=peers,
+                   exchanges=stats.committed)
 
     def show(self, chunk: Chunk) -> None:
         """The live status line on a terminal."""

@@ -85,6 +85,11 @@ class AveragingStatistics:
     # Exchanges each round of ours makes at that spacing (gossip.plan): 1 at close spacing, up
     # to 3 from LARGE_SPACING on.
     round_peers: int = 1
+    # This process's optimizer steps, which go on whatever ``step`` does, and those of them
+    # still to take before ``step`` counts again (a node ahead of the swarm holds its step
+    # while the others catch up: gossip.replica's debt).
+    own_steps: int = 0
+    held: int = 0
 
 
 @dataclass
@@ -152,4 +157,6 @@ class Tally:
             corrected=self.corrected,
             spacing=spacing,
             round_peers=round_peers,
+            own_steps=counters.local,
+            held=counters.debt,
         )

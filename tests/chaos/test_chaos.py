@@ -32,7 +32,7 @@ CHAOS = 60.0  # s of kills (about 13), restarts and faults, the partition among 
 KILL_EVERY = (3.0, 6.0)  # s between kills, uniform
 MAX_DOWN = 3  # nodes down or restarting at once: a restart takes 10-30 s on two busy cores
 PARTITION_AT, PARTITION_FOR = 15.0, 20.0  # s into the chaos, s
-STALL = 15.0  # s: a daemon up this long must have stepped in that time
+STALL = 15.0  # s: a daemon up this long must have trained in that time
 SETTLE = 10  # committed exchanges per node after the faults are cleared, before stopping
 # Each node's final evaluation loss must be below this fraction of the untrained model's on
 # the same test split (digits: about 2.3; a swarm that learns ends near 0.1).
@@ -97,7 +97,8 @@ def run_chaos(rng: random.Random, proxy: ProxyClient, daemons: list[Daemon], ips
         proxy.faults(f"n{i}", delay=0.01, jitter=0.01, reset_probability=0.02)
 
     runs = {i: 0 for i in range(NODES)}  # restarts so far
-    seen = {i: (time.monotonic(), daemons[i].step(), (0, True)) for i in range(NODES)}
+    seen = {i: (time.monotonic(), daemons[i].own_steps(), (0, True)) for i in range(NODES)}
+    scheduled = {i: daemons[i].step() for i in range(NODES)}
     start = time.monotonic()
     next_kill = start + rng.uniform(*KILL_EVERY)
     partitioned = healed = False
@@ -123,15 +124,23 @@ def run_chaos(rng: random.Random, proxy: ProxyClient, daemons: list[Daemon], ips
             next_kill = now + rng.uniform(*KILL_EVERY)
         for i, d in enumerate(daemons):
             # Survivors: every daemon is running (a killed one is restarted at once), and one
-            # that has been up (same run, started) for STALL seconds has stepped since.
+            # that has been up (same run, started) for STALL seconds has trained since: its
+            # own steps, not the swarm's step, which a node ahead of the swarm holds (after
+            # the partition, the side that trained faster holds it while the other catches
+            # up), and which never goes back within a run (a restart resumes its last
+            # checkpoint's).
             assert d.running, f"{d.name} died:\n{d.text()[-3000:]}"
-            t0, step0, key0 = seen[i]
-            key, step = (runs[i], len(d.of("start")) == runs[i] + 1), d.step()
-            if key != key0 or step > step0:
-                seen[i] = (now, step, key)
+            t0, own0, key0 = seen[i]
+            key, own = (runs[i], len(d.of("start")) == runs[i] + 1), d.own_steps()
+            if key != key0:
+                scheduled[i] = 0
+            if key != key0 or own > own0:
+                seen[i] = (now, own, key)
             elif key[1] and now - t0 > STALL:
-                raise AssertionError(f"{d.name} stalled at step {step0} for {now - t0:.0f} s:\n"
-                                     f"{d.text()[-3000:]}")
+                raise AssertionError(f"{d.name} stalled at {own0} own steps for "
+                                     f"{now - t0:.0f} s:\n{d.text()[-3000:]}")
+            assert d.step() >= scheduled[i], f"{d.name}'s step went back:\n{d.text()[-3000:]}"
+            scheduled[i] = d.step()
         time.sleep(0.2)
 
     for i in range(NODES):

@@ -77,7 +77,7 @@ class Bench:
         for d in (self.a, self.b):
             d.poll()
         return {"events": {d.name: len(d.events) for d in (self.a, self.b)},
-                "steps": {d.name: d.step() for d in (self.a, self.b)},
+                "steps": {d.name: d.own_steps() for d in (self.a, self.b)},
                 "text": {d.name: len(d.text()) for d in (self.a, self.b)}}
 
     def held(self, mark: dict[str, Any], what: str, timeout: float = 60.0) -> None:
@@ -91,7 +91,7 @@ class Bench:
 
         wait_for(lambda: with_other(a, b) >= 2 and with_other(b, a) >= 2, timeout, [a, b],
                  f"honest exchanges after {what}")
-        wait_for(lambda: all(d.step() > mark["steps"][d.name] for d in (a, b)), timeout,
+        wait_for(lambda: all(d.own_steps() > mark["steps"][d.name] for d in (a, b)), timeout,
                  [a, b], f"training to go on after {what}")
         for d in (a, b):
             losses = [e["loss"] for e in d.of("progress", mark["events"][d.name])]

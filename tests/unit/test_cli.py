@@ -640,6 +640,10 @@ def test_format_status_before_anything_happened() -> None:
 
 
 @pytest.mark.parametrize("changes, line", [
+    ({"step_held": 0}, "step      1200 (the swarm's: the step the task's schedule follows)"),
+    # a node ahead of the swarm: its step stands while its own steps go on
+    ({"step_held": 35}, "step      1200 (the swarm's: the step the task's schedule follows); "
+                        "held for 35 own steps: ahead of the swarm, which catches up"),
     ({"own_steps_total": None}, "training  400 own steps since start, 76800 samples"),
     ({"own_steps_total": 400}, "training  400 own steps since start, 76800 samples"),
     ({"evaluation": None, "eval_every": 0.0},

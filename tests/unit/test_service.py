@@ -55,7 +55,8 @@ class FakeNode:
 
     def statistics(self) -> Any:
         self.lines.append(trio.current_time())
-        return SimpleNamespace(step=len(self.lines), committed=0, pending=0)
+        return SimpleNamespace(step=len(self.lines), committed=0, pending=0,
+                               own_steps=len(self.lines), held=0)
 
     def stop_averaging(self) -> None:
         pass
