@@ -641,7 +641,13 @@ def plot(workloads: list[Workload], per_seed: dict[str, dict[str, dict[int, list
             ax.set_xlabel(f"virtual minutes ({STEP_TIME * 1000:g} ms a step)")
             ax.set_ylabel("accuracy %, mean node" if work.classifier else "loss, mean node")
             ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
+    labelled: dict[str, Any] = {}  # one legend of every method drawn in any panel
+    for ax in (ax for row in axes for ax in row if ax.get_visible()):
+        for line in ax.lines:
+            labelled.setdefault(str(line.get_label()), line)
+    if labelled:
+        fig.legend(list(labelled.values()), list(labelled), loc="outside lower center",
+                   ncols=len(labelled), fontsize=8)
     fig.suptitle("Time to loss: held-out figure against time on the link where every = "
                  "\"auto\" picks H\n(all-reduces block; exchanges overlap training)")
     save_figure(fig, f"{name}_curves")
