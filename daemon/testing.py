@@ -189,23 +189,24 @@ class Daemon:
         """The swarm's step in the latest run's latest progress event (0 before its first):
         the step the schedule follows, which a node ahead of the swarm holds while it trains
         on."""
-        progress = self._progress()
-        return progress["step"] if progress else 0
+        return self.progress()[1]
 
     def own_steps(self) -> int:
         """The latest run's own optimizer steps in its latest progress event (0 before its
         first): what says it trains."""
-        progress = self._progress()
-        return progress["own"] if progress else 0
+        return self.progress()[2]
 
-    def _progress(self) -> dict[str, Any] | None:
+    def progress(self) -> tuple[int, int, int]:
+        """``(runs, step, own steps)`` read together from one look at the log: the runs
+        started so far, and the latest run's :meth:`step` and :meth:`own_steps`."""
         self.poll()
+        runs = sum(e["event"] == "start" for e in self.events)
         for e in reversed(self.events):
             if e["event"] == "start":
-                return None
+                break
             if e["event"] == "progress":
-                return e
-        return None
+                return runs, e["step"], e["own"]
+        return runs, 0, 0
 
     def text(self) -> str:
         """The daemon's own log (stdout and stderr), all runs."""
