@@ -117,7 +117,7 @@ def status_reply(source: Source, now: float) -> dict[str, Any]:
         "own_steps": own,
         # Steps of ours still to take without counting: the step is ahead of the swarm's, held
         # while the swarm catches up (gossip.replica's debt).
-        "step_held": node.statistics().held,
+        "step_held": node.replica.counters().debt,
         "own_steps_total": None if before is None else before + own,
         "evaluation": evaluation,
         "eval_every": c.task.eval_interval,  # the reply's key as older daemons send it

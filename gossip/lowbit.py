@@ -31,7 +31,8 @@ to a whole byte::
 
     cell = θ (2 bytes, bf16 LE) | codes (ceil(m·b / 8) bytes)
 
-``mod4``: 34 bytes per 64 values, 4.25 bits a value, 34/256 = 1/7.53 of ``fp32``; ``mod4/8``: 1/60.2.
+``mod4``: 34 bytes per 64 values, 4.25 bits a value, 34/256 = 1/7.53 of ``fp32``; ``mod4/8``:
+1/60.2.
 
 A payload's later vectors (the drift correction's estimate) travel as ``int8`` cells
 (:mod:`gossip.int8`) of the same blocks, gathered in order (:func:`gather`): an estimate is a

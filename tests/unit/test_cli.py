@@ -582,7 +582,7 @@ def status_reply(**changes: Any) -> dict[str, Any]:
                       "no_peer": 4, "newcomers": 2, "newcomers_limited": 0},
         "bytes": {"sent": 12_300_000, "received": 4_560_000}, "mean_exchange_s": 0.0421,
         "last_distance": 0.5, "pending": 1, "quarantined": 0, "downloads_served": 0,
-        "own_steps": 400, "own_steps_total": 1150,
+        "own_steps": 400, "own_steps_total": 1150, "step_held": 0,
         "evaluation": {"metrics": {"accuracy": 0.97221, "loss": 0.09123}, "step": 1100,
                        "age_s": 12.4},
         "eval_every": 60.0,
@@ -640,7 +640,6 @@ def test_format_status_before_anything_happened() -> None:
 
 
 @pytest.mark.parametrize("changes, line", [
-    ({"step_held": 0}, "step      1200 (the swarm's: the step the task's schedule follows)"),
     # a node ahead of the swarm: its step stands while its own steps go on
     ({"step_held": 35}, "step      1200 (the swarm's: the step the task's schedule follows); "
                         "held for 35 own steps: ahead of the swarm, which catches up"),
