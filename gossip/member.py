@@ -97,6 +97,10 @@ class _Record:
     shard: int = 0
     shards: int = 0
     reachable: bool = True
+    # The proof of the member's own claim that the incarnation comes from (gossip.claims):
+    # its Left once LEFT, else its Alive with the fields above. Our own record has none.
+    key: bytes = b""
+    signature: bytes = b""
 
     def view(self) -> Member:
         return Member(self.peer, self.address, self.incarnation, self.state, self.version,

@@ -24,15 +24,18 @@ number, and runs these timers (all times are passed in; nothing here does I/O):
 Updates (Alive, Suspect, Dead, Left) are piggybacked on every datagram, each sent
 ``retransmit_mult * ceil(log10(N + 1))`` times (:mod:`gossip.broadcast`). Precedence, per
 member: a higher incarnation wins; at equal incarnation LEFT > DEAD > SUSPECT > ALIVE. Only
-a member raises its own incarnation: it *refutes* a suspicion or death about itself by
-announcing Alive at a higher one (a restarted node does the same when it hears of its old
-self). Two processes with one identity at two addresses refute each other for ever, each
-announcement out-bidding the other's; a restarted node refutes its old self once or twice at
-most. So :data:`CLASH_CLAIMS` claims to be us from an address that is not ours, each at or
-above our incarnation, suggest an identity clash (:meth:`Membership.take_clash`); gossip is
-not signed by the member it is about, so the driver checks the address before it believes
-it. Full tables are merged as memberlist does: a remote DEAD becomes a local *suspicion* (the
-sender's view may be stale; the member can still refute), a remote LEFT is final.
+a member raises its own incarnation, and it signs its Alive and Left (:mod:`gossip.claims`):
+one whose proof fails is refused, and ends the datagram or table it came in. A Suspect or
+Dead, anyone's word, applies at most at the incarnation the member signed, so the member's
+next Alive out-ranks it. A member *refutes* a suspicion or death about itself by announcing
+Alive at its own incarnation + 1, or above an incarnation it signed itself, in an earlier run
+(a restarted node that hears of its old self; :mod:`gossip.ourselves`). Two processes with
+one identity at two addresses refute each other for ever, each announcement out-bidding the
+other's; a restarted node refutes its old self once or twice at most. So signed claims to be
+us from addresses not ours suggest an identity clash (:meth:`Membership.take_clash`), which
+the driver checks by dialing them as ourselves. Full tables are merged as memberlist does: a
+remote DEAD becomes a local *suspicion* (the sender's view may be stale; the member can still
+refute), a remote LEFT (signed) is final.
 
 Lifeguard's local health, a score in ``0..awareness_max``, rises when our probes fail without
 the helpers' Nacks that would show our own network is fine, and when we must refute a
@@ -51,17 +54,21 @@ The driver (:mod:`gossip.roster`) feeds :meth:`Membership.receive` with datagram
 Transitions of a member record (``inc`` the record's incarnation, ``i`` the message's)::
 
     message        current state           condition      new state
-    Alive(i)       unknown                 -              ALIVE (added)
-    Alive(i)       any                     i > inc        ALIVE
-    Suspect(i)     ALIVE                   i >= inc       SUSPECT (timer starts)
+    Alive(i)       unknown                 proven         ALIVE at i (added)
+    Alive(i)       any                     i > inc,       ALIVE at i
+                                           proven
+    Suspect(i)     ALIVE                   i >= inc       SUSPECT at inc (timer starts)
     Suspect(i)     SUSPECT                 i >= inc       SUSPECT (confirmation counted)
-    Dead(i)        ALIVE, SUSPECT          i >= inc       DEAD
-    Left(i)        ALIVE, SUSPECT, DEAD    i >= inc       LEFT
+    Dead(i)        ALIVE, SUSPECT          i >= inc       DEAD at inc
+    Left(i)        ALIVE, SUSPECT, DEAD    i >= inc,      LEFT at i
+                                           proven
     timer fires    SUSPECT                 -              DEAD
     anything else                                         unchanged
 
-About ourselves: Suspect/Dead/Left(i >= inc), or an Alive(i >= inc) that is not exactly what
-we announced, is refuted with Alive(max(i, inc) + 1); nothing is refuted once we leave.
+"Proven": signed by the member (:func:`gossip.claims.proven`), checked only where the row
+would otherwise apply. About ourselves: Suspect/Dead(i >= inc) is refuted with
+Alive(inc + 1); a proven Left(i >= inc), or a proven Alive(i >= inc) that is not exactly what
+we announced, with Alive(max(i, inc) + 1); nothing is refuted once we leave.
 """
 
 from __future__ import annotations
@@ -71,11 +78,13 @@ import random
 from typing import Iterable
 
 from .broadcast import PART_OVERHEAD, BroadcastQueue, retransmit_limit
+from .claims import ClaimChecker, row_claim
 from .config import MembershipConfig
 from .effects import Changed, Effect, PushPullWith, Send
 from .errors import WireError
-from .identity import PeerId
+from .identity import Identity, PeerId
 from .member import Member, PeerPool, State, _Counters, _Record
+from .ourselves import Ourselves
 from .messages import (MAX_COUNT, MAX_PARTS, MAX_SHARDS, Ack, Alive, Dead, Left, MemberState,
                        Message, Nack, Packet, Ping, PingReq, Suspect)
 from .probing import Answered, Datagram, Prober, ProbeEffect, Silent, Suspected
@@ -88,7 +97,6 @@ __all__ = ["MembershipConfig", "Membership", "Member", "State", "Send", "PushPul
 
 MAX_MEMBERS = 16384  # members a table holds; news of more is ignored until some are reaped
 JOIN_CATCH_UP = 5  # periods after a join until a second push-pull
-CLASH_CLAIMS = 3  # claims to be us, from other addresses, that mark an identity clash
 LEAVE_FANOUT = 256  # members a leaving node tells directly, one datagram each
 MAX_PACKET = MAX_DATAGRAM - SEAL_OVERHEAD  # plaintext bytes of one datagram
 _PACKET_OVERHEAD = 40  # Packet's array, tag and sender id around its parts
@@ -98,7 +106,7 @@ class Membership:
     """The membership state of one node. See the module docstring.
 
     Args:
-        me: our peer id.
+        identity: our node identity: our peer id, and the key we sign our Alive and Left with.
         address: where others reach us (datagrams and channels).
         now: the current time.
         config: timing.
@@ -106,20 +114,16 @@ class Membership:
         version, step, ready: our metadata.
     """
 
-    def __init__(self, me: PeerId, address: str, now: float,
+    def __init__(self, identity: Identity, address: str, now: float,
                  config: MembershipConfig = MembershipConfig(), rng: random.Random | None = None,
                  *, version: int = 1, step: int = 0, ready: bool = False,
                  reachable: bool = True) -> None:
-        self.me = PeerId(me)
+        self.me = identity.peer_id
         self.config = config
         self.rng = rng or random.Random()
         self.leaving = False
         self.counters = _Counters()
-        self._self = _Record(self.me, address, 0, State.ALIVE, version, step, ready, now, now,
-                             reachable=reachable)
-        self._announced = now
-        self._foreign_claims = 0  # announcements of us, from elsewhere, that we had to refute
-        self._claimed: str | None = None  # where they say we are, once they are many
+        self.claims = ClaimChecker()  # checks the proofs of others' Alive and Left
         self._members: dict[PeerId, _Record] = {}
         self._up = PeerPool()  # members ALIVE or SUSPECT
         self._recently_dead: list[PeerId] = []  # declared dead within gossip_to_the_dead
@@ -128,13 +132,15 @@ class Membership:
                               self.counters, self._reap)
         self._suspicions: dict[PeerId, Suspicion] = {}
         self._broadcasts = BroadcastQueue(config.retransmit_mult)
+        self._ours = Ourselves(identity, address, now, self._broadcasts, version=version,
+                               step=step, ready=ready, reachable=reachable)
+        self._self = self._ours.record
         self._effects: list[Effect] = []
         # Spread the first timers over one interval so that nodes started together do not
         # gossip and push-pull in lockstep (the prober does the same with its probes).
         self._next_gossip = now
         self._next_push_pull = now + self.rng.random() * config.push_pull_interval
         self._next_reconnect = now + self.rng.random() * config.reconnect_interval
-        self._broadcast_self()
 
     # ---- queries ----------------------------------------------------------------------
 
@@ -152,13 +158,11 @@ class Membership:
         return len(self._broadcasts)
 
     def take_clash(self) -> str | None:
-        """The address that :data:`CLASH_CLAIMS` announcements of us came from, once (then
-        counting starts again), or None. A hint, not a proof: gossip is not signed by the
-        member it is about, so the driver must check it (dial it as ourselves)."""
-        claimed, self._claimed = self._claimed, None
-        if claimed is not None:
-            self._foreign_claims = 0
-        return claimed
+        """The address that :data:`~gossip.ourselves.CLASH_CLAIMS` announcements of us,
+        signed with our key at or above our incarnation, came from, once (then counting starts
+        again), or None. A hint: a restarted node that hears of its earlier run at another
+        address counts it too, so the driver checks it (dials it as ourselves)."""
+        return self._ours.take_clash()
 
     def myself(self) -> Member:
         return self._self.view()
@@ -180,14 +184,8 @@ class Membership:
         return [self.own_state(), *(_member_state(r) for r in self._members.values())]
 
     def own_state(self) -> MemberState:
-        """Our own record, as :meth:`full_state` starts with it."""
-        # Ourselves as last announced (a newer step not yet announced would contradict our
-        # own Alive at the same incarnation), and LEFT once leaving, or a member that missed
-        # our Left takes us back.
-        a = self._announcement
-        state = State.LEFT if self.leaving else State.ALIVE
-        return MemberState(a.peer, a.incarnation, int(state), a.address, a.version, a.step,
-                           a.ready, a.shard, a.shards, a.reachable)
+        """Our own record, as :meth:`full_state` starts with it (:meth:`Ourselves.state`)."""
+        return self._ours.state()
 
     def next_deadline(self) -> float:
         """The latest time :meth:`tick` must be called again."""
@@ -196,7 +194,7 @@ class Membership:
         if not self.leaving:
             deadlines.append(self._prober.next_probe)
             if not self._self.reachable and self._self.incarnation < MAX_COUNT:
-                deadlines.append(self._announced + self.config.meta_interval)  # a heartbeat
+                deadlines.append(self._ours.announced + self.config.meta_interval)  # heartbeat
         if self._broadcasts:
             deadlines.append(self._next_gossip)
         deadlines.extend(s.deadline for s in self._suspicions.values())
@@ -252,24 +250,36 @@ class Membership:
         self.counters.datagrams_received += 1
         self.counters.bytes_received += len(data) + SEAL_OVERHEAD
         self._answered: set[str] = set()
+        self.claims.start()
         for message in messages:
             self._dispatch(now, source, message, packet.sender)
+            if self.claims.forged:
+                break  # a forger's datagram: nothing more of it is applied (gossip.claims)
         return self._drain()
 
     def merge(self, now: float, records: Iterable[MemberState], peer: str) -> list[Effect]:
-        """Merge a full table that ``peer`` sent in a push-pull."""
+        """Merge a full table that ``peer`` sent in a push-pull. A forged proof ends the merge:
+        the channel proved who sent it (:mod:`gossip.claims`)."""
         self.counters.push_pulls += 1
         by = PeerId(peer)
+        self.claims.start()
         for r in records:
-            if r.state == State.ALIVE:
-                self._on_alive(now, Alive(r.peer, r.incarnation, r.address, r.version, r.step,
-                                          r.ready, r.shard, r.shards, r.reachable))
-            elif r.state == State.LEFT:
-                self._on_left(now, Left(r.peer, r.incarnation))
+            claim = row_claim(r)
+            if isinstance(claim, Left):
+                self._on_left(now, claim)
+            elif r.state == State.ALIVE:
+                self._on_alive(now, claim)
+            elif r.peer == self.me and r.incarnation > self.incarnation:
+                # An earlier run of ours, held SUSPECT or DEAD at the incarnation its own
+                # Alive proves: out-announce that (a restarted node taking its place back).
+                if self.claims.check(claim):
+                    self._refute(r.incarnation, counts_against_health=True)
             else:  # SUSPECT or DEAD: suspect it ourselves, if we know it; it may still refute
                 # (a member we never knew, or forgot, stays forgotten: news of its death is
                 # no reason to bring it back)
                 self._on_suspect(now, Suspect(r.peer, r.incarnation, by))
+            if self.claims.forged:
+                break
         return self._drain()
 
     def joined(self, now: float) -> None:
@@ -284,7 +294,7 @@ class Membership:
         if not self.leaving:
             self.leaving = True
             self._prober.abandon()
-            left = encode(Left(self.me, self.incarnation))
+            left = encode(self._ours.leave())
             self._broadcasts.enqueue(self.me, left)
             # Told to up to LEAVE_FANOUT members at once, not only gossiped: gossip misses one
             # now and then (1 in 60 swarms of 64), who would take the leave for a failure.
@@ -316,29 +326,8 @@ class Membership:
             ValueError: ``shard`` is not in ``[0, shards)`` (0 when ``shards`` is 0), or
                 ``shards`` is above MAX_SHARDS.
         """
-        me = self._self
-        shard = me.shard if shard is None else shard
-        shards = me.shards if shards is None else shards
-        if not (0 <= shards <= MAX_SHARDS and 0 <= shard < max(shards, 1)):
-            raise ValueError(f"shard {shard} of {shards}: expected 0 <= shard < shards <= "
-                             f"{MAX_SHARDS}, or 0 of 0")
-        if self.leaving or me.incarnation >= MAX_COUNT:
-            return []  # announcing ourselves now would undo the departure, or cannot be done
-        urgent = ((ready is not None and ready != me.ready)
-                  or (reachable is not None and reachable != me.reachable)
-                  or (shard, shards) != (me.shard, me.shards))
-        if ready is not None:
-            me.ready = ready
-        if reachable is not None:
-            me.reachable = reachable
-        me.shard, me.shards = shard, shards
-        if step is not None:
-            me.step = step
-        stale = me.step != self._announcement.step  # what the swarm last heard is behind
-        if urgent or (stale and now - self._announced >= self.config.meta_interval):
-            me.incarnation += 1
-            self._announced = now
-            self._broadcast_self()
+        self._ours.set_meta(now, self.config.meta_interval, step=step, ready=ready,
+                            shard=shard, shards=shards, reachable=reachable)
         return self._drain()
 
     # ---- message handlers -------------------------------------------------------------
@@ -351,9 +340,9 @@ class Membership:
             # be the one whose timer would otherwise declare us dead).
             {Suspect: self._on_suspect, Dead: self._on_dead, Left: self._on_left}[
                 type(message)](now, message)  # type: ignore[operator]
-            if not self.leaving and source not in self._answered:
+            if not self.leaving and source not in self._answered and not self.claims.forged:
                 self._answered.add(source)
-                self._send(source, [encode(self._announcement)])
+                self._send(source, [encode(self._ours.announcement)])
         elif isinstance(message, Ping):
             if message.target == self.me:
                 self._carry_out(now, self._prober.answer(now, source, message, sender))
@@ -375,21 +364,21 @@ class Membership:
             self.counters.malformed += 1
 
     def _on_alive(self, now: float, m: Alive) -> None:
+        # Each branch checks the proof only once the claim would change something.
         if m.peer == self.me:
             # Our own announcement coming back is no news; anything else at our incarnation
-            # or above is someone's stale or false picture of us.
+            # or above, signed with our key, is an earlier run of ours (or a clash).
             if m.incarnation > self.incarnation or (
-                m.incarnation == self.incarnation and m != self._announcement
+                m.incarnation == self.incarnation and m != self._ours.announcement
             ):
-                if m.address != self._self.address:
-                    self._foreign_claims += 1
-                    if self._foreign_claims >= CLASH_CLAIMS:
-                        self._claimed = m.address
+                if not self.claims.check(m):
+                    return
+                self._ours.heard_from(m.address)
                 self._refute(m.incarnation, counts_against_health=False)
             return
         record = self._members.get(m.peer)  # type: ignore[call-overload]
         if record is None:
-            if len(self._members) >= MAX_MEMBERS:
+            if len(self._members) >= MAX_MEMBERS or not self.claims.check(m):
                 return
             peer = PeerId(m.peer)
             record = _Record(peer, m.address, m.incarnation, State.ALIVE, m.version, m.step,
@@ -398,6 +387,8 @@ class Membership:
             self._up.add(peer)
             self._prober.add(peer)  # probed this round
         elif m.incarnation > record.incarnation:
+            if not self.claims.check(m):
+                return
             if record.state != State.ALIVE:
                 record.since = now
             record.state = State.ALIVE
@@ -409,27 +400,44 @@ class Membership:
             self._forget_suspicion(record.peer)
         else:
             return
+        record.key, record.signature = m.key, m.signature
         self._broadcasts.enqueue(record.peer, encode(m))
         self._effects.append(Changed(record.view()))
 
     def _applies(self, m: Suspect | Dead | Left, below: State, *, health: bool) -> _Record | None:
         """The record a Suspect, Dead or Left updates, if it does: a member we know, at
-        ``m.incarnation`` or below it, in a state lower than ``below``. About ourselves, a
-        claim at our incarnation or above is refuted instead (``health``: it counts against
-        our local health)."""
+        ``m.incarnation`` or below it, in a state lower than ``below``, and for a Left a proof
+        that holds. About ourselves, a claim at our incarnation or above is refuted instead
+        (``health``: it counts against our local health): a Left of ours (an earlier run's)
+        above it, an unsigned Suspect or Dead at our own incarnation + 1 whatever it says, so
+        that nobody but us moves our incarnation."""
+        signed = isinstance(m, Left)
         if m.peer == self.me:
-            if m.incarnation >= self.incarnation:
-                self._refute(m.incarnation, counts_against_health=health)
+            if m.incarnation >= self.incarnation and (not signed or self.claims.check(m)):
+                self._refute(m.incarnation if signed else self.incarnation,
+                             counts_against_health=health)
             return None
         record = self._members.get(m.peer)  # type: ignore[call-overload]
         if record is None or m.incarnation < record.incarnation or record.state >= below:
             return None
+        if signed and not self.claims.check(m):
+            return None
         return record
+
+    @staticmethod
+    def _at(record: _Record, m: Suspect | Dead) -> Suspect | Dead:
+        """``m`` at the record's incarnation: one above it is nobody's to claim but the
+        member's, who signed the record's (PROTOCOL.md section 8.6). So the member's next
+        Alive out-ranks whatever anyone says of it."""
+        if m.incarnation == record.incarnation:
+            return m
+        return type(m)(m.peer, record.incarnation, m.by)
 
     def _on_suspect(self, now: float, m: Suspect) -> None:
         record = self._applies(m, State.DEAD, health=True)
         if record is None:
             return
+        m = self._at(record, m)  # type: ignore[assignment]
         suspicion = self._suspicions.get(record.peer)
         if suspicion is not None:
             if suspicion.confirm(m.by):
@@ -437,7 +445,7 @@ class Membership:
             return
         if m.by == self.me:
             self.counters.suspicions += 1
-        record.state, record.incarnation, record.since = State.SUSPECT, m.incarnation, now
+        record.state, record.since = State.SUSPECT, now
         n = self.alive_count()
         expected = int(self.config.suspicion_mult) - 2
         if n - 2 < expected:
@@ -456,6 +464,7 @@ class Membership:
         record = self._applies(m, State.DEAD, health=True)
         if record is None:
             return
+        m = self._at(record, m)  # type: ignore[assignment]
         self._set_down(now, record, State.DEAD, m.incarnation)
         self._recently_dead.append(record.peer)
         self._broadcasts.enqueue(record.peer, encode(m))
@@ -465,6 +474,7 @@ class Membership:
         if record is None:
             return
         self._set_down(now, record, State.LEFT, m.incarnation)
+        record.key, record.signature = m.key, m.signature
         self._broadcasts.enqueue(record.peer, encode(m))
 
     def _set_down(self, now: float, record: _Record, state: State, incarnation: int) -> None:
@@ -475,15 +485,13 @@ class Membership:
         self._effects.append(Changed(record.view()))
 
     def _refute(self, incarnation: int, *, counts_against_health: bool) -> None:
-        """Someone holds an outdated or false view of us: out-announce it."""
-        if self.leaving or incarnation >= MAX_COUNT:
-            return  # a claim at the largest incarnation cannot be out-announced: only a
-            # forger gets there, and ignoring it keeps our own incarnation valid
+        """Someone holds an outdated or false view of us: out-announce ``incarnation``, ours
+        or one we signed in an earlier run."""
+        if self.leaving or not self._ours.refute(incarnation):
+            return  # only we could have signed the largest incarnation, and cannot pass it
         self.counters.refutations += 1
-        self._self.incarnation = max(incarnation, self._self.incarnation) + 1
         if counts_against_health:
             self._prober.adjust_awareness(+1)  # being suspected hints that we are the slow one
-        self._broadcast_self()
 
     # ---- the prober's effects, and outbound-only members -----------------------------
 
@@ -524,10 +532,8 @@ class Membership:
         me = self._self
         if not me.reachable:
             # Compared as next_deadline computes it, or rounding could leave it due for ever.
-            if now >= self._announced + self.config.meta_interval and me.incarnation < MAX_COUNT:
-                me.incarnation += 1
-                self._announced = now
-                self._broadcast_self()
+            if now >= self._ours.announced + self.config.meta_interval:
+                self._ours.bump(now)
             return
         self._carry_out(now, self._prober.overdue(now))
 
@@ -567,12 +573,6 @@ class Membership:
         self.counters.bytes_sent += len(data) + SEAL_OVERHEAD
         self._effects.append(Send(address, data))
 
-    def _broadcast_self(self) -> None:
-        me = self._self
-        self._announcement = Alive(self.me, me.incarnation, me.address, me.version, me.step,
-                                   me.ready, me.shard, me.shards, me.reachable)
-        self._broadcasts.enqueue(self.me, encode(self._announcement))
-
     # ---- housekeeping -----------------------------------------------------------------
 
     def _reap(self, now: float) -> None:
@@ -597,4 +597,4 @@ class Membership:
 
 def _member_state(r: _Record) -> MemberState:
     return MemberState(r.peer, r.incarnation, int(r.state), r.address, r.version, r.step, r.ready,
-                       r.shard, r.shards, r.reachable)
+                       r.shard, r.shards, r.reachable, key=r.key, signature=r.signature)

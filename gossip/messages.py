@@ -8,17 +8,19 @@ caller's bug); decoded from the network, :func:`gossip.wire.decode` turns that i
 On the wire a message is the CBOR array ``[tag, field1, field2, ...]`` with the fields in
 declaration order (see docs/PROTOCOL.md). ``TAGS`` maps tags to classes; it is append-only:
 a tag once shipped keeps its meaning forever, and a changed message gets a new tag (before the
-first release the protocol is a draft: a field was appended to ``Offer`` and ``Accept``, and
-two to ``Alive`` and ``MemberState``: docs/PROTOCOL.md section 11).
+first release the protocol is a draft: a field was appended to ``Offer`` and ``Accept``,
+three and then a proof to ``Alive`` and ``MemberState``, and a proof to ``Left``:
+docs/PROTOCOL.md section 11).
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import ClassVar
 
-from .address import parse_address
+from .fields import (MAX_COUNT, MAX_PART, MAX_SHARDS, MAX_TEXT, MAX_WEIGHT, _address, _bool,
+                     _bytes, _parts, _peer, _proof, _shard, _text, _uint, _weight)
 
 __all__ = [
     "Message", "Hello", "Close", "StateRequest", "StateHeader", "Packet", "Ping",
@@ -27,100 +29,15 @@ __all__ = [
     "MAX_TEXT", "MAX_COUNT", "MAX_WEIGHT", "MAX_SHARDS", "DIAL_BACK_NONCE",
 ]
 
-# Limits shared by every message. Anything larger is a protocol violation.
-MAX_TEXT = 256  # characters in any text field
-# Every counter (step, samples, incarnation, byte size) is an integer in [0, MAX_COUNT]. The
-# range is decided here, once, and checked at decode, so that whatever the wire accepts is
-# valid everywhere downstream: exact as a float64 (Prometheus samples, JSON readers), as an
-# int64 (torch), and in a checkpoint's 16-digit file name. Local counters saturate at it.
-MAX_COUNT = 2**53 - 1
+# Limits of single messages (those shared by every field type are in gossip.fields).
 DIAL_BACK_NONCE = 16  # bytes of a DialBack's nonce
 FINGERPRINT_BYTES = 16
-PEER_ID_CHARS = 26  # gossip.identity: base32 of 16 bytes, lowercase, no padding
 MAX_SEQUENCE = 2**32 - 1  # probe sequence numbers wrap here
 MAX_PARTS = 64  # messages in one datagram, or member records in one push-pull page
-MAX_PART = 1400  # bytes of one part: a datagram never holds more
-MAX_WEIGHT = float(MAX_COUNT + 1)  # a push-sum weight (1 + samples) is a float in [0, 2^53]
 MAX_META = 32 * 1024  # bytes of the task metadata in a StateInfo
-MAX_SHARDS = 2**16 - 1  # parts a swarm's data may be cut into (a member's announced shard)
 MAX_SCHEMA_ENTRIES = 1024  # tensors a SchemaInfo lists at most (it lists a schema's start)
 MAX_DIMS = 32  # dimensions of one tensor a SchemaInfo lists
 SCHEMA_DTYPES = ("float16", "bfloat16", "float32", "float64")  # PROTOCOL.md section 7.1
-_BASE32 = frozenset("abcdefghijklmnopqrstuvwxyz234567")
-
-
-def _uint(cls: type, name: str, value: object, maximum: int = MAX_COUNT) -> None:
-    # bool is an int in Python; on the wire it is a different CBOR type, so refuse it.
-    if type(value) is not int:
-        raise ValueError(f"{cls.__name__}.{name}: expected an unsigned integer, got {type(value).__name__}")
-    if not 0 <= value <= maximum:
-        raise ValueError(f"{cls.__name__}.{name}: {value} out of range 0..{maximum}")
-
-
-def _bytes(cls: type, name: str, value: object, *, size: int | None = None, maximum: int = 0) -> None:
-    if type(value) is not bytes:
-        raise ValueError(f"{cls.__name__}.{name}: expected bytes, got {type(value).__name__}")
-    if size is not None and len(value) != size:
-        raise ValueError(f"{cls.__name__}.{name}: expected {size} bytes, got {len(value)}")
-    if size is None and len(value) > maximum:
-        raise ValueError(f"{cls.__name__}.{name}: {len(value)} bytes exceeds {maximum}")
-
-
-def _text(cls: type, name: str, value: object) -> None:
-    if type(value) is not str:
-        raise ValueError(f"{cls.__name__}.{name}: expected text, got {type(value).__name__}")
-    if len(value) > MAX_TEXT:
-        raise ValueError(f"{cls.__name__}.{name}: {len(value)} characters exceeds {MAX_TEXT}")
-
-
-def _bool(cls: type, name: str, value: object) -> None:
-    if type(value) is not bool:
-        raise ValueError(f"{cls.__name__}.{name}: expected a boolean, got {type(value).__name__}")
-
-
-def _weight(cls: type, name: str, value: object) -> None:
-    # A CBOR float decodes as a Python float; an integer is a different type on the wire.
-    if type(value) is not float:
-        raise ValueError(f"{cls.__name__}.{name}: expected a float, got {type(value).__name__}")
-    if not 0.0 <= value <= MAX_WEIGHT:  # also refuses NaN and the infinities
-        raise ValueError(f"{cls.__name__}.{name}: {value} out of range 0..{MAX_WEIGHT:g}")
-
-
-def _shard(cls: type, shard: object, shards: object) -> None:
-    """A data shard: ``shard`` of ``shards``. ``shards`` 0 announces none, and ``shard`` is 0
-    then, so that "no shard" has one encoding."""
-    _uint(cls, "shard", shard, MAX_SHARDS - 1)
-    _uint(cls, "shards", shards, MAX_SHARDS)
-    top = max(shards, 1) - 1  # type: ignore[call-overload]
-    if shard > top:  # type: ignore[operator]
-        raise ValueError(f"{cls.__name__}.shard: {shard} out of range 0..{top} "
-                         f"(shards is {shards})")
-
-
-def _peer(cls: type, name: str, value: object) -> None:
-    if not isinstance(value, str) or len(value) != PEER_ID_CHARS or not _BASE32.issuperset(value):
-        raise ValueError(f"{cls.__name__}.{name}: not a peer id (26 lowercase base32 characters)")
-
-
-def _address(cls: type, name: str, value: object) -> None:
-    """An address others can reach: ``host:port`` with a port from 1 to 65535."""
-    _text(cls, name, value)
-    try:
-        _, port = parse_address(value)  # type: ignore[arg-type]
-    except ValueError as exc:
-        raise ValueError(f"{cls.__name__}.{name}: {exc}") from None
-    if port == 0:
-        raise ValueError(f"{cls.__name__}.{name}: port 0 is not an address anyone can reach")
-
-
-def _parts(cls: type, name: str, value: object, maximum: int) -> None:
-    # Decoded CBOR arrays arrive as lists; store a tuple so the message stays immutable.
-    if type(value) not in (list, tuple):
-        raise ValueError(f"{cls.__name__}.{name}: expected an array, got {type(value).__name__}")
-    if len(value) > maximum:  # type: ignore[arg-type]
-        raise ValueError(f"{cls.__name__}.{name}: {len(value)} items exceeds {maximum}")  # type: ignore[arg-type]
-    for item in value:  # type: ignore[attr-defined]
-        _bytes(cls, name, item, maximum=MAX_PART)
 
 
 class Message:
@@ -295,7 +212,8 @@ class Nack(Message):
 
 @dataclass(frozen=True, slots=True)
 class Alive(Message):
-    """``peer`` is alive at ``incarnation``, reachable at ``address``, with its metadata."""
+    """``peer`` is alive at ``incarnation``, reachable at ``address``, with its metadata,
+    signed by ``peer`` itself (``key``, ``signature``: :mod:`gossip.claims`)."""
 
     TAG: ClassVar[int] = 10
     peer: str
@@ -309,6 +227,11 @@ class Alive(Message):
     # False: it cannot accept connections or unsolicited datagrams (behind a NAT or a
     # firewall): nobody dials it or probes it, and it keeps its record alive itself.
     reachable: bool = True
+    # The member's proof: its raw Ed25519 public key and its signature of the fields above.
+    # Keyword-only, and last on the wire; a receiver checks them (gossip.claims) before it
+    # applies what the claim would change.
+    key: bytes = field(kw_only=True)
+    signature: bytes = field(kw_only=True)
 
     def __post_init__(self) -> None:
         _peer(Alive, "peer", self.peer)
@@ -319,6 +242,7 @@ class Alive(Message):
         _bool(Alive, "ready", self.ready)
         _shard(Alive, self.shard, self.shards)
         _bool(Alive, "reachable", self.reachable)
+        _proof(Alive, self.key, self.signature)
 
 
 @dataclass(frozen=True, slots=True)
@@ -353,20 +277,25 @@ class Dead(Message):
 
 @dataclass(frozen=True, slots=True)
 class Left(Message):
-    """``peer`` left the swarm on purpose at ``incarnation``."""
+    """``peer`` left the swarm on purpose at ``incarnation``, signed by ``peer`` (as Alive)."""
 
     TAG: ClassVar[int] = 13
     peer: str
     incarnation: int
+    key: bytes = field(kw_only=True)
+    signature: bytes = field(kw_only=True)
 
     def __post_init__(self) -> None:
         _peer(Left, "peer", self.peer)
         _uint(Left, "incarnation", self.incarnation)
+        _proof(Left, self.key, self.signature)
 
 
 @dataclass(frozen=True, slots=True)
 class MemberState(Message):
-    """One member as a node sees it, for a full-state push-pull."""
+    """One member as a node sees it, for a full-state push-pull. ``key`` and ``signature``
+    prove the member's own claim the row's incarnation comes from: its ``Left`` for a LEFT
+    row, else its ``Alive`` with the row's fields (:func:`gossip.claims.row_claim`)."""
 
     TAG: ClassVar[int] = 14
     ALIVE: ClassVar[int] = 0
@@ -384,6 +313,8 @@ class MemberState(Message):
     shard: int = 0  # as in Alive
     shards: int = 0
     reachable: bool = True  # as in Alive
+    key: bytes = field(kw_only=True)
+    signature: bytes = field(kw_only=True)
 
     def __post_init__(self) -> None:
         _peer(MemberState, "peer", self.peer)
@@ -395,6 +326,7 @@ class MemberState(Message):
         _bool(MemberState, "ready", self.ready)
         _shard(MemberState, self.shard, self.shards)
         _bool(MemberState, "reachable", self.reachable)
+        _proof(MemberState, self.key, self.signature)
 
 
 @dataclass(frozen=True, slots=True)

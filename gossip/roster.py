@@ -104,6 +104,7 @@ class RosterStatistics:
     datagrams_received: int
     bytes_received: int
     datagrams_rejected: int  # failed to open or decode, or could not be sent
+    claims_refused: int  # Alive or Left whose signature failed, or sent after one that did
     push_pulls: int  # completed, either side
     push_pulls_failed: int
     connections_refused: int  # inbound, closed at accept: over max_connections
@@ -281,7 +282,8 @@ class Roster:
             suspicions=c.suspicions, refutations=c.refutations, deaths=c.deaths,
             datagrams_sent=c.datagrams_sent, bytes_sent=c.bytes_sent,
             datagrams_received=c.datagrams_received, bytes_received=c.bytes_received,
-            datagrams_rejected=c.malformed + self._rejected, push_pulls=self._push_pulls_done,
+            datagrams_rejected=c.malformed + self._rejected,
+            claims_refused=self._m.claims.refused, push_pulls=self._push_pulls_done,
             push_pulls_failed=self._push_pulls_failed,
             connections_refused=self._over_limit["max_connections"],
             connections_evicted=self._over_limit["max_handshakes_per_host"],
@@ -327,7 +329,7 @@ class Roster:
             # is taken to be reachable, as others must dial it to join at all.
             reachable = settings.reachable
             self._m = Membership(
-                self._identity.peer_id, settings.advertise or endpoint.local_address,
+                self._identity, settings.advertise or endpoint.local_address,
                 trio.current_time(), self._config, self._rng, version=PROTOCOL_VERSION,
                 reachable=reachable if reachable is not None else not settings.bootstrap)
             nursery.start_soon(self._receiver)

@@ -79,11 +79,11 @@ def decode(data: bytes | bytearray | memoryview) -> Message:
     cls = TAGS.get(tag) if type(tag) is int else None
     if cls is None:
         raise WireError(f"unknown message tag {tag!r}")
-    arity = len(field_names(cls))
-    if len(values) != arity:
-        raise WireError(f"{cls.__name__}: expected {arity} fields, got {len(values)}")
+    names = field_names(cls)
+    if len(values) != len(names):
+        raise WireError(f"{cls.__name__}: expected {len(names)} fields, got {len(values)}")
     try:
-        return cls(*values)
+        return cls(**dict(zip(names, values)))  # by name: some fields are keyword-only
     except (ValueError, TypeError) as exc:
         raise WireError(str(exc)) from None
 

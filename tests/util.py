@@ -1,6 +1,8 @@
-"""Shared test helpers: a tapping stream, a handshaken channel pair, a signal to wait on, and
-local node settings."""
+"""Shared test helpers: a tapping stream, a handshaken channel pair, a signal to wait on,
+local node settings, and identities from seeds."""
 
+import functools
+import hashlib
 import sys
 
 import trio
@@ -17,6 +19,16 @@ from gossip.identity import Identity
 
 SWARM = Swarm.generate("test")
 ALICE, BOB = Identity.generate(), Identity.generate()
+
+
+@functools.lru_cache(maxsize=None)
+def seeded_identity(n: int) -> Identity:
+    """The ``n``-th of a fixed series of node identities: the same keys in every run, for
+    tests that play many members and sign what each says of itself."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    seed = hashlib.sha256(b"gossipd test identity %d" % n).digest()
+    return Identity(Ed25519PrivateKey.from_private_bytes(seed))
 
 
 def local(**changes):

@@ -92,7 +92,8 @@ def test_any_counter_the_decoder_accepts_flows_through_merge_checkpoint_metrics_
     weight = weight if not by_samples else max(weight, 1.0)
     offer = wire(Offer(SCHEMA.fingerprint, "fp32", step, samples, weight))
     info = wire(StateInfo(step, samples, weight, b"\xa0"))
-    alive = wire(Alive("a" * 26, incarnation, "10.0.0.9:7070", 1, step, True))
+    alive = wire(Alive("a" * 26, incarnation, "10.0.0.9:7070", 1, step, True, key=b"k" * 32,
+                       signature=b"s" * 64))
     members = [Member(PeerId(alive.peer), alive.address, alive.incarnation, State.ALIVE,
                       alive.version, alive.step, alive.ready, 0.0)]
 

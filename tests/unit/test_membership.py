@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from gossip.config import MembershipConfig
 from gossip.errors import WireError
-from gossip.identity import peer_id_from_public_key
+from gossip.claims import sign_alive, sign_left
 from gossip.member import State
 from gossip.membership import (
     MAX_PACKET,
@@ -44,9 +44,11 @@ from gossip.messages import (
 )
 from gossip.suspicion import suspicion_bounds
 from gossip.wire import decode, encode
-from tests.util import mutate
+from tests.util import mutate, seeded_identity
 
-PEERS = [peer_id_from_public_key(i.to_bytes(32, "big")) for i in range(1, 401)]
+IDENTITIES = [seeded_identity(i) for i in range(400)]
+KEYS = {i.peer_id: i for i in IDENTITIES}  # each member signs its own Alive and Left
+PEERS = [i.peer_id for i in IDENTITIES]
 ME, A, B, C, D, E, F, G = PEERS[:8]
 ADDR = {p: f"10.0.{i // 256}.{i % 256}:7000" for i, p in enumerate(PEERS)}
 CFG = MembershipConfig()
@@ -66,8 +68,14 @@ def packet(sender, *messages) -> bytes:
 
 
 def alive(peer, inc=0, **meta) -> Alive:
+    """``peer``'s own announcement at ``inc``, signed."""
     fields = dict(address=ADDR[peer], version=1, step=0, ready=False) | meta
-    return Alive(peer, inc, **fields)
+    return sign_alive(KEYS[peer], inc, **fields)
+
+
+def left(peer, inc) -> Left:
+    """``peer``'s own departure at ``inc``, signed."""
+    return sign_left(KEYS[peer], inc)
 
 
 def feed(m, now, sender, *messages):
@@ -76,7 +84,7 @@ def feed(m, now, sender, *messages):
 
 def machine(n=4, *, seed=0, config=CFG, now=0.0) -> Membership:
     """Us, having heard Alive(0) from the first ``n`` other peers."""
-    m = Membership(ME, ADDR[ME], now, config, random.Random(seed))
+    m = Membership(KEYS[ME], ADDR[ME], now, config, random.Random(seed))
     for p in PEERS[1 : n + 1]:
         feed(m, now, p, alive(p))
     return m
@@ -135,13 +143,13 @@ SETUP = {  # how X gets into each state at INC
     State.ALIVE: [alive(X, INC)],
     State.SUSPECT: [alive(X, INC), Suspect(X, INC, Y)],
     State.DEAD: [alive(X, INC), Dead(X, INC, Y)],
-    State.LEFT: [alive(X, INC), Left(X, INC)],
+    State.LEFT: [alive(X, INC), left(X, INC)],
 }
 MESSAGES = {
     Alive: lambda i: alive(X, i, step=7),
     Suspect: lambda i: Suspect(X, i, Z),
     Dead: lambda i: Dead(X, i, Z),
-    Left: lambda i: Left(X, i),
+    Left: lambda i: left(X, i),
 }
 AL, SU, DE, LE = State
 __ = None  # unchanged
@@ -188,15 +196,20 @@ def test_transition_table(kind, current, i, new):
     if new is None:
         assert m.get(X) == before
         assert not changed
-    elif (kind, current) == (Suspect, SU):
+        return
+    # Anyone's word (Suspect, Dead) counts at most at the incarnation X signed: X's next
+    # Alive always out-ranks it. X's own (Alive, Left) takes the incarnation it says.
+    inc = i if kind in (Alive, Left) else min(i, INC)
+    passed_on = message if inc == i else kind(X, inc, message.by)
+    if (kind, current) == (Suspect, SU):
         # Still suspect; a new suspector counts as a confirmation and is passed on.
         assert m.get(X).state == SU and not changed
         gossip = sent(m.tick(2.0), Suspect)
-        assert any(x == message for _, x in gossip) == (i >= INC)
+        assert any(x == passed_on for _, x in gossip) == (i >= INC)
     else:
-        assert state(m, X) == (new, i)
-        assert [(c.state, c.incarnation) for c in changed] == [(new, i)]
-        assert message in [x for _, x in sent(m.tick(2.0), kind)]  # passed on
+        assert state(m, X) == (new, inc)
+        assert [(c.state, c.incarnation) for c in changed] == [(new, inc)]
+        assert passed_on in [x for _, x in sent(m.tick(2.0), kind)]  # passed on
     if kind is Alive and new is not None:
         assert m.get(X).step == 7 and m.get(X).address == ADDR[X]
         assert m.get(X).heard == 2.0  # the step is as of the announcement just taken
@@ -248,7 +261,8 @@ OUR_INC = 1  # after set_meta(ready=True) below
 
 def announced(m, inc):
     me = m.myself()
-    return Alive(ME, inc, me.address, me.version, me.step, me.ready, me.shard, me.shards)
+    return sign_alive(KEYS[ME], inc, me.address, me.version, me.step, me.ready, me.shard,
+                      me.shards)
 
 
 @pytest.mark.parametrize(
@@ -256,13 +270,15 @@ def announced(m, inc):
     [
         (Suspect(ME, OUR_INC - 1, A), None),
         (Suspect(ME, OUR_INC, A), OUR_INC + 1),
-        (Suspect(ME, OUR_INC + 5, A), OUR_INC + 6),
+        (Suspect(ME, OUR_INC + 5, A), OUR_INC + 1),  # anyone's word: from our own
+        (Suspect(ME, MAX_COUNT, A), OUR_INC + 1),
         (Dead(ME, OUR_INC - 1, A), None),
         (Dead(ME, OUR_INC, A), OUR_INC + 1),
-        (Dead(ME, OUR_INC + 5, A), OUR_INC + 6),
-        (Left(ME, OUR_INC - 1), None),
-        (Left(ME, OUR_INC), OUR_INC + 1),
-        (Left(ME, OUR_INC + 5), OUR_INC + 6),
+        (Dead(ME, OUR_INC + 5, A), OUR_INC + 1),
+        (Dead(ME, MAX_COUNT, A), OUR_INC + 1),
+        (left(ME, OUR_INC - 1), None),
+        (left(ME, OUR_INC), OUR_INC + 1),
+        (left(ME, OUR_INC + 5), OUR_INC + 6),
         (alive(ME, OUR_INC, ready=True), None),  # exactly what we announced
         (alive(ME, OUR_INC, ready=True, step=9), OUR_INC + 1),
         (alive(ME, OUR_INC, ready=False), OUR_INC + 1),
@@ -296,7 +312,7 @@ def test_refuting_a_suspicion_costs_local_health():
     assert m.awareness == 1
 
 
-@pytest.mark.parametrize("message", [Suspect(ME, 3, A), Dead(ME, 3, A), Left(ME, 3),
+@pytest.mark.parametrize("message", [Suspect(ME, 3, A), Dead(ME, 3, A), left(ME, 3),
                                      alive(ME, 3, step=4)], ids=short)
 def test_nothing_is_refuted_once_leaving(message):
     m = machine(2)
@@ -325,7 +341,7 @@ def test_a_members_step_is_dated_by_the_announcement_that_brought_it():
 
 
 @pytest.mark.parametrize("message", [Suspect(ME, MAX_COUNT, A), Dead(ME, MAX_COUNT, A),
-                                     Left(ME, MAX_COUNT), alive(ME, MAX_COUNT)], ids=short)
+                                     left(ME, MAX_COUNT), alive(ME, MAX_COUNT)], ids=short)
 def test_a_claim_at_the_largest_incarnation_raises_nothing_but_wire_error(message):
     m = machine(2)
     try:
@@ -584,7 +600,11 @@ def test_each_update_is_sent_retransmit_limit_times_in_all():
 
 
 def record(peer, inc, st, address=None):
-    return MemberState(peer, inc, int(st), address or ADDR[peer], 1, 0, False)
+    """``peer``'s row at ``inc`` in state ``st``, with the proof a table carries."""
+    a = alive(peer, inc, address=address or ADDR[peer])
+    proof = left(peer, inc) if st == State.LEFT else a
+    return MemberState(peer, inc, int(st), a.address, 1, 0, False, key=proof.key,
+                       signature=proof.signature)
 
 
 @pytest.mark.parametrize(
@@ -594,9 +614,10 @@ def record(peer, inc, st, address=None):
         ([Suspect(A, 0, B)], record(A, 1, State.ALIVE), (State.ALIVE, 1)),
         ([], record(A, 0, State.LEFT), (State.LEFT, 0)),
         ([], record(A, 0, State.SUSPECT), (State.SUSPECT, 0)),
-        ([], record(A, 2, State.DEAD), (State.SUSPECT, 2)),  # the sender's view may be stale
+        # The sender's view may be stale, and its word counts at most at what A signed.
+        ([], record(A, 2, State.DEAD), (State.SUSPECT, 0)),
         ([Dead(A, 0, B)], record(A, 0, State.DEAD), (State.DEAD, 0)),
-        ([Left(A, 0)], record(A, 0, State.DEAD), (State.LEFT, 0)),
+        ([left(A, 0)], record(A, 0, State.DEAD), (State.LEFT, 0)),
         ([], record(A, 0, State.ALIVE, "10.9.9.9:1"), (State.ALIVE, 0)),  # not newer
     ],
     ids=["alive-new", "alive-newer", "left", "suspect", "dead", "dead-stays",
@@ -633,8 +654,8 @@ def test_merge_of_ourselves_as_dead_makes_us_refute():
 
 def test_full_state_round_trips_through_merge():
     m = machine(3)
-    feed(m, 0.5, A, Suspect(B, 0, A), Left(C, 0))
-    other = Membership(F, ADDR[F], 0.0, CFG, random.Random(1))
+    feed(m, 0.5, A, Suspect(B, 0, A), left(C, 0))
+    other = Membership(KEYS[F], ADDR[F], 0.0, CFG, random.Random(1))
     other.merge(1.0, m.full_state(), ME)
     # Only what is news of the living crosses: C's departure and B's suspicion are about
     # members the other node never knew.
@@ -660,11 +681,11 @@ def test_leave_announces_at_once_stops_probing_and_abandons_the_probe():
     effects = m.leave(t0 + 0.1)
     assert m.leaving
     lefts = sent(effects, Left)
-    assert lefts and {x for _, x in lefts} == {Left(ME, 0)}
+    assert lefts and {x for _, x in lefts} == {left(ME, 0)}
     later = [e for k in range(1, 100) for e in m.tick(t0 + 0.1 * k)]
     assert not sent(later, Ping) and not sent(later, PingReq)
     assert state(m, ping.target) == (State.ALIVE, 0)  # the abandoned probe accuses nobody
-    assert Left(ME, 0) in [x for _, x in sent(later, Left)]  # still gossiped
+    assert left(ME, 0) in [x for _, x in sent(later, Left)]  # still gossiped
 
 
 def test_metadata_changes_after_leaving_do_not_undo_the_departure():
@@ -672,7 +693,7 @@ def test_metadata_changes_after_leaving_do_not_undo_the_departure():
     m.leave(1.0)
     effects = m.set_meta(1.1, ready=True) + m.tick(1.0 + CFG.gossip_interval)
     assert not [x for _, x in sent(effects, Alive) if x.peer == ME]
-    assert Left(ME, 0) in [x for _, x in sent(effects, Left)]
+    assert left(ME, 0) in [x for _, x in sent(effects, Left)]
 
 
 def test_report_failure_probes_that_peer_at_once_when_idle():
@@ -726,10 +747,10 @@ def test_a_shard_change_is_announced_at_once_and_crosses_push_pulls():
     assert alive_sent in [x for _, x in sent(m.tick(1.0), Alive)]
     m.set_meta(1.5, shards=4)  # no change
     assert m.incarnation == 1
-    other = Membership(F, ADDR[F], 0.0, CFG, random.Random(1))
+    other = Membership(KEYS[F], ADDR[F], 0.0, CFG, random.Random(1))
     feed(other, 1.0, ME, alive_sent)
     assert (other.get(ME).shard, other.get(ME).shards) == (2, 4)
-    fresh = Membership(F, ADDR[F], 0.0, CFG, random.Random(1))
+    fresh = Membership(KEYS[F], ADDR[F], 0.0, CFG, random.Random(1))
     fresh.merge(2.0, m.full_state(), ME)
     assert (fresh.get(ME).shard, fresh.get(ME).shards) == (2, 4)
     assert fresh.get(A).shards == 0  # announces none
@@ -771,7 +792,7 @@ def test_an_unchanged_step_is_not_announced_again():
 # ---- housekeeping timers -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("down", [Dead(A, 0, B), Left(A, 0)], ids=short)
+@pytest.mark.parametrize("down", [Dead(A, 0, B), left(A, 0)], ids=short)
 def test_dead_and_departed_members_are_reaped_after_reap_after(down):
     m = machine(3)
     feed(m, 5.0, B, down)
@@ -796,7 +817,7 @@ def run_answering(m, end, step=0.5):
 
 def test_push_pull_and_reconnect_timers():
     m = machine(4)
-    feed(m, 0.0, A, Dead(C, 0, A), Left(D, 0))
+    feed(m, 0.0, A, Dead(C, 0, A), left(D, 0))
     events = run_answering(m, 200.0)
     assert all(e.address == ADDR[e.peer] for _, e in events)
     push = [t for t, e in events if e.peer in (A, B)]
@@ -830,7 +851,7 @@ def test_every_datagram_fits_even_with_hundreds_of_updates_queued():
     m = machine(5)
     for i, p in enumerate(PEERS[10:310]):
         address = f"host-{'x' * 200}-{i}:7000"
-        m.receive(0.0, address, packet(p, Alive(p, 0, address, 1, 0, False)))
+        m.receive(0.0, address, packet(p, alive(p, 0, address=address)))
     assert m.pending_broadcasts > 300
     sizes, parts = [], []
     for k in range(60):  # nobody answers: pings, helper requests, suspicions, gossip
@@ -884,7 +905,7 @@ def test_random_bytes_raise_only_wire_error(data):
 VALID = [
     packet(A, Ping(9, ME), alive(F, 2)),
     packet(A, PingReq(9, B, ADDR[B]), Suspect(B, 0, A)),
-    packet(B, Ack(3), Nack(4), Dead(C, 0, B), Left(A, 1)),
+    packet(B, Ack(3), Nack(4), Dead(C, 0, B), left(A, 1)),
     packet(A, Suspect(ME, 0, A), Dead(ME, 0, A), alive(ME, 0, step=3)),
 ]
 
@@ -925,7 +946,8 @@ def test_after_a_tick_nothing_is_due_at_that_instant():
 
 def test_at_the_largest_incarnation_metadata_changes_raise_nothing():
     m = machine(2)
-    feed(m, 1.0, A, Suspect(ME, MAX_COUNT - 1, A))  # refuted at MAX_COUNT, the last one there is
+    # An earlier run of ours at MAX_COUNT - 1: refuted at MAX_COUNT, the last one there is.
+    feed(m, 1.0, A, alive(ME, MAX_COUNT - 1))
     assert m.incarnation == MAX_COUNT
     m.set_meta(2.0, ready=True, step=5)  # cannot be announced: ignored, nothing raised
     assert m.incarnation == MAX_COUNT and m.full_state()[0].incarnation == MAX_COUNT

@@ -11,7 +11,7 @@ from gossip.membership import Membership, PushPullWith
 from gossip.probing import OVERDUE_HEARTBEATS
 from gossip.messages import Ack, Alive, Dead, Ping, PingReq, Suspect
 from gossip.suspicion import suspicion_bounds
-from tests.unit.test_membership import ADDR, ME, PEERS, alive, datagrams, feed, sent
+from tests.unit.test_membership import ADDR, KEYS, ME, PEERS, alive, datagrams, feed, sent
 
 CFG = MembershipConfig()
 REACHABLE = PEERS[1:4]
@@ -20,7 +20,7 @@ OUTBOUND = PEERS[4:7]
 
 def swarm_machine(*, reachable=True, seed=0) -> Membership:
     """Us, knowing three reachable and three outbound-only members, all alive."""
-    m = Membership(ME, ADDR[ME], 0.0, CFG, random.Random(seed), reachable=reachable)
+    m = Membership(KEYS[ME], ADDR[ME], 0.0, CFG, random.Random(seed), reachable=reachable)
     for p in REACHABLE:
         feed(m, 0.0, p, alive(p))
     for p in OUTBOUND:
@@ -54,7 +54,7 @@ def run(m, until, *, answer=True, heartbeat=(), start=0.0):
 
 def test_an_outbound_only_member_is_never_probed_gossiped_to_or_dialed():
     m = swarm_machine()
-    feed(m, 0.0, REACHABLE[0], Alive(PEERS[9], 0, ADDR[PEERS[9]], 1, 0, False))  # news to gossip
+    feed(m, 0.0, REACHABLE[0], alive(PEERS[9]))  # news to gossip
     effects = run(m, 2 * CFG.push_pull_interval, heartbeat=OUTBOUND)
     addresses = {a for a, _ in datagrams(effects)}
     assert addresses and not addresses & {ADDR[p] for p in OUTBOUND}
@@ -151,12 +151,13 @@ def test_becoming_reachable_is_announced_at_once():
 
 
 def test_an_outbound_node_at_the_largest_incarnation_leaves_no_deadline_in_the_past():
-    # A forged claim at 2**53 - 2 makes us refute at MAX_COUNT, after which no heartbeat
-    # can be sent: its deadline must not stay due, or the driver would spin.
+    # An Alive of ours at 2**53 - 2 (an earlier run's, signed with our key) makes us refute
+    # at MAX_COUNT, after which no heartbeat can be sent: its deadline must not stay due, or
+    # the driver would spin. (Anyone else's word cannot take us there.)
     from gossip.messages import MAX_COUNT
 
     m = swarm_machine(reachable=False)
-    feed(m, 1.0, REACHABLE[0], Suspect(ME, MAX_COUNT - 1, REACHABLE[0]))
+    feed(m, 1.0, REACHABLE[0], alive(ME, MAX_COUNT - 1, reachable=False))
     assert m.incarnation == MAX_COUNT
     t = 1.0
     for _ in range(50):

@@ -28,6 +28,7 @@ GOSSIP = Path(__file__).resolve().parents[2] / "gossip"
 # pure one imports must be listed here as well: purity is only as good as the weakest import.
 PURE = frozenset({
     "membership", "handshake", "wire", "mixing", "suspicion", "broadcast", "pushpull",
+    "claims", "ourselves", "fields",
     "member", "probing", "effects", "seal", "limits", "linkrate", "config",
     "messages", "errors", "identity", "address", "rotation", "standing", "tensors", "int8",
     "schema", "codec", "mismatch", "correction", "spacing", "exchange_state", "lowbit",

@@ -21,9 +21,13 @@ from gossip.wire import MAX_MESSAGE, encode
 LONG_HOST = "h" * 250  # the longest addresses a record allows, or near it
 
 
+PROOF = dict(key=b"k" * 32, signature=b"s" * 64)  # paging checks sizes, gossip.claims proofs
+
+
 def record(i: int, host: str = "n") -> MemberState:
     peer = peer_id_from_public_key((i + 1).to_bytes(32, "big"))
-    return MemberState(peer, i, MemberState.ALIVE, f"{host}:{1000 + i % 60000}", 1, i, i % 2 == 0)
+    return MemberState(peer, i, MemberState.ALIVE, f"{host}:{1000 + i % 60000}", 1, i, i % 2 == 0,
+                       **PROOF)
 
 
 def read(messages) -> list[MemberState]:
@@ -107,7 +111,7 @@ def test_more_records_than_a_table_holds_are_refused() -> None:
     ([PushPull(False, False, ()), Close(Close.NORMAL, "bye")], RemoteProtocolError,
      "^expected a PushPull page, got Close$"),
     # A record that is a message, but not a member's state.
-    ([PushPull(False, True, (encode(Alive(record(0).peer, 0, "a:1", 1, 0, False)),))],
+    ([PushPull(False, True, (encode(Alive(record(0).peer, 0, "a:1", 1, 0, False, **PROOF)),))],
      RemoteProtocolError, "^a PushPull record is not a MemberState$"),
     # A record that is not a message.
     ([PushPull(False, True, (b"\xff\x00not cbor",))], WireError, None),

@@ -13,8 +13,10 @@ from gossip.endpoints import connect
 from gossip.config import MembershipConfig, NodeConfig
 from gossip.handshake import Swarm
 from gossip.identity import Identity
-from gossip.membership import CLASH_CLAIMS, State
-from gossip.messages import Alive, Close, Ping, StateRequest
+from gossip.membership import State
+from gossip.ourselves import CLASH_CLAIMS
+from gossip.claims import sign_alive
+from gossip.messages import Close, Ping, StateRequest
 from gossip.network import TcpNetwork
 from gossip.roster import open_roster
 from gossip.seal import Sealer
@@ -144,8 +146,9 @@ async def test_a_table_of_long_addresses_crosses_in_pages(autojump_clock: MockCl
         # 600 members with the longest addresses a message allows: ~300 kB of table.
         long_host = "h" * 250
         for i in range(600):
-            peer = Identity.generate().peer_id
-            a._m._on_alive(trio.current_time(), Alive(peer, 0, f"{long_host}:{1000 + i}", 1, 0, False))
+            member = Identity.generate()
+            a._m._on_alive(trio.current_time(),
+                           sign_alive(member, 0, f"{long_host}:{1000 + i}", 1, 0, False))
         async with open_roster(net.host("b"), b_id, SWARM,
                                NodeConfig(listen="b:7000", bootstrap=["a:7000"])) as b:
             with trio.fail_after(30):
@@ -313,8 +316,9 @@ async def test_a_clone_that_joins_through_a_third_node_is_found_by_both(
 
 
 async def test_claims_in_gossip_alone_prove_no_clash(autojump_clock: MockClock) -> None:
-    # Any key holder can gossip "this node is at x:7000": the node dials x:7000 as itself,
-    # where an honest node (another identity) answers, and nothing is flagged.
+    # Signed announcements of this node at x:7000 (an earlier run's, say, relayed late): the
+    # node dials x:7000 as itself, where an honest node (another identity) answers, and
+    # nothing is flagged. (A key holder cannot sign them: gossip.claims.)
     net = SimNetwork(seed=1)
     victim = Identity.generate()
     async with open_roster(net.host("x"), Identity.generate(), SWARM,
@@ -324,7 +328,7 @@ async def test_claims_in_gossip_alone_prove_no_clash(autojump_clock: MockClock) 
             await v.wait_joined()
             for incarnation in range(100, 100 + 2 * CLASH_CLAIMS):
                 v._m._on_alive(trio.current_time(),
-                               Alive(victim.peer_id, incarnation, "x:7000", 1, 0, True))
+                               sign_alive(victim, incarnation, "x:7000", 1, 0, True))
             await v._execute([])
             await trio.sleep(MembershipConfig().push_pull_interval)
             assert v.clash is None and x.clash is None

@@ -13,6 +13,8 @@ from tests.util import mutate
 FP = bytes(range(16))
 PEER = "a" * 26
 OTHER = "b2" * 13
+PROOF = dict(key=b"k" * 32, signature=b"s" * 64)  # the wire checks sizes; gossip.claims the rest
+K, S = PROOF["key"], PROOF["signature"]
 
 EXAMPLES = [
     m.Hello(version=1, swarm="demo", identity_key=b"k" * 32, signature=b"s" * 64),
@@ -25,12 +27,12 @@ EXAMPLES = [
     m.Ack(seq=0),
     m.Nack(seq=1),
     m.Alive(peer=PEER, incarnation=3, address="[::1]:7070", version=1, step=10, ready=True,
-            shard=3, shards=8),
+            shard=3, shards=8, **PROOF),
     m.Suspect(peer=PEER, incarnation=3, by=OTHER),
     m.Dead(peer=PEER, incarnation=4, by=OTHER),
-    m.Left(peer=PEER, incarnation=5),
+    m.Left(peer=PEER, incarnation=5, **PROOF),
     m.MemberState(peer=PEER, incarnation=1, state=m.MemberState.DEAD, address="a:1", version=1,
-                  step=0, ready=False, reachable=False),
+                  step=0, ready=False, reachable=False, **PROOF),
     m.PushPull(join=True, last=False, records=(b"x" * 100,)),
     m.Offer(fingerprint=FP, codec="fp32", step=12, samples=768, weight=0.0, correction=True),
     m.Accept(step=13, samples=2**50, weight=1234.5, correction=False),
@@ -76,24 +78,24 @@ def test_round_trip(message):
         ([1, 1, "s", b"k" * 31, b"s" * 64], "Hello.identity_key"),
         ([6, 1, "A" * 26], "Ping.target"),  # peer ids are lowercase
         ([6, 2**32, "a" * 26], "Ping.seq"),
-        ([10, "a" * 26, 0, "a:1", 1, 0, 1, 0, 0, True], "Alive.ready"),  # 1 is not a boolean
-        ([14, "a" * 26, 0, 4, "a:1", 1, 0, False, 0, 0, True], "MemberState.state"),
-        ([10, "a" * 26, 0, "a:1", 1, 0, True], "Alive: expected 9 fields, got 6"),  # no shard
-        ([10, "a" * 26, 0, "a:1", 1, 0, True, 8, 8, True], "Alive.shard: 8 out of range 0..7"),
-        ([10, "a" * 26, 0, "a:1", 1, 0, True, 1, 0, True], "Alive.shard: 1 out of range 0..0"),
-        ([10, "a" * 26, 0, "a:1", 1, 0, True, 0, 2**16, True], "Alive.shards"),
-        ([10, "a" * 26, 0, "a:1", 1, 0, True, -1, 8, True], "Alive.shard"),
-        ([14, "a" * 26, 0, 0, "a:1", 1, 0, False, 2, 2, True], "MemberState.shard: 2 out of range"),
-        ([14, "a" * 26, 0, 0, "a:1", 1, 0, False, 0, True, True], "MemberState.shards: expected an"),
+        ([10, "a" * 26, 0, "a:1", 1, 0, 1, 0, 0, True, K, S], "Alive.ready"),  # 1 is not a boolean
+        ([14, "a" * 26, 0, 4, "a:1", 1, 0, False, 0, 0, True, K, S], "MemberState.state"),
+        ([10, "a" * 26, 0, "a:1", 1, 0, True], "Alive: expected 11 fields, got 6"),  # no shard
+        ([10, "a" * 26, 0, "a:1", 1, 0, True, 8, 8, True, K, S], "Alive.shard: 8 out of range 0..7"),
+        ([10, "a" * 26, 0, "a:1", 1, 0, True, 1, 0, True, K, S], "Alive.shard: 1 out of range 0..0"),
+        ([10, "a" * 26, 0, "a:1", 1, 0, True, 0, 2**16, True, K, S], "Alive.shards"),
+        ([10, "a" * 26, 0, "a:1", 1, 0, True, -1, 8, True, K, S], "Alive.shard"),
+        ([14, "a" * 26, 0, 0, "a:1", 1, 0, False, 2, 2, True, K, S], "MemberState.shard: 2 out of range"),
+        ([14, "a" * 26, 0, 0, "a:1", 1, 0, False, 0, True, True, K, S], "MemberState.shards: expected an"),
         ([5, "a" * 26, [b""] * 65], "Packet.parts"),
         ([5, "a" * 26, ["text"]], "Packet.parts"),
         ([5, "a" * 26, [b"x" * 1401]], "Packet.parts"),
         ([15, False, True, [b""] * 257], "PushPull.records"),
-        ([10, "a" * 26, 0, "not an address", 1, 0, True, 0, 0, True], "Alive.address"),
-        ([10, "a" * 26, 0, "a:1", 1, 0, True, 0, 0, 1], "Alive.reachable"),
-        ([14, "a" * 26, 0, 0, "a:1", 1, 0, True, 0, 0], "MemberState: expected 10 fields, got 9"),
+        ([10, "a" * 26, 0, "not an address", 1, 0, True, 0, 0, True, K, S], "Alive.address"),
+        ([10, "a" * 26, 0, "a:1", 1, 0, True, 0, 0, 1, K, S], "Alive.reachable"),
+        ([14, "a" * 26, 0, 0, "a:1", 1, 0, True, 0, 0], "MemberState: expected 12 fields, got 9"),
         ([21, b"x" * 15], "DialBack.nonce: expected 16 bytes"),
-        ([10, "a" * 26, 0, "host:0", 1, 0, True, 0, 0, True], "Alive.address"),
+        ([10, "a" * 26, 0, "host:0", 1, 0, True, 0, 0, True, K, S], "Alive.address"),
         ([7, 1, "a" * 26, "::1:80"], "PingReq.address"),
         ([16, FP, "fp32", 0, 0, 0.0], "Offer: expected 6 fields, got 5"),  # before correction
         ([16, FP, "fp32", 0, 0, 0.0, 1], "Offer.correction: expected a boolean"),
@@ -154,14 +156,39 @@ def test_averaging_messages_match_the_spec(message, spelled):
     assert decode(data) == message
 
 
+# docs/PROTOCOL.md sections 6.4 and 8.6: the member of RFC 8032 TEST 2 signs its Alive, and
+# its row in a table carries that proof. Ed25519 signatures are deterministic.
+RFC8032_TEST2 = "4ccd089b28ff96da9db6c346ec114e0f5b8a319f35aba624da8cf6ed4fb8a6fb"
+SPEC_ALIVE_SIGNATURE = ("40a8a4035dcf5c5007fc1eb51de9f90b6723f31783fce6ef2f7aa783c33da349"
+                        "023d5cd9484617edff92a58e3427e5ad41b89f752e68b2442ace5bf6deca5c09")
+SPEC_LEFT_SIGNATURE = ("66e1c2100e71c47130c91d15bebafcab2531ad06d438ccb0c64b7a56d02e7b98"
+                       "2f3dfbffb41e4fb8d5f4bbe08e2d6d0719533cb0d2340f7699709fcde7e2ad0b")
+
+
 def test_member_state_matches_the_spec():
-    # docs/PROTOCOL.md section 6.4: shard 3 of 8, then reachable, are the last three bytes.
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from gossip.claims import CLAIM_CONTEXT, proven, row_claim, sign_alive, sign_left, signed_bytes
+    from gossip.identity import Identity
+    member = Identity(Ed25519PrivateKey.from_private_bytes(bytes.fromhex(RFC8032_TEST2)))
+    alive = sign_alive(member, 3, "10.0.0.2:7070", 1, 1200, True, 3, 8, True)
+    assert signed_bytes(alive) == CLAIM_CONTEXT + bytes.fromhex(
+        "8a0a781a686833726875666769717374366263737371713374356933746d036d31302e302e302e32"
+        "3a37303730011904b0f50308f5")
+    assert alive.signature.hex() == SPEC_ALIVE_SIGNATURE
     record = m.MemberState("hh3rhufgiqst6bcssqq3t5i3tm", 3, m.MemberState.ALIVE, "10.0.0.2:7070",
-                           1, 1200, True, 3, 8, True)
+                           1, 1200, True, 3, 8, True, key=alive.key, signature=alive.signature)
     data = encode(record)
-    assert len(data) == 54
-    assert data[:2] == bytes.fromhex("8b0e") and data[-7:] == bytes.fromhex("1904b0f50308f5")
-    assert decode(data) == record
+    assert len(data) == 154
+    # shard 3 of 8, then reachable; then the key and the signature
+    assert data[:2] == bytes.fromhex("8d0e") and data[47:54] == bytes.fromhex("1904b0f50308f5")
+    assert data[54:88] == bytes.fromhex("5820") + member.public_key
+    assert data[88:] == bytes.fromhex("5840" + SPEC_ALIVE_SIGNATURE)
+    assert decode(data) == record and row_claim(record) == alive and proven(row_claim(record))
+    left = sign_left(member, 5)
+    assert signed_bytes(left) == CLAIM_CONTEXT + bytes.fromhex(
+        "830d781a686833726875666769717374366263737371713374356933746d05")
+    assert left.signature.hex() == SPEC_LEFT_SIGNATURE and len(encode(left)) == 131
 
 
 def test_the_largest_member_records_fit_their_limits():
@@ -173,9 +200,10 @@ def test_the_largest_member_records_fit_their_limits():
     from gossip.membership import _PACKET_OVERHEAD, MAX_PACKET
     from gossip.pushpull import MAX_RECORD_BYTES
     address, top = "h" * 250 + ":65535", 2**53 - 1
-    alive = m.Alive(PEER, top, address, 2**16 - 1, top, True, m.MAX_SHARDS - 1, m.MAX_SHARDS)
+    alive = m.Alive(PEER, top, address, 2**16 - 1, top, True, m.MAX_SHARDS - 1, m.MAX_SHARDS,
+                    **PROOF)
     record = m.MemberState(PEER, top, m.MemberState.LEFT, address, 2**16 - 1, top, True,
-                           m.MAX_SHARDS - 1, m.MAX_SHARDS)
+                           m.MAX_SHARDS - 1, m.MAX_SHARDS, **PROOF)
     assert len(encode(alive)) + PART_OVERHEAD <= MAX_PACKET - _PACKET_OVERHEAD
     assert len(encode(record)) <= MAX_RECORD_BYTES
 
@@ -191,11 +219,15 @@ def test_invalid_messages_cannot_be_built():
     with pytest.raises(ValueError, match="StateHeader.step"):
         m.StateHeader(fingerprint=FP, codec="fp32", step=-1, samples=0, nbytes=0)
     with pytest.raises(ValueError, match="Alive.shard: 4 out of range 0..3"):
-        m.Alive(PEER, 0, "a:1", 1, 0, True, shard=4, shards=4)
+        m.Alive(PEER, 0, "a:1", 1, 0, True, shard=4, shards=4, **PROOF)
     with pytest.raises(ValueError, match="MemberState.shards"):
-        m.MemberState(PEER, 0, 0, "a:1", 1, 0, True, shard=0, shards=m.MAX_SHARDS + 1)
+        m.MemberState(PEER, 0, 0, "a:1", 1, 0, True, shard=0, shards=m.MAX_SHARDS + 1, **PROOF)
     with pytest.raises(ValueError, match="Alive.reachable: expected a boolean"):
-        m.Alive(PEER, 0, "a:1", 1, 0, True, reachable=1)
+        m.Alive(PEER, 0, "a:1", 1, 0, True, reachable=1, **PROOF)
+    with pytest.raises(ValueError, match="Left.key: expected 32 bytes"):
+        m.Left(PEER, 0, key=b"k" * 31, signature=b"s" * 64)
+    with pytest.raises(ValueError, match="MemberState.signature: expected 64 bytes"):
+        m.MemberState(PEER, 0, 0, "a:1", 1, 0, True, key=b"k" * 32, signature=b"")
     with pytest.raises(ValueError, match="DialBack.nonce: expected 16 bytes"):
         m.DialBack(b"short")
 
@@ -256,7 +288,7 @@ def test_an_address_that_could_forge_a_log_line_is_refused_at_decode(address):
     # Peers' addresses reach logs and the operator's terminal (gossipd status): a host may
     # hold only what a host name or an IP address holds.
     with pytest.raises(ValueError, match="Alive.address"):
-        m.Alive(PEER, 0, address, 1, 0, True)
-    forged = cbor2.dumps([10, PEER, 0, address, 1, 0, True, 0, 0])
+        m.Alive(PEER, 0, address, 1, 0, True, **PROOF)
+    forged = cbor2.dumps([10, PEER, 0, address, 1, 0, True, 0, 0, True, b"k" * 32, b"s" * 64])
     with pytest.raises(WireError):
         decode(forged)
