@@ -40,7 +40,7 @@ from .identity import Identity, peer_id_from_public_key, verify_signature
 from .messages import Alive, Left, MemberState
 
 __all__ = ["CLAIM_CONTEXT", "ClaimChecker", "sign_alive", "sign_left", "signed_bytes",
-           "proven", "row_claim"]
+           "proven", "row_claim", "alive_row"]
 
 CLAIM_CONTEXT = b"gossipd-membership-claim:"
 
@@ -86,6 +86,14 @@ def row_claim(row: MemberState) -> Alive | Left:
         return Left(row.peer, row.incarnation, key=row.key, signature=row.signature)
     return Alive(row.peer, row.incarnation, row.address, row.version, row.step, row.ready,
                  row.shard, row.shards, row.reachable, key=row.key, signature=row.signature)
+
+
+def alive_row(alive: Alive) -> MemberState:
+    """The ALIVE table row of ``alive``, carrying its proof (the inverse of
+    :func:`row_claim`)."""
+    return MemberState(alive.peer, alive.incarnation, MemberState.ALIVE, alive.address,
+                       alive.version, alive.step, alive.ready, alive.shard, alive.shards,
+                       alive.reachable, key=alive.key, signature=alive.signature)
 
 
 class ClaimChecker:

@@ -39,8 +39,9 @@ from ..errors import GossipError, PeerTimeout
 from ..groups import first_error, one_error
 from ..handshake import MAX_HANDSHAKE_MESSAGE, Swarm
 from ..identity import Identity
-from ..messages import (Accept, Close, Commit, Dead, Left, MemberState, Message, Offer, Packet,
-                        PushPull, StateHeader, Suspect)
+from ..claims import sign_left
+from ..messages import (MAX_COUNT, Accept, Close, Commit, Dead, Left, MemberState, Message,
+                        Offer, Packet, PushPull, StateHeader, Suspect)
 from ..network import Network, TcpNetwork
 from ..seal import Sealer
 from ..tables import receive_table, send_table
@@ -382,10 +383,22 @@ class HostilePeer(Outsider):
 
     def stale_updates(self, peer: str, incarnation: int = 0) -> bytes:
         """A sealed datagram, as captured, saying ``peer`` is suspect, dead and gone at
-        ``incarnation``: stale once ``peer`` announced a higher one (0 is, for a ready node)."""
+        ``incarnation``: stale once ``peer`` announced a higher one (0 is, for a ready node).
+        (The Left is ours, forged: :meth:`forged_left`.)"""
         by, inc = self.identity.peer_id, incarnation
-        parts = (Suspect(peer, inc, by), Dead(peer, inc, by), Left(peer, inc))
-        return Sealer(self.swarm).seal(encode(Packet(by, tuple(encode(p) for p in parts))))
+        parts = (Suspect(peer, inc, by), Dead(peer, inc, by), self.forged_left(peer, inc))
+        return self.datagram(parts)
+
+    def forged_left(self, peer: str, incarnation: int = MAX_COUNT) -> Left:
+        """``peer`` left at ``incarnation``, as a key holder can write it: proven by our own
+        key (gossip.claims), since only ``peer`` holds its own."""
+        mine = sign_left(self.identity, incarnation)
+        return Left(peer, incarnation, key=mine.key, signature=mine.signature)
+
+    def datagram(self, parts: tuple[Message, ...]) -> bytes:
+        """``parts`` in one datagram from us, sealed with the swarm key."""
+        packet = Packet(self.identity.peer_id, tuple(encode(p) for p in parts))
+        return Sealer(self.swarm).seal(encode(packet))
 
     def _open(self, datagrams: list[bytes]) -> tuple[Message, ...]:
         packets = [decode(Sealer(self.swarm).open(d)) for d in datagrams]

@@ -113,6 +113,16 @@ class AveragingSwarm:
         await self._nursery.start(self._run, peer, node_config, objects)
         return peer
 
+    async def restart(self, peer: Peer, *, bootstrap: Sequence[Peer],
+                      config: AveragingConfig = ROUNDS) -> None:
+        """Bring a crashed node back on its host, with its identity and its model as they
+        are: a new run, whose incarnation starts at 0 again."""
+        self.net.restart(peer.name)
+        node_config = NodeConfig(listen=peer.address, bootstrap=[p.address for p in bootstrap],
+                                 averaging=config, membership=self._membership,
+                                 timeouts=self._timeouts)
+        await self._nursery.start(self._run, peer, node_config, {})
+
     async def _run(self, peer: Peer, config: NodeConfig, objects: dict[str, Any], *,
                    task_status) -> None:
         rng = random.Random(f"{self._seed}:{peer.name}")
@@ -129,6 +139,7 @@ class AveragingSwarm:
             pass  # its host crashed under it
         finally:
             peer.node = None
+            self._changed.fire()  # a node that stopped is a change tests wait on
 
     def crash(self, peer: Peer) -> None:
         """Kill the node's host (no goodbye): its node fails with PeerGone and stops."""

@@ -46,10 +46,10 @@ from gossip.correction import REACH
 from gossip.errors import GossipError
 from gossip.handshake import PROTOCOL_VERSION
 from gossip.identity import Identity
-from gossip.messages import MemberState
 from gossip.node import open_swarm
 from gossip.testing.simnet import SimNetwork
 from gossip.testing.hostile import HostilePeer, Reaction
+from gossip.claims import alive_row, sign_alive
 from tests.sim.digits import BATCH, Trainer, accuracy, digits, make_model, shards
 from tests.util import SWARM
 
@@ -136,9 +136,8 @@ async def train_swarm(seed: int, attack: str | None) -> Run:
                      for k in range(IDENTITIES)]
             await trio.sleep(trust_after)  # it comes to a running swarm
             for k, peer in enumerate(peers):  # a member of every table (outbound-only)
-                record = MemberState(str(peer.identity.peer_id), 1, MemberState.ALIVE,
-                                     f"attacker:{7000 + k}", PROTOCOL_VERSION, 0, True,
-                                     reachable=False)
+                record = alive_row(sign_alive(peer.identity, 1, f"attacker:{7000 + k}",
+                                              PROTOCOL_VERSION, 0, True, reachable=False))
                 for node in nodes:  # and proved to each by one offer, a newcomer's
                     try:
                         await peer.push_pull(node.address, [record])

@@ -21,9 +21,9 @@ from daemon.sharding import choose_shard
 from gossip.config import MembershipConfig
 from gossip.handshake import PROTOCOL_VERSION
 from gossip.identity import Identity
-from gossip.messages import MemberState
 from gossip.tensors import StateSchema, TensorSpec
 from gossip.testing.hostile import HostilePeer
+from gossip.claims import alive_row, sign_alive
 from tests.sim.swarm import SimNode, SimSwarm, open_sim_swarm
 from tests.util import SWARM
 
@@ -84,10 +84,10 @@ async def test_members_invented_in_gossip_steer_no_joiner(autojump_clock: MockCl
     async with open_sim_swarm(1, latency=0.005) as swarm:
         first = swarm.nodes[0]
         hostile = HostilePeer(SWARM, SCHEMA, network=swarm.net.host("x"))
-        claims = [MemberState(str(hostile.identity.peer_id), 1, MemberState.ALIVE, "x:7000",
-                              PROTOCOL_VERSION, 0, True)]
-        claims += [MemberState(str(Identity.generate().peer_id), 1, MemberState.ALIVE,
-                               f"ghost{i}:7000", PROTOCOL_VERSION, 0, True, i % 3, SHARDS)
+        # Invented members the key holder signs for itself: it holds their keys.
+        claims = [alive_row(sign_alive(hostile.identity, 1, "x:7000", PROTOCOL_VERSION, 0, True))]
+        claims += [alive_row(sign_alive(Identity.generate(), 1, f"ghost{i}:7000",
+                                        PROTOCOL_VERSION, 0, True, i % 3, SHARDS))
                    for i in range(7)]
         await hostile.push_pull(first.address, claims)
         chosen: dict[SimNode, int] = {}

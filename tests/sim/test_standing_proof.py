@@ -32,6 +32,7 @@ from gossip.node import SwarmNode, open_swarm
 from gossip.testing.simnet import SimNetwork
 from gossip.standing import MEMBER_BURST, MEMBER_SHARE, by_host
 from gossip.testing.hostile import HostilePeer, Reaction
+from gossip.claims import alive_row, sign_alive
 from tests.util import SWARM, Signal
 
 INVENTED = 50
@@ -46,8 +47,8 @@ def model(seed: int) -> torch.nn.Module:
 
 
 def record(identity: Identity, address: str, *, reachable: bool) -> MemberState:
-    return MemberState(str(identity.peer_id), 1, MemberState.ALIVE, address, PROTOCOL_VERSION,
-                       0, True, reachable=reachable)
+    return alive_row(sign_alive(identity, 1, address, PROTOCOL_VERSION, 0, True,
+                                reachable=reachable))
 
 
 async def pair(stack: AsyncExitStack, net: SimNetwork,

@@ -27,11 +27,12 @@ from trio.testing import MockClock
 from gossip.config import AveragingConfig, NodeConfig
 from gossip.handshake import PROTOCOL_VERSION
 from gossip.identity import Identity
-from gossip.messages import MAX_COUNT, MemberState
+from gossip.messages import MAX_COUNT
 from gossip.node import SwarmNode, open_swarm
 from gossip.replica import Counters
 from gossip.testing.simnet import SimNetwork
 from gossip.testing.hostile import HostilePeer
+from gossip.claims import alive_row, sign_alive
 from tests.util import SWARM
 
 HONEST = 4
@@ -96,13 +97,13 @@ async def test_a_joiner_takes_no_step_from_members_invented_on_other_hosts(
                 network=net.host(f"n{i}"), rng=random.Random(i),
                 counters=Counters(step, 0, 1.0))))
         hostile = HostilePeer(SWARM, nodes[0].replica.schema, network=net.host("x"))
-        invented = [MemberState(str(Identity.generate().peer_id), 1, MemberState.ALIVE,
-                                f"ghost{k}:7000", PROTOCOL_VERSION, MAX_COUNT, True)
+        invented = [alive_row(sign_alive(Identity.generate(), 1, f"ghost{k}:7000",
+                                         PROTOCOL_VERSION, MAX_COUNT, True))
                     for k in range(6)]
         with trio.fail_after(30):
             await hostile.push_pull(nodes[0].address, [
-                MemberState(str(hostile.identity.peer_id), 1, MemberState.ALIVE, "x:7000",
-                            PROTOCOL_VERSION, 0, False)] + invented)
+                alive_row(sign_alive(hostile.identity, 1, "x:7000", PROTOCOL_VERSION, 0,
+                                     False))] + invented)
             while len(nodes[0].roster.alive(ready=True)) < 2 + len(invented):
                 await nodes[0].roster.wait_changed()
         joiner = await stack.enter_async_context(open_swarm(
