@@ -4,7 +4,7 @@ Method: a discrete-event simulation in virtual time. N ``Membership`` machines (
 SWIM + Lifeguard state machine that gossip.roster drives) run in one process, with no trio,
 no sockets and no sleeps: a heap of timed events stands in for the clock and the network.
 
-* Node i is at ``n{i}:7000``, has a peer id derived from the seed and its own seeded
+* Node i is at ``n{i}:7000``, has an identity key derived from the seed and its own seeded
   ``random.Random``, and runs the default (LAN) ``MembershipConfig``. One probe interval
   (1 s) is one *period*, the unit of every time below.
 * A ``Send`` is one sealed datagram of ``len(data) + SEAL_OVERHEAD`` bytes, delivered after
@@ -46,6 +46,7 @@ Progress goes to stderr; the last line printed is one JSON object with the figur
 from __future__ import annotations
 
 import argparse
+import copyreg
 import hashlib
 import heapq
 import itertools
@@ -57,12 +58,19 @@ import statistics
 import sys
 import time
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
 import gossip.membership
 from gossip.config import MembershipConfig
-from gossip.identity import peer_id_from_public_key
+from gossip.identity import Identity
 from gossip.membership import Changed, Membership, PushPullWith, Send, State
 from gossip.seal import SEAL_OVERHEAD
 from gossip.wire import MAX_DATAGRAM, encode
+
+# The warmed-up swarm is copied by pickling it, signing keys and all. Here only: a key is
+# never pickled by the library.
+copyreg.pickle(type(Ed25519PrivateKey.generate()),
+               lambda key: (Ed25519PrivateKey.from_private_bytes, (key.private_bytes_raw(),)))
 
 TARGET_DETECT_P99 = 15.0  # periods, cluster-wide, for N <= 256
 TARGET_KBYTES_S = 50.0  # kB/s per node at N = 256
@@ -89,9 +97,10 @@ class Swarm:
         self.rng = random.Random(f"{seed}:network")
         self.addresses = [f"n{i}:7000" for i in range(n)]
         self.index = {a: i for i, a in enumerate(self.addresses)}
-        self.peers = [peer_id_from_public_key(hashlib.sha256(f"{seed}:{i}".encode()).digest())
-                      for i in range(n)]
-        self.nodes = [Membership(self.peers[i], self.addresses[i], 0.0, config,
+        identities = [Identity(Ed25519PrivateKey.from_private_bytes(
+            hashlib.sha256(f"{seed}:{i}".encode()).digest())) for i in range(n)]
+        self.peers = [identity.peer_id for identity in identities]
+        self.nodes = [Membership(identities[i], self.addresses[i], 0.0, config,
                                  random.Random(f"{seed}:node:{i}")) for i in range(n)]
         self.up = [True] * n
         self.live = n

@@ -108,6 +108,9 @@ class Metrics:
         self.members_limited = Counter("gossip_member_offers_limited", "Offers from members "
                                        "answered busy: the members of their host had had "
                                        "their share of our rounds", registry=r)
+        self.claims_refused = Counter("gossip_membership_claims_refused", "Membership claims "
+                                      "(Alive, Left) refused: not signed by the member they "
+                                      "are about, or sent after one that was not", registry=r)
         self.evaluation = Gauge("gossip_eval", "The task's latest evaluation, by metric "
                                 "(task.eval_interval, and at exit)", ["metric"], registry=r)
         self.checkpoints = Counter("gossip_checkpoints", "Checkpoints written", registry=r)
@@ -125,6 +128,7 @@ class Metrics:
             self.newcomers.labels(outcome)
         self._newcomers_seen = (0, 0)
         self._members_limited_seen = 0
+        self._claims_refused_seen = 0
         self._refused_seen = dict.fromkeys(LIMITS, 0)
         self._chunks: deque[tuple[float, int]] = deque()  # (monotonic end, samples)
         self._last_loss = math.nan
@@ -194,6 +198,8 @@ class Metrics:
         for limit, count in refused.items():
             self.refused.labels(limit).inc(count - self._refused_seen[limit])
         self._refused_seen = refused
+        self.claims_refused.inc(roster.claims_refused - self._claims_refused_seen)
+        self._claims_refused_seen = roster.claims_refused
         for state in STATES:
             self.peers.labels(state).set(getattr(roster, state))
         self.step.set(stats.step)
@@ -222,6 +228,7 @@ class Metrics:
             "pending": stats.pending,
             "quarantined": stats.quarantined,
             "refused": refused,
+            "claims_refused": roster.claims_refused,
             "downloads_served": stats.downloads_served,
         }
 

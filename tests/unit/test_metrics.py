@@ -227,6 +227,27 @@ async def test_sample_counts_inbound_refusals_by_limit(autojump_clock: MockClock
         assert value(m, "gossip_inbound_refused_total", limit=limit) == count
 
 
+async def test_sample_counts_forged_membership_claims(autojump_clock: MockClock) -> None:
+    from gossip.testing.hostile import HostilePeer
+
+    net = SimNetwork(seed=1, latency=0.0)
+    m = Metrics()
+    swarm = gossip.Swarm.generate("t")
+    async with gossip.open_swarm(torch.nn.Linear(2, 2), swarm, A,
+                                 network=net.host("a")) as node:
+        # A key holder says the node itself left, at the largest incarnation: it cannot sign
+        # that as the node, so it is refused (and counted), not refuted.
+        hostile = HostilePeer(swarm, torch.nn.Linear(2, 2), network=net.host("x"))
+        endpoint = await net.host("x").open_datagram("x:0")
+        await endpoint.send(hostile.datagram((hostile.forged_left(node.peer_id),)), "a:7000")
+        await trio.testing.wait_all_tasks_blocked()
+        snap = m.sample(node)
+        again = m.sample(node)
+        assert node.roster.statistics().refutations == 0
+    assert snap["claims_refused"] == again["claims_refused"] == 1
+    assert value(m, "gossip_membership_claims_refused_total") == 1
+
+
 async def test_sample_loss_is_none_before_any_finite_loss(autojump_clock: MockClock) -> None:
     net = SimNetwork(seed=1)
     m = Metrics()
