@@ -41,7 +41,7 @@ MAX_HANDSHAKE_MESSAGE = 65535
 MAX_RECORD = 1 << 20
 MAX_MESSAGE = 65536
 FIELD_COUNTS = {1: 4, 2: 2, 3: 2, 4: 5,  # section 6.3 tag table
-                5: 2, 6: 2, 7: 3, 8: 1, 9: 1, 10: 9, 11: 3, 12: 3, 13: 2, 14: 10, 15: 3,
+                5: 2, 6: 2, 7: 3, 8: 1, 9: 1, 10: 11, 11: 3, 12: 3, 13: 4, 14: 12, 15: 3,
                 16: 6, 17: 4, 18: 0, 19: 4, 20: 3, 21: 1}
 CODEC_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}  # section 7.3
 
@@ -489,8 +489,31 @@ MEMBERSHIP_INFO = b"gossipd membership v1:"  # section 8.2
 SEAL_VERSION = b"\x01"
 SEAL_OVERHEAD = 1 + 12 + 16
 MAX_DATAGRAM = 1400
-PACKET, PING, ACK, PUSH_PULL, MEMBER_STATE = 5, 6, 8, 15, 14  # section 6.3
+PACKET, PING, ACK, ALIVE_TAG, PUSH_PULL, MEMBER_STATE = 5, 6, 8, 10, 15, 14  # section 6.3
 ALIVE = 0  # MemberState.state
+CLAIM_CONTEXT = b"gossipd-membership-claim:"  # section 8.6, proofs
+
+
+def alive_row(identity: Ed25519PrivateKey, *fields) -> bytes:
+    """Section 8.7: an ALIVE MemberState row, proven by the member's signature of its Alive
+    (section 8.6: the context, then the canonical CBOR of [10, peer, incarnation, ...])."""
+    peer, incarnation, *meta = fields
+    signed = CLAIM_CONTEXT + cbor2.dumps([ALIVE_TAG, peer, incarnation, *meta], canonical=True)
+    return encode_message(MEMBER_STATE, peer, incarnation, ALIVE, *meta, raw_pub(identity),
+                          identity.sign(signed))
+
+
+def row_is_proven(row: list) -> bool:
+    """Section 8.6: the row's key is its peer's, and signs the row's Alive."""
+    _, peer, incarnation, state, *meta, key, signature = row
+    if state != ALIVE or peer_id(key) != peer:
+        return False
+    signed = CLAIM_CONTEXT + cbor2.dumps([ALIVE_TAG, peer, incarnation, *meta], canonical=True)
+    try:
+        Ed25519PublicKey.from_public_bytes(key).verify(signature, signed)
+    except Exception:  # InvalidSignature: any failure is "not proven" here
+        return False
+    return True
 
 
 def membership_key(swarm_name: str, swarm_key: bytes) -> bytes:
@@ -547,10 +570,15 @@ def test_appendix_b_sealed_datagram():
     assert sealed.hex() == APPENDIX_B_SEALED
     assert len(sealed) == 93 == len(packet) + SEAL_OVERHEAD
     assert decode_packet(unseal(key, sealed)) == ("eh7ddx5bksrgcytl7bkai36se4", [[6, 1, "hh3rhufgiqst6bcssqq3t5i3tm"]])
-    member = encode_message(MEMBER_STATE, "hh3rhufgiqst6bcssqq3t5i3tm", 3, ALIVE, "10.0.0.2:7070", 1, 1200, True,
-                            3, 8, True)  # shard 3 of 8, reachable
-    assert len(member) == 54
-    assert encode_message(PUSH_PULL, True, True, [member]) == bytes.fromhex("840ff5f5815836") + member
+    test2 = Ed25519PrivateKey.from_private_bytes(bytes.fromhex(
+        "4ccd089b28ff96da9db6c346ec114e0f5b8a319f35aba624da8cf6ed4fb8a6fb"))  # RFC 8032 TEST 2
+    member = alive_row(test2, "hh3rhufgiqst6bcssqq3t5i3tm", 3, "10.0.0.2:7070", 1, 1200, True,
+                       3, 8, True)  # shard 3 of 8, reachable; then its proof (section 6.4)
+    assert len(member) == 154 and row_is_proven(decode_message(member))
+    assert member[88:].hex() == (
+        "584040a8a4035dcf5c5007fc1eb51de9f90b6723f31783fce6ef2f7aa783c33da349023d5cd9484617edff92"
+        "a58e3427e5ad41b89f752e68b2442ace5bf6deca5c09")
+    assert encode_message(PUSH_PULL, True, True, [member]) == bytes.fromhex("840ff5f581589a") + member
 
 
 # --- tests: membership against a reference roster -----------------------------------------
@@ -643,7 +671,7 @@ async def test_join_by_push_pull_then_answer_probes():
         with sock:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(answer_pings)
-                mine = encode_message(MEMBER_STATE, me, 0, ALIVE, my_address, 1, 0, False, 2, 4, True)
+                mine = alive_row(identity, me, 0, my_address, 1, 0, False, 2, 4, True)
                 with trio.fail_after(5):
                     client = await Client.connect(roster.address, SWARM_NAME, swarm_key, identity=identity)
                     assert peer_id(client.server_identity_key) == ident.peer_id
@@ -652,10 +680,11 @@ async def test_join_by_push_pull_then_answer_probes():
                     await client.send_message(PUSH_PULL, False, True, [mine])  # step 3
                     await client.stream.aclose()
                 # The responder's own record comes first, ALIVE; it merged ours before answering.
-                tag, peer, incarnation, state, address, version, step, ready, shard, shards, reachable = table[0]
+                tag, peer, incarnation, state, address, version, step, ready, shard, shards, reachable, _, _ = table[0]
                 assert (tag, peer, state, address, version) == (MEMBER_STATE, ident.peer_id, ALIVE, roster.address, 1)
                 assert (shard, shards, reachable) == (0, 0, True)  # no data shard; reachable
-                assert [MEMBER_STATE, me, 0, ALIVE, my_address, 1, 0, False, 2, 4, True] in table[1:]
+                assert row_is_proven(table[0])  # its own Alive, signed by its identity key
+                assert decode_message(mine) in table[1:]
                 with trio.fail_after(5):
                     while not any(m.peer == me and m.state == State.ALIVE and m.address == my_address
                                   and (m.shard, m.shards) == (2, 4) for m in roster.members()):
