@@ -24,8 +24,9 @@ member's Left, every other row the member's Alive with the row's fields
 (:func:`row_claim`).
 
 Cost. A check is a SHA-256 (the key against the peer id, first: a wrong key costs nothing
-more) and an Ed25519 verification, about 60 µs. The membership checks only a claim that
-would change its table, so gossip repeating an announcement costs no check. A datagram holds
+more) and an Ed25519 verification, about 70 µs (76 µs measured on a busy machine; a signature
+costs 25 µs). The membership checks only a claim that would change its table, so gossip
+repeating an announcement costs no check. A datagram holds
 at most ten signed claims (1331 bytes of parts, 133 bytes at least for each), and
 :class:`ClaimChecker` refuses every claim of a datagram or table after its first forged
 proof without checking it: honest members pass on only claims they checked, so whoever sent
