@@ -218,6 +218,21 @@ def test_a_stalled_payload_is_cut_off_at_its_deadline(bench: Bench) -> None:
                  f"closed after {between.seconds:.2f} s (transfer deadline)")
 
 
+def test_forged_departures_change_no_table(bench: Bench) -> None:
+    # Issue 48, B1: a key holder tells a that b left, and b that a left, at 2^53 - 1. It
+    # cannot sign as either (PROTOCOL.md section 8.6): both Lefts are refused, and the pair
+    # averages on. (Before proofs it stopped averaging for good.)
+    a, b, mark, hostile = bench.a, bench.b, bench.mark(), bench.hostile()
+    to_a = hostile.datagram((hostile.forged_left(peer(b)),))
+    to_b = hostile.datagram((hostile.forged_left(peer(a)),))
+    run(each, [lambda: hostile.replay_datagram(a.address, to_a, times=1, listen=0.0),
+               lambda: hostile.replay_datagram(b.address, to_b, times=1, listen=0.0)])
+    bench.held(mark, "forged departures")
+    for d, other in ((a, b), (b, a)):
+        assert not re.search(rf"member left peer={peer(other)[:8]}", bench.since(d, mark)), d.name
+    bench.record("forged Left(2^53 - 1), both ways", 1, "refused; the pair averages on")
+
+
 def test_replays_are_refused_or_stale(bench: Bench) -> None:
     a, b, mark, hostile = bench.a, bench.b, bench.mark(), bench.hostile()
     tries = 10
