@@ -27,7 +27,6 @@ FAST_AS_IT_CAN = [
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
 def test_memory_and_descriptors_stay_flat_over_a_thousand_exchanges(tmp_path) -> None:
     with DaemonSwarm(tmp_path) as swarm:
         a = swarm.add("a", settings=FAST_AS_IT_CAN).start()

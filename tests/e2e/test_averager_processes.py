@@ -20,7 +20,7 @@ import torch
 from daemon.testing import free_port
 from tests.unit.test_nodegroup import DEADLINE, finish, ranks
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+pytestmark = pytest.mark.slow
 
 # Both nodes: a small classifier on random data of their own, an exchange every step.
 COMMON = r"""

@@ -14,7 +14,7 @@ import pytest
 from daemon import checkpoint
 from daemon.testing import START, Daemon, DaemonSwarm, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+pytestmark = pytest.mark.slow
 
 
 def mean(xs: list[float]) -> float:

@@ -33,7 +33,7 @@ from gossip.messages import Alive
 from gossip.testing.hostile import HostilePeer, Outcome, Outsider, Reaction
 from daemon.testing import START, Daemon, DaemonSwarm, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.slow
 
 DEADLINE = 2.0  # s: the daemons' handshake, record and transfer deadlines (see SETTINGS)
 SETTINGS = [f"timeouts.handshake={DEADLINE:g}", f"timeouts.record={DEADLINE:g}",

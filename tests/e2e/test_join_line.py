@@ -27,7 +27,7 @@ from daemon.keys import JoinLine
 from daemon.metrics import MetricsLogReader
 from daemon.testing import FAST, START, free_port, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+pytestmark = pytest.mark.slow
 
 TASK = '''\
 import torch

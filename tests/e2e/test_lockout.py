@@ -18,7 +18,7 @@ from gossip.network import TcpNetwork
 from gossip.testing.hostile import Outsider
 from tests.util import SWARM
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
+pytestmark = pytest.mark.slow
 
 LIMIT = 4  # max_handshakes_per_host
 SILENT = 40  # silent connections from 127.0.0.1, all held at once

@@ -24,7 +24,7 @@ from gossip.network import TcpNetwork
 from gossip.testing import open_fault_proxy
 from tests.util import SWARM
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
+pytestmark = pytest.mark.slow
 
 FAST = MembershipConfig(probe_interval=0.2, probe_timeout=0.1, gossip_interval=0.05,
                         meta_interval=0.5, push_pull_interval=2.0, reconnect_interval=1.0,

@@ -23,7 +23,7 @@ import torch
 from daemon.testing import START, DaemonSwarm, free_port, wait_for
 from tests.unit.test_nodegroup import DEADLINE, finish, ranks
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.slow
 
 COMMON = r"""
 import dataclasses, json, os, sys, threading

@@ -7,7 +7,7 @@ import pytest
 
 from daemon.testing import START, free_port, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.slow
 
 
 def test_daemons_average_through_a_slow_proxy_and_stop_while_it_blocks(

@@ -38,7 +38,7 @@ from daemon.testing import START, Daemon, DaemonSwarm, wait_for
 from gossip import Swarm as SwarmKey
 from gossip.testing.hostile import HostilePeer, Reaction
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = pytest.mark.slow
 
 SECONDS = float(os.environ.get("POISONING_SECONDS", "15"))
 RATIO = 30.0  # the poison's norm, in model norms

@@ -17,7 +17,7 @@ import pytest
 
 from daemon.testing import START, Daemon, DaemonSwarm, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.slow
 TWO = ("task.processes=2", "task.check_every=1", "checkpoint.interval=2")
 
 

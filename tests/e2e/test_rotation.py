@@ -15,7 +15,7 @@ import pytest
 from daemon.cli import main
 from daemon.testing import START, Daemon, DaemonSwarm, free_port, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.slow
 
 
 def restart(d: Daemon, others: list[Daemon]) -> None:

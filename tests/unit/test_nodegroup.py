@@ -20,7 +20,6 @@ import torch
 
 from daemon.testing import free_port
 
-pytestmark = pytest.mark.timeout(120)
 
 DEADLINE = 60.0  # s for a process to start, train a few steps and exit, on a loaded machine
 

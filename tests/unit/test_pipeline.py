@@ -24,7 +24,6 @@ from gossip.pipeline import (_check_untied, micro_batches, sequential_step, spli
                              split_order, stage_bounds)
 from tests.unit.test_nodegroup import finish, ranks
 
-pytestmark = pytest.mark.timeout(120)
 
 TRAIN = r"""
 import json, os, sys
