@@ -316,6 +316,11 @@ class HostilePeer(Outsider):
         target must take a correction: make this peer with ``correction=True``)."""
         return await self._exchange(address, attack, self.honest, estimate)
 
+    async def send_state(self, address: str, flat: torch.Tensor,
+                         attack: str = "chosen state") -> Outcome:
+        """A whole exchange with ``flat``, any state of our schema's size, as our payload."""
+        return await self._exchange(address, attack, flat)
+
     async def bad_commit(self, address: str, answer: bytes) -> Outcome:
         """An honest exchange whose ``Commit`` from the target we answer with ``answer``, one
         record of raw bytes (a ``Commit`` out of range, encoded by hand: the message class
