@@ -49,7 +49,7 @@ from .handshake import (
 )
 from .identity import Identity
 from .limits import Admission, FirstMessages, RateLimit
-from .network import Network, peer_host
+from .network import Network, peer_host, reset_on_close
 from .wire import FRAME_HEADER, encode_frame, frame_length
 
 __all__ = ["FIRST_MESSAGE_TIMEOUT", "ChannelHandler", "handshake", "connect", "serve"]
@@ -270,9 +270,11 @@ async def serve(
         host = peer_host(stream)
         if admission.full:
             refused("max_connections")
+            reset_on_close(stream)
             return  # the network closes the stream
         if hosts is not None and not hosts.allow(host, trio.current_time()):
             refused("host_rate")
+            reset_on_close(stream)
             return  # before a byte is read: no AEAD, no Diffie-Hellman, no signature
         # One scope per connection: its deadline is the first-message deadline, and
         # cancelling it evicts the connection (only while unproven: see proved()).

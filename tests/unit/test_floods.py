@@ -3,15 +3,19 @@
 
 from __future__ import annotations
 
+import pytest
 import trio
 import trio.testing
 from trio.testing import MockClock
 
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
+from gossip.address import parse_address
 from gossip.config import Limits, NodeConfig
+from gossip.endpoints import serve
 from gossip.handshake import NoiseHandshake
 from gossip.identity import Identity
+from gossip.network import TcpNetwork
 from gossip.roster import open_roster
 from gossip.testing.simnet import SimHost, SimNetwork
 from gossip.wire import encode_frame
@@ -142,3 +146,28 @@ async def test_the_roster_counts_throttled_connections(autojump_clock: MockClock
                 stats.connections_refused) == (3, 0, 0)
         for stream in streams:
             await stream.aclose()
+
+
+async def test_a_tcp_connection_refused_at_accept_is_reset_not_closed() -> None:
+    # A graceful close would leave the server's end in TIME_WAIT for a minute: a flood of
+    # refusals would pile up that kernel state by the hundred thousand. A reset leaves none.
+    refused: list[str] = []
+
+    async def unreachable(channel) -> None:
+        raise AssertionError("no channel gets this far")
+
+    async with trio.open_nursery() as nursery:
+        address = await nursery.start(lambda task_status: serve(
+            TcpNetwork(), "127.0.0.1:0", unreachable, identity=Identity.generate(),
+            swarm=SWARM, limits=Limits(host_rate=1.0, host_burst=1),
+            on_refused=refused.append, task_status=task_status))
+        host, port = parse_address(address)
+        with trio.fail_after(30):
+            held = await trio.open_tcp_stream(host, port)  # takes the one token
+            over = await trio.open_tcp_stream(host, port)
+            with pytest.raises(trio.BrokenResourceError):  # reset: not an end of stream
+                await over.receive_some(1)
+        assert refused == ["host_rate"]
+        await held.aclose()
+        await over.aclose()
+        nursery.cancel_scope.cancel()
