@@ -28,7 +28,10 @@ either side of it, so that the load of a shared machine weighs on both alike, an
 the median of its ratios. The flooders run on the same cores as the
 pair: part of any drop is the flooders' own CPU, which no defence of *b* can give back.
 ``--undefended`` runs *b* with ``limits.host_rate`` and ``host_burst`` out of reach, as the
-code before the per-address bound behaved.
+code before the per-address bound behaved. The table also gives *b*'s CPU seconds per second
+of each phase, and the last lines its CPU per flood connection beyond the quiet phases': a
+rough figure where other work shares the machine (it moved from 3 to 95 µs between two runs
+of the same code), where the ratios, measured side by side, hold better.
 
 Usage: python bench/flood.py [--quick] [--rate 600] [--seconds 4] [--repeats 5]
        [--params 4194304] [--floods "replay x1,replay x4,connect,datagram"] [--undefended]

@@ -91,9 +91,10 @@ import torch
 from . import int8
 from .config import MOD_SETTING
 
-__all__ = ["BLOCK", "MARGIN", "MIN_PERIOD", "MIN_RECORD", "Spec", "parse", "parse_setting", "is_lowbit",
-           "is_lowbit_setting", "nbytes", "carried", "estimate_nbytes", "payload_nbytes", "gather", "scatter",
-           "blocks", "selected", "periods", "encode", "decode_into"]
+__all__ = ["BLOCK", "MARGIN", "MIN_PERIOD", "MIN_RECORD", "Spec", "parse", "parse_setting",
+           "is_lowbit", "is_lowbit_setting", "nbytes", "carried", "estimate_nbytes",
+           "payload_nbytes", "gather", "scatter", "blocks", "selected", "periods", "encode",
+           "decode_into"]
 
 BLOCK = 64  # values per block; the last block of a vector may be shorter
 PERIOD_BYTES = 2  # a bfloat16 period leads every cell

@@ -5,6 +5,7 @@ smaller than :data:`gossip.lowbit.MIN_RECORD`. On real loopback sockets."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import random
 from contextlib import AsyncExitStack
 
@@ -17,7 +18,7 @@ from gossip import lowbit
 from gossip.config import AveragingConfig
 from gossip.messages import Commit
 from gossip.testing.hostile import HostilePeer, Reaction
-from tests.unit.test_averaging import DEADLINE, enter_node, flat
+from tests.unit.test_averaging import DEADLINE, enter_node, exchange, flat, two_nodes
 from tests.unit.test_lowbit_exchange import renudge
 from tests.util import SWARM
 
@@ -48,7 +49,8 @@ async def test_a_commit_out_of_range_is_a_strike_and_three_quarantine() -> None:
             for strike in range(1, TARGET.strikes + 1):
                 await a.average_now()  # no peer: but a token for the newcomers' host
                 outcome = await hostile.bad_commit(a.address, out_of_range)
-                assert outcome.reaction is Reaction.ACCEPTED, outcome  # its Commit: ours could apply
+                # Its Commit came: the attacker could apply the exchange.
+                assert outcome.reaction is Reaction.ACCEPTED, outcome
                 await trio.testing.wait_all_tasks_blocked()
                 stats = a.statistics()
                 assert (stats.invalid, stats.committed, stats.failed) == (strike, 0, 0)
@@ -62,16 +64,14 @@ async def test_a_commit_out_of_range_is_a_strike_and_three_quarantine() -> None:
 
 async def test_a_mod_payload_in_records_below_the_least_is_a_strike() -> None:
     model = torch.nn.Linear(256, 512)  # a mod4 payload of 70 kB: five least records
-    config = AveragingConfig(**{**TARGET.__dict__, "codec": "mod4"})
-    async with AsyncExitStack() as stack:
-        a = await enter_node(stack, model, config, [], "a", lambda _: None)
-        honest = nudged(model, 2)
-        warmup = HostilePeer(SWARM, honest, patience=DEADLINE, rng=random.Random(1))
-        small = HostilePeer(SWARM, honest, codec="mod4", identity=warmup.identity,
-                            patience=DEADLINE, rng=random.Random(2))
+    config = dataclasses.replace(TARGET, codec="mod4")
+    async with two_nodes(model, nudged(model, 2), config) as (a, b, done):
+        small = HostilePeer(SWARM, nudged(model, 3), codec="mod4", patience=DEADLINE,
+                            rng=random.Random(2))
         with trio.fail_after(DEADLINE):
-            # An fp32 exchange measures the target's spreads: it takes mod4 offers from then on.
-            assert (await warmup.send_scaled(a.address, 1.0)).reaction is Reaction.ACCEPTED
+            # An exchange with an honest member measures a's spreads (a newcomer's would
+            # not): a takes mod4 offers from then on.
+            await exchange(b, a, done)
             assert lowbit.nbytes(lowbit.Spec(4), a.replica.schema.numel) > 4 * lowbit.MIN_RECORD
             # Records that cut the payload anywhere, each of at least the least, are honest.
             cut = await small.small_records(a.address, lowbit.MIN_RECORD + 3)
@@ -81,5 +81,7 @@ async def test_a_mod_payload_in_records_below_the_least_is_a_strike() -> None:
                 outcome = await small.small_records(a.address, size)
                 assert outcome.reaction is Reaction.CLOSED, outcome
             await trio.testing.wait_all_tasks_blocked()
-        stats = a.statistics()
-        assert (stats.committed, stats.invalid) == (2, 2)
+            stats = a.statistics()
+            # b's exchange, the cut one, and the rounds of a's own that earned the attacker
+            # its newcomer tokens (each with b); the two records under the least, refused.
+            assert (stats.committed, stats.invalid) == (4, 2)
