@@ -31,8 +31,9 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 # Every benchmark (quick settings where a script has them; the straggler comparison needs its
-# three repetitions): about 40 minutes on 2 cores, 21 of them bench/lowcomm.py --quick's
-# 1M-parameter language model (the rest took 15 to 18 before it). bench/wan.py's real-socket
+# three repetitions): about 42 minutes on 2 cores, 21 of them bench/lowcomm.py --quick's
+# 1M-parameter language model (the rest took 15 to 18 before it; bench/flood.py --quick's
+# floods about 2). bench/wan.py's real-socket
 # check needs root for ip netns, and says so and skips it without. Each prints a table and,
 # last, one JSON line; the comparison benchmarks also write bench/results/<name>.json and .png.
 bench: $(STAMP)
@@ -43,6 +44,7 @@ bench: $(STAMP)
 	$(PY) bench/overhead.py --quick
 	$(PY) bench/scale.py --quick
 	$(PY) bench/nat.py --quick
+	$(PY) bench/flood.py --quick
 	$(PY) bench/wan.py --quick
 	$(PY) bench/efficiency.py --quick
 	$(PY) bench/lowcomm.py --quick

@@ -2,25 +2,24 @@
 
 Theory of operation
 -------------------
-Each table of the file is a frozen dataclass below, and each of its fields is declared once,
-with the library's settings engine (:mod:`gossip.config`): ``setting(default, doc, check)``.
-That one declaration is the field's documentation (the ``doc`` metadata, which :func:`render`
-writes as a comment above the key), its type (the type of the default) and its validation
-(``check``); the engine's :func:`gossip.config.checked` converts and checks each value, and
-:class:`_Section` only turns its problem into a :class:`ConfigError` that names the key. A key
-that is a library setting is declared with ``setting_of(gossip_class, name)`` instead, which
-takes the default, doc and check of the setting's one declaration in :mod:`gossip.config`.
+Each table of the file is a frozen dataclass below, and each of its fields is declared once, with
+the library's settings engine (:mod:`gossip.config`): ``setting(default, doc, check)``. That one
+declaration is the field's documentation (the ``doc`` metadata, which :func:`render` writes as a
+comment above the key), its type (the type of the default) and its validation (``check``); the
+engine's :func:`gossip.config.checked` converts and checks each value, and :class:`_Section` only
+turns its problem into a :class:`ConfigError` that names the key. A key that is a library setting
+is declared with ``setting_of(gossip_class, name)`` instead, which takes the default, doc and check
+of the setting's one declaration in :mod:`gossip.config`.
 
-The tables mirror :class:`gossip.NodeConfig`: ``[averaging]``, ``[timeouts]`` and ``[limits]``
-hold :class:`gossip.AveragingConfig`'s, :class:`gossip.Timeouts`' and :class:`gossip.Limits`'
-settings under the library's names; ``[node]`` and ``[swarm]`` hold its addresses and peers,
-``[task]``, ``[checkpoint]`` and ``[metrics]`` the daemon's own keys. Two rules of spelling
-hold in every table: a key ending in ``_every`` (``averaging.every``, ``task.check_every``)
-counts steps, and one ending in ``_interval`` (``task.progress_interval``,
-``metrics.interval``) counts seconds. TOML has no None, so the file spells the library's None
-otherwise, and :meth:`Config.node_config` is the one place that maps it back (see its
-docstring). Keys that were renamed are listed in ``_RENAMED``: an old key is refused (exit 2)
-with a one-line hint naming the new one, never silently read.
+The tables mirror :class:`gossip.NodeConfig`: ``[averaging]``, ``[timeouts]`` and ``[limits]`` hold
+:class:`gossip.AveragingConfig`'s, :class:`gossip.Timeouts`' and :class:`gossip.Limits`' settings
+under the library's names; ``[node]`` and ``[swarm]`` hold its addresses and peers, ``[task]``,
+``[checkpoint]`` and ``[metrics]`` the daemon's own keys. Two rules of spelling hold in every
+table: a key ending in ``_every`` (``averaging.every``, ``task.check_every``) counts steps, and one
+ending in ``_interval`` (``task.progress_interval``, ``metrics.interval``) counts seconds. TOML has
+no None, so the file spells the library's None otherwise, and :meth:`Config.node_config` is the one
+place that maps it back (see its docstring). Keys that were renamed are listed in ``_RENAMED``: an
+old key is refused (exit 2) with a one-line hint naming the new one, never silently read.
 
 Validation runs in ``__post_init__``, so a bad config is an error however it is built, from a
 file or in code, in two stages:
@@ -73,9 +72,8 @@ from .toml import BARE_KEY, describe, render
 
 __all__ = [
     "ENV", "DEFAULT_PATH", "ConfigError", "NodeSection", "SwarmSection", "TaskSection",
-    "AveragingSection", "TimeoutsSection", "LimitsSection", "CheckpointSection",
-    "MetricsSection", "Config", "load", "from_dict", "parse_override", "apply_override",
-    "render",
+    "AveragingSection", "TimeoutsSection", "LimitsSection", "CheckpointSection", "MetricsSection",
+    "Config", "load", "from_dict", "parse_override", "apply_override", "render",
 ]
 
 ENV = "GOSSIPD_CONFIG"  # names the config file when no path is given
@@ -347,6 +345,8 @@ class LimitsSection(_Section):
     section = "limits"
     max_connections: int = setting_of(gossip.Limits, "max_connections")
     max_handshakes_per_host: int = setting_of(gossip.Limits, "max_handshakes_per_host")
+    host_rate: float = setting_of(gossip.Limits, "host_rate")
+    host_burst: int = setting_of(gossip.Limits, "host_burst")
     peer_rate: float = setting_of(gossip.Limits, "peer_rate")
     peer_burst: int = setting_of(gossip.Limits, "peer_burst")
 

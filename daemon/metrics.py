@@ -40,7 +40,8 @@ log = logging.getLogger(__name__)
 
 RESULTS = tuple(r.value for r in gossip.Result if r is not gossip.Result.NO_PEER)
 STATES = ("alive", "suspect", "dead", "left")
-LIMITS = ("max_connections", "max_handshakes_per_host", "peer_rate")  # gossip_inbound_refused
+LIMITS = ("max_connections", "max_handshakes_per_host", "host_rate",  # gossip_inbound_refused
+          "peer_rate")
 RATE_WINDOW = 30.0  # s of chunks the samples/s figure averages over
 CREATED = "_created"  # the suffix of the series _Registry leaves out
 TOTALLED = ("committed", "failed", "busy", "rejected", "invalid", "no_peer")  # in totals()
@@ -97,7 +98,9 @@ class Metrics:
                                  "or a model that cannot be averaged with ours)", registry=r)
         self.refused = Counter("gossip_inbound_refused", "Inbound connections closed unread, "
                                "by limit: max_connections (refused at accept), "
-                               "max_handshakes_per_host (an unproven one evicted), peer_rate",
+                               "max_handshakes_per_host (an unproven one evicted), "
+                               "host_rate (its address over its rate, refused at accept), "
+                               "peer_rate",
                                ["limit"], registry=r)
         self.newcomers = Counter("gossip_newcomer_offers", "Offers from newcomers (peers not "
                                  "proved to us and members for averaging.trust_after since, nor "
@@ -194,6 +197,7 @@ class Metrics:
         self.members_limited.inc(stats.members_limited - self._members_limited_seen)
         self._members_limited_seen = stats.members_limited
         refused = dict(zip(LIMITS, (roster.connections_refused, roster.connections_evicted,
+                                    roster.connections_throttled,
                                     roster.channels_limited)))
         for limit, count in refused.items():
             self.refused.labels(limit).inc(count - self._refused_seen[limit])

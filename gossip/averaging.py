@@ -494,7 +494,8 @@ class Averaging:
         verdict, bid = outcome.verdict, outcome.peer
         assert isinstance(verdict, Verdict) and bid is not None and side.codec is not None
         # The spreads, before the outer step turns `theirs` into the change to queue.
-        await offload(self.replica, self.codecs.committed, side.codec, theirs, outcome.parts)
+        await offload(self.replica, self.codecs.committed, side.codec, theirs, outcome.parts,
+                      taken=verdict.state.scale > 0)
         self.codecs.used(str(peer), side.codec)
         if verdict.state.scale > 0:  # else a newcomer's: it learns from us, we take nothing
             weight = (merged_weight(self._my_weight(mine), bid.weight) if self.config.by_samples

@@ -472,9 +472,10 @@ class LowbitDecoder(_Received):
 
     The interface of :class:`StateDecoder` (:meth:`feed`, :meth:`window` and :meth:`wrote`,
     :attr:`remaining_bytes`, :attr:`done`, :meth:`result`), but records may cut the payload
-    anywhere: it is a few bytes a value, so it is gathered whole and decoded by
-    :meth:`finish` once the ``reference`` (the receiver's own payload, ``parts`` vectors of the
-    schema, not changed) is final. Until then :attr:`decoded` is 0.
+    anywhere, each of at least :data:`~gossip.lowbit.MIN_RECORD` bytes but the last (a
+    shorter one fails the decoder): it is a few bytes a value, so it is gathered whole and
+    decoded by :meth:`finish` once the ``reference`` (the receiver's own payload, ``parts``
+    vectors of the schema, not changed) is final. Until then :attr:`decoded` is 0.
 
     Raises:
         ValueError: ``codec`` is not a ``mod`` codec, or ``reference`` and ``out`` are not
@@ -532,6 +533,10 @@ class LowbitDecoder(_Received):
         if nbytes > self.remaining_bytes or (nbytes == 0 and self.total_bytes):
             self._error = (f"record of {nbytes} bytes with {self.remaining_bytes} of a "
                            f"{self.total_bytes}-byte payload remaining")
+            raise SchemaMismatch(self._error)
+        if nbytes < lowbit.MIN_RECORD and nbytes != self.remaining_bytes:
+            self._error = (f"record of {nbytes} bytes, not the payload's last, under the "
+                           f"{lowbit.MIN_RECORD} bytes a mod record holds at the least")
             raise SchemaMismatch(self._error)
 
     def finish(self) -> None:

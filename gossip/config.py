@@ -489,6 +489,11 @@ class Limits(_Settings):
     max_handshakes_per_host: int = setting(8, "connections from one IP address that have not "
                                            "proved the swarm key yet, at once (>= 1); one more "
                                            "closes the oldest", AT_LEAST_1)
+    host_rate: float = setting(50.0, "inbound connections per second one IP address may open "
+                               "on average (> 0), counted at accept: more are closed unread, "
+                               "before any cryptography", POSITIVE)
+    host_burst: int = setting(100, "inbound connections one IP address may open at once (>= 1)",
+                              AT_LEAST_1)
     peer_rate: float = setting(10.0, "inbound channels per second one peer may open on average "
                                "(> 0); more are closed unread", POSITIVE)
     peer_burst: int = setting(20, "inbound channels one peer may open at once (>= 1)",

@@ -14,7 +14,8 @@ the other once when the peer closes after message 1 (how a node without that key
 :func:`serve` also bounds what a dialer without the swarm key can hold: its first handshake
 message must come within :data:`FIRST_MESSAGE_TIMEOUT`, a replayed message 1 is closed at
 once, and :class:`~gossip.limits.Admission` caps the connections open at once and those of
-one host that have not proved the key yet.
+one host that have not proved the key yet; a :class:`~gossip.limits.RateLimit` keyed by host
+caps how often one host may open one, before any cryptographic work is done for it.
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ from .handshake import (
     x25519_public_bytes,
 )
 from .identity import Identity
-from .limits import Admission, FirstMessages
-from .network import Network, peer_host
+from .limits import Admission, FirstMessages, RateLimit
+from .network import Network, peer_host, reset_on_close
 from .wire import FRAME_HEADER, encode_frame, frame_length
 
 __all__ = ["FIRST_MESSAGE_TIMEOUT", "ChannelHandler", "handshake", "connect", "serve"]
@@ -245,15 +246,19 @@ async def serve(
             more is closed as soon as it is accepted, before a byte is read; and
             ``max_handshakes_per_host``, unproven connections at once from one remote host
             (IP address): one more from it closes the host's oldest unproven one, so that an
-            outsider cannot hold the places of honest peers that share its address. None: no
-            limits. (Its per-peer rate is the roster's to enforce, once a peer is known.)
+            outsider cannot hold the places of honest peers that share its address; and
+            ``host_rate`` / ``host_burst``, connections one host may open, as a token bucket
+            spent at accept: one over it is closed before a byte is read, so a flood from
+            one address costs no cryptography past the bucket. None: no limits. (Its
+            per-peer rate is the roster's to enforce, once a peer is known.)
         on_refused: called with the limit's name for each connection closed by a limit:
-            ``"max_connections"`` (the new one, refused) or ``"max_handshakes_per_host"``
-            (the oldest unproven one of its host, evicted).
+            ``"max_connections"`` or ``"host_rate"`` (the new one, refused) or
+            ``"max_handshakes_per_host"`` (the oldest unproven one of its host, evicted).
     """
     admission: Admission[trio.CancelScope] = (
         Admission(limits.max_connections, limits.max_handshakes_per_host) if limits is not None
         else Admission(None, None))
+    hosts = RateLimit(limits.host_rate, limits.host_burst) if limits is not None else None
     first_message = min(FIRST_MESSAGE_TIMEOUT, timeouts.handshake)
     firsts = FirstMessages()  # to know a replayed message 1
 
@@ -265,7 +270,12 @@ async def serve(
         host = peer_host(stream)
         if admission.full:
             refused("max_connections")
+            reset_on_close(stream)
             return  # the network closes the stream
+        if hosts is not None and not hosts.allow(host, trio.current_time()):
+            refused("host_rate")
+            reset_on_close(stream)
+            return  # before a byte is read: no AEAD, no Diffie-Hellman, no signature
         # One scope per connection: its deadline is the first-message deadline, and
         # cancelling it evicts the connection (only while unproven: see proved()).
         scope = trio.CancelScope(deadline=trio.current_time() + first_message)

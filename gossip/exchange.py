@@ -54,7 +54,7 @@ import trio
 from .channel import SecureChannel
 from . import lowbit
 from .codec import encoded_nbytes, lowbit_payload
-from .errors import GossipError, PeerTimeout, RemoteProtocolError, SchemaMismatch
+from .errors import BadMessage, GossipError, PeerTimeout, RemoteProtocolError, SchemaMismatch
 from .exchange_state import ExchangeState, Outcome, Result, Side, Verdict
 from .groups import first_error, phase_deadline, phase_deadline_at
 from .linkrate import STALL
@@ -204,5 +204,8 @@ async def _swap(channel: SecureChannel, state: ExchangeState, own: torch.Tensor,
     with phase_deadline_at(max(transfer_end, trio.current_time()) + deadlines.commit,
                            channel.peer.short, "commit"):
         await channel.send_message(said)
-        answer = await channel.receive_message()
+        try:
+            answer = await channel.receive_message()
+        except BadMessage as exc:  # a Commit out of range, say: a strike (exchange_state)
+            return state.bad_commit(exc)
     return state.committed(answer)

@@ -18,7 +18,8 @@ tested without a channel (h11 keeps its state machine the same way). An
     TRANSFER  our verdict takes it               COMMIT    we say Commit(fraction)
     COMMIT    Close                              ENDED     BUSY or REJECTED
     COMMIT    Commit                             ENDED     COMMITTED, the smaller fraction
-    COMMIT    anything else                      RemoteProtocolError
+    COMMIT    a record that is no valid message, ENDED     INVALID, "bad Commit"
+              or another message
 
 The initiator starts in ANSWER, its ``Offer`` sent. The responder starts in TRANSFER, its
 ``Accept`` sent: whether to take an offer at all is its caller's decision, which says no with a
@@ -29,6 +30,12 @@ hold the state and, if the ``Accept`` says so, the estimates (``parts``, 1 or 2)
 An exchange that did not fail ends as an :class:`Outcome`; one that failed raises (the peer's
 protocol error here, the channel's and the deadlines' in :mod:`gossip.exchange`), and either
 way nothing is applied unless the ending is ``COMMITTED``.
+
+A bad answer to our ``Commit`` (a ``Commit`` whose fraction is out of range, which does not
+decode, or any message but ``Commit`` and ``Close``) ends ``INVALID``, a strike, and not as a
+mere failure: by then the peer holds our ``Commit`` and may apply the exchange, while we
+apply nothing. A peer that hangs up instead gets the same one-sided exchange, but a lost
+message is what an honest link does too; a malformed answer is the peer's doing alone.
 """
 
 from __future__ import annotations
@@ -208,21 +215,26 @@ class ExchangeState:
         return Commit(self._fraction)
 
     def committed(self, message: Message) -> Outcome:
-        """How the exchange ended, given the peer's answer to our ``Commit``.
-
-        Raises:
-            RemoteProtocolError: neither ``Commit`` nor ``Close``.
-        """
+        """How the exchange ended, given the peer's answer to our ``Commit`` (another
+        message: ``INVALID``, as :meth:`bad_commit`)."""
         self._expect(Phase.COMMIT)
         if isinstance(message, Close):
             refusal = Refusal.of(message)
             return self._finish(Outcome(refusal.result, refusal.reason, self.peer, self.parts,
                                         self._verdict))
         if not isinstance(message, Commit):
-            raise RemoteProtocolError(f"expected Commit, got {type(message).__name__}")
+            return self.bad_commit(RemoteProtocolError(
+                f"expected Commit, got {type(message).__name__}"))
         # The smaller: a peer can make us move less than we judged, never more.
         return self._finish(Outcome(Result.COMMITTED, "", self.peer, self.parts, self._verdict,
                                     min(self._fraction, message.correction)))
+
+    def bad_commit(self, error: Exception) -> Outcome:
+        """The peer answered our ``Commit`` with a record that is no valid message, or with
+        another message than ``Commit`` or ``Close``: its fault, ``INVALID`` (a strike)."""
+        self._expect(Phase.COMMIT)
+        return self._finish(Outcome(Result.INVALID, f"bad Commit: {error}", self.peer,
+                                    self.parts, self._verdict))
 
     def _end(self, refusal: Refusal) -> Outcome:
         return self._finish(Outcome(refusal.result, refusal.reason))

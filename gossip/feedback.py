@@ -11,8 +11,16 @@ fragmented ``mod4/<F>`` names the fragment of each exchange in turn (``mod4/8:0`
 ``"auto"`` picks per peer: the first of :data:`~gossip.config.AUTO_CODECS` whose payload
 crosses the link to that peer's host, at the rate its past exchanges carried
 (:class:`~gossip.linkrate.LinkRates`), within ``codec_steps`` of the node's training steps.
-A host never measured is taken to be as fast as the median of those measured; with none
-measured the node offers ``int8``, whose exchange measures the link. A node that does not
+A host never measured is taken to be as fast as the fastest of those measured; with none
+measured the node offers ``int8``, whose exchange measures the link. The fastest, not a
+median: key holders on many hosts that each fake a slow link (they trickle their payloads)
+would pull a median down and push a lossy codec on every host the node has not measured
+yet, and a payload that small (``mod4/16``, under :data:`~gossip.linkrate.MIN_SAMPLE`)
+never measures the honest link it crosses, so the node would stay lossy with everyone. No
+peer can make a link look faster than it is (the node's own send is timed too), so the
+fastest is one honest host's at least; faked slow links weigh on exchanges with their own
+hosts alone. A node whose links really differ offers a new host too much once, and that
+exchange measures it. A node that does not
 train (no step time yet) gives an exchange ``interval`` seconds, or 10.
 
 **What the mod codecs remember** (:mod:`gossip.lowbit`), per vector of the payload (the state,
@@ -21,7 +29,16 @@ the drift correction's estimate):
 * the **spread** of each block: the largest ``|peer − own|`` of the last committed exchange
   that carried it, from which the next periods are made (NaN: never measured). A period
   that turned out too small shows as a spread of about half that period (wrapped values
-  land within it), so it doubles at the next exchange.
+  land within it), so it grows up to ``MARGIN`` fold at the next exchange; and a block's
+  spread grows by no more than that at one exchange, whatever the peer sent. A key holder
+  that sends a state far off in a few blocks (within the norm check, a single block can be
+  a hundred times the state's norm away) would otherwise set those blocks' periods, and the
+  rounding of our next payloads to honest peers, to its own distance; capped, one exchange
+  can make them ``MARGIN`` times as coarse as an honest one, and the next honest exchange
+  measures them back down. An exchange with a newcomer, whose state we do not take, measures
+  nothing. A swarm whose spread really jumps (a healed partition) takes a few exchanges to
+  follow, as it would in ``mod`` exchanges anyway: their wrapped values measure at most
+  about ``MARGIN`` times the last spread.
 * the **residual** (error feedback): what rounding left out of the blocks of the last
   payload that committed. It is added to the next payload and replaced on the blocks that
   payload carries, once its exchange commits; an exchange that fails leaves it as it was,
@@ -99,7 +116,7 @@ class Codecs:
         if rate is None:
             if not known:
                 return UNMEASURED
-            rate = sorted(known)[len(known) // 2]
+            rate = max(known)  # see the module docstring: a median is for the fakers to set
         step = self._pace.step
         budget = self._idle if step is None else self._steps * step
         for name in AUTO_CODECS:
@@ -166,25 +183,30 @@ class Codecs:
 
         return encode
 
-    def committed(self, codec: str, difference: torch.Tensor, parts: int) -> None:
+    def committed(self, codec: str, difference: torch.Tensor, parts: int, *,
+                  taken: bool = True) -> None:
         """An exchange in ``codec`` committed; ``difference`` holds ``peer − own`` for each of
         its ``parts`` vectors (as the checks left it, before any clipping). Takes the spreads
-        of the blocks it carried and, for a ``mod`` codec, the residual it left."""
+        of the blocks it carried, each at most :data:`~gossip.lowbit.MARGIN` times the one
+        it replaces (see the module docstring), and, for a ``mod`` codec, the residual it
+        left. ``taken``: whether we take the peer's state (False: a newcomer's, which moves
+        us by nothing and so measures nothing either; the peer took ours, so the residual
+        stands all the same)."""
         del parts  # only the state has periods (the estimate travels in int8)
         with self._lock:
             self._pending = None  # the payload's residual stands
-        if not self._measure:
+        if not self._measure or not taken:
             return
         spec = lowbit.parse(codec) if lowbit.is_lowbit(codec) else None
         rows = _absmax(difference[: self.numel])
         spread = self._spreads[0]
         if spread is None:
             spread = self._spreads[0] = torch.full((lowbit.blocks(self.numel),), math.nan)
-        if spec is None:
-            spread.copy_(rows)
-        else:
-            chosen = lowbit.selected(spec, self.numel)
-            spread[chosen] = rows[chosen]
+        chosen = slice(None) if spec is None else lowbit.selected(spec, self.numel)
+        before = spread[chosen]
+        # NaN (never measured) and 0 (identical so far) bound nothing: the first measure stands.
+        cap = torch.where(before > 0, before * lowbit.MARGIN, math.inf)
+        spread[chosen] = torch.minimum(rows[chosen], cap)
 
     def failed(self) -> None:
         """The exchange ended without a commit: the residual its payload replaced is put

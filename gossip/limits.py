@@ -1,4 +1,4 @@
-"""What one node lets others make it do: the per-peer :class:`RateLimit` and the
+"""What one node lets others make it do: the per-peer and per-host :class:`RateLimit` and the
 :class:`Admission` of inbound connections, which enforce the settings of
 :class:`gossip.config.Limits`.
 
@@ -7,7 +7,7 @@ Theory of operation
 Every read from the network is already bounded in size (the frame caps) and in time (the
 phase deadlines). What those bounds do not cap is *how many* at once, and a holder of the
 swarm key can also ask for expensive work (an exchange, a state download) as often as it
-likes. Two limits close that gap:
+likes. These limits close that gap:
 
 * ``max_connections``: inbound connections open at once, handshakes included. One over the
   limit is closed as soon as it is accepted, before a byte is read, so a flood of half-open
@@ -27,6 +27,20 @@ likes. Two limits close that gap:
   until the next ``max_handshakes_per_host`` connections from its host arrive to complete its
   handshake (:class:`Admission`). Connections that never send it are closed by the server's
   first-message deadline (:data:`gossip.endpoints.FIRST_MESSAGE_TIMEOUT`).
+* ``host_rate`` / ``host_burst``: connections one remote host may open, as a token bucket
+  spent at accept, before a byte is read. The cap above bounds how many of a host's unproven
+  connections are open at once, not how many it opens: a flood of replayed (or fresh) message
+  1s evicts and is evicted, and every one of them still cost us a task, a read and the AEAD
+  open of message 1 (a fresh one, a signature and two Diffie-Hellman operations as well)
+  before it could be told from an honest one. Spent before any of that work, the bucket bounds
+  it to ``host_burst`` connections and then ``host_rate`` a second per host; the rest cost an
+  accept and a reset (:func:`gossip.network.reset_on_close`). It counts every connection of
+  the host, proven or not (which are which is only known after the work it bounds), so it is
+  sized for the honest nodes that share one address (a NAT, one machine): each opens at most
+  0.9 x ``peer_rate`` a second to us, usually a few per averaging interval, and the default
+  (50 a second, 100 at once) leaves room for five nodes at their fastest and far more at their
+  usual pace. A host that floods us takes its own address's honest nodes down with it, for as
+  long as it floods; nobody else's.
 * ``peer_rate`` / ``peer_burst``: inbound channels one authenticated peer may open, as a
   token bucket (``peer_burst`` at once, refilled at ``peer_rate`` per second). A channel
   over the budget is closed after the handshake, before its first message is read. An
@@ -36,9 +50,9 @@ likes. Two limits close that gap:
   offers to each peer at 0.9 x the default (:data:`gossip.averaging.PACE`), waiting for the
   peer's next token rather than having the offer cut off. A peer looping on offers is cut off.
 
-The bucket table holds at most :data:`MAX_BUCKETS` peers; a full table forgets the peer
-seen longest ago (a forgotten peer starts again with a full bucket, which errs on the side
-of letting honest peers in). :class:`Admission` holds one entry per open connection, so
+Each bucket table holds at most :data:`MAX_BUCKETS` peers (or hosts); a full table forgets
+the one seen longest ago (a forgotten one starts again with a full bucket, which errs on the
+side of letting honest peers in). :class:`Admission` holds one entry per open connection, so
 ``max_connections`` bounds it too. Pure: time comes in as ``now``, connections as keys.
 """
 

@@ -91,9 +91,10 @@ import torch
 from . import int8
 from .config import MOD_SETTING
 
-__all__ = ["BLOCK", "MARGIN", "MIN_PERIOD", "Spec", "parse", "parse_setting", "is_lowbit",
-           "is_lowbit_setting", "nbytes", "carried", "estimate_nbytes", "payload_nbytes", "gather", "scatter",
-           "blocks", "selected", "periods", "encode", "decode_into"]
+__all__ = ["BLOCK", "MARGIN", "MIN_PERIOD", "MIN_RECORD", "Spec", "parse", "parse_setting",
+           "is_lowbit", "is_lowbit_setting", "nbytes", "carried", "estimate_nbytes",
+           "payload_nbytes", "gather", "scatter", "blocks", "selected", "periods", "encode",
+           "decode_into"]
 
 BLOCK = 64  # values per block; the last block of a vector may be shorter
 PERIOD_BYTES = 2  # a bfloat16 period leads every cell
@@ -102,6 +103,10 @@ MARGIN = 4.0  # θ = 2 · MARGIN · the largest difference last seen in the bloc
 MIN_PERIOD = 2.0 ** -100  # smaller periods are refused (and never sent)
 MAX_PERIOD = float(torch.finfo(torch.bfloat16).max)
 FLOOR = 2.0 ** -16  # the least period, relative to the block's largest value sent
+# Bytes a data record of a mod payload holds at the least, but the payload's last: each record
+# costs the receiver an AEAD open and a pass of its receive loop, so a payload cut into
+# one-byte records would cost 21 bytes on the wire and a loop's turn per byte of it.
+MIN_RECORD = 1 << 14
 _FLOAT_MAX = float(torch.finfo(torch.float32).max)
 
 _NAME = re.compile(r"mod([234])(?:/([1-9][0-9]?):([0-9]{1,2}))?")

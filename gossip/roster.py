@@ -109,6 +109,7 @@ class RosterStatistics:
     push_pulls_failed: int
     connections_refused: int  # inbound, closed at accept: over max_connections
     connections_evicted: int  # inbound, unproven, closed for a newer one: max_handshakes_per_host
+    connections_throttled: int  # inbound, closed at accept: their host over Limits.host_rate
     channels_limited: int  # inbound channels closed for a peer over its Limits.peer_rate
 
 
@@ -149,7 +150,8 @@ class Roster:
         self._push_pulls_done = 0
         self._push_pulls_failed = 0
         self._rate = RateLimit(config.limits.peer_rate, config.limits.peer_burst)
-        self._over_limit = {"max_connections": 0, "max_handshakes_per_host": 0}  # by serve
+        self._over_limit = {"max_connections": 0, "max_handshakes_per_host": 0,  # by serve
+                            "host_rate": 0}
         self._channels_limited = 0
         self._proving = Proving(network, identity, swarm, config, self._rng)
         # The checks beside the machine, each given what it needs (the machine itself only
@@ -287,6 +289,7 @@ class Roster:
             push_pulls_failed=self._push_pulls_failed,
             connections_refused=self._over_limit["max_connections"],
             connections_evicted=self._over_limit["max_handshakes_per_host"],
+            connections_throttled=self._over_limit["host_rate"],
             channels_limited=self._channels_limited,
         )
 

@@ -45,7 +45,8 @@ from ..messages import (MAX_COUNT, Accept, Close, Commit, Dead, Left, MemberStat
 from ..network import Network, TcpNetwork
 from ..seal import Sealer
 from ..tables import receive_table, send_table
-from ..tensors import StateSchema, TensorSpec, encode_chunks, new_flat, snapshot
+from ..tensors import (StateSchema, TensorSpec, encode_chunks, encoded_nbytes, new_flat,
+                       snapshot)
 from ..transfer import receive_state, send_state
 from ..wire import FRAME_HEADER, decode, encode, encode_frame
 
@@ -316,6 +317,24 @@ class HostilePeer(Outsider):
         target must take a correction: make this peer with ``correction=True``)."""
         return await self._exchange(address, attack, self.honest, estimate)
 
+    async def send_state(self, address: str, flat: torch.Tensor,
+                         attack: str = "chosen state") -> Outcome:
+        """A whole exchange with ``flat``, any state of our schema's size, as our payload."""
+        return await self._exchange(address, attack, flat)
+
+    async def bad_commit(self, address: str, answer: bytes) -> Outcome:
+        """An honest exchange whose ``Commit`` from the target we answer with ``answer``, one
+        record of raw bytes (a ``Commit`` out of range, encoded by hand: the message class
+        makes none). We hold the target's ``Commit`` and could apply the exchange; the
+        target, holding no valid one of ours, applies nothing."""
+        return await self._exchange(address, "bad Commit", self.honest, commit=answer)
+
+    async def small_records(self, address: str, size: int = 1) -> Outcome:
+        """An honest exchange whose payload comes in data records of ``size`` bytes (the
+        last shorter), each an AEAD open for the target: for a ``mod`` codec, whose records
+        may cut the payload anywhere."""
+        return await self._exchange(address, f"{size}-byte records", self.honest, record=size)
+
     async def send_wrong_schema(self, address: str) -> Outcome:
         """An honest offer, then a payload header for another schema (of the same size)."""
         other = StateSchema((TensorSpec("hostile", (self.schema.numel,), "float32"),))
@@ -442,9 +461,11 @@ class HostilePeer(Outsider):
                        trio.current_time() - started, detail=f"offer: {answer!r}")
 
     async def _exchange(self, address: str, attack: str, flat: torch.Tensor,
-                        estimate: torch.Tensor | None = None) -> Outcome:
+                        estimate: torch.Tensor | None = None, *, record: int = MAX_RECORD,
+                        commit: bytes | None = None) -> Outcome:
         """A whole exchange with ``flat`` (and, if the target takes one, ``estimate``, zeros
-        by default) as our payload: the target's verdict on it."""
+        by default) as our payload, in data records of ``record`` bytes: the target's
+        verdict on it. ``commit``: the raw record we answer its ``Commit`` with."""
         offered = await self._offer(address, attack)
         if isinstance(offered, Outcome):
             return offered
@@ -457,20 +478,33 @@ class HostilePeer(Outsider):
                 try:
                     with first_error():
                         async with trio.open_nursery() as nursery:
-                            nursery.start_soon(send_state, channel, flat, self.schema, self.codec)
+                            nursery.start_soon(self._send, channel, flat, record)
                             _, theirs = await receive_state(channel, self.schema, self.codec,
-                                                            parts=parts)
+                                                            parts=parts, reference=flat)
                     self.seen[address] = theirs[:self.schema.numel]
                     if parts == 2:
                         self.seen_estimate[address] = theirs[self.schema.numel:]
                     answer = await channel.receive_message()
-                    if isinstance(answer, Commit):  # an attacker wants it all applied
+                    if isinstance(answer, Commit) and commit is not None:
+                        await channel.send(commit)
+                    elif isinstance(answer, Commit):  # an attacker wants it all applied
                         await channel.send_message(Commit(correction=1.0 if parts == 2 else 0.0))
                 except GossipError as exc:
                     return Outcome(attack, Reaction.CLOSED, trio.current_time() - started,
                                    detail=f"{type(exc).__name__}: {exc}")
                 return self._verdict(attack, answer, started)
         return Outcome(attack, Reaction.HELD, trio.current_time() - started)
+
+    async def _send(self, channel: SecureChannel, flat: torch.Tensor, record: int) -> None:
+        """Our payload, in data records of ``record`` bytes (the last shorter)."""
+        if record >= MAX_RECORD:
+            await send_state(channel, flat, self.schema, self.codec)
+            return
+        parts = flat.numel() // self.schema.numel
+        await channel.send_message(self.header(
+            nbytes=encoded_nbytes(self.codec, self.schema.numel, parts)))
+        for chunk in encode_chunks(flat, self.codec, record, parts=parts):
+            await channel.send(chunk)
 
     async def _stall(self, address: str, attack: str, fingerprint: bytes, half: bool) -> Outcome:
         """Once accepted, a header for ``fingerprint``, maybe half a record, and hold on."""

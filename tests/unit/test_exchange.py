@@ -114,10 +114,17 @@ def test_a_commit_answered_by_close_or_something_else() -> None:
     state = accepted()
     state.judged(Recorded())
     assert state.committed(Close(Close.REJECTED, "no")).ending is Result.REJECTED
+    # Anything else is the peer's violation, a strike: it holds our Commit and may apply
+    # the exchange, we do not.
     state = accepted()
     state.judged(Recorded())
-    with pytest.raises(RemoteProtocolError, match="expected Commit, got Accept"):
-        state.committed(Accept(1, 1, 0.0, False))
+    outcome = state.committed(Accept(1, 1, 0.0, False))
+    assert outcome.ending is Result.INVALID and state.phase is Phase.ENDED
+    assert outcome.reason == "bad Commit: expected Commit, got Accept"
+    state = accepted()
+    state.judged(Recorded())
+    outcome = state.bad_commit(RemoteProtocolError("Commit.correction: 1.5 out of range 0..1"))
+    assert (outcome.ending, outcome.verdict) == (Result.INVALID, Recorded())
 
 
 def test_the_responder_starts_at_the_transfer_and_its_accept_must_fit() -> None:

@@ -212,6 +212,10 @@ async def test_sample_counts_inbound_refusals_by_limit(autojump_clock: MockClock
     async with gossip.open_swarm(torch.nn.Linear(2, 2), gossip.Swarm.generate("t"),
                                  dataclasses.replace(A, limits=limits),
                                  network=net.host("a")) as node:
+        for _ in range(limits.host_burst + 1):  # w over its host_rate: the last one refused
+            last = await net.host("w").dial("a:7000")
+            await last.aclose()
+            await trio.testing.wait_all_tasks_blocked()
         first = await net.host("x").dial("a:7000")
         await net.host("x").dial("a:7000")  # x's second silent connection evicts its first
         assert await first.receive_some(1) == b""
@@ -221,7 +225,8 @@ async def test_sample_counts_inbound_refusals_by_limit(autojump_clock: MockClock
         assert await over.receive_some(1) == b""
         snap = m.sample(node)
         again = m.sample(node)  # a second sample adds nothing
-    expected = {"max_connections": 1, "max_handshakes_per_host": 1, "peer_rate": 0}
+    expected = {"max_connections": 1, "max_handshakes_per_host": 1, "host_rate": 1,
+                "peer_rate": 0}
     assert snap["refused"] == again["refused"] == expected
     for limit, count in expected.items():
         assert value(m, "gossip_inbound_refused_total", limit=limit) == count
