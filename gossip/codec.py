@@ -283,7 +283,8 @@ class StateDecoder(_Received):
     record-sized buffer on the device) and are dequantized from it into the output.
 
     A record must hold whole elements; for ``int8``, whole blocks of one vector of the
-    payload (:func:`gossip.int8.span`). Any values decode: what they are is for the caller's
+    payload (:func:`gossip.int8.span`); and at least :data:`~gossip.lowbit.MIN_RECORD` bytes
+    unless it ends one of the ``parts`` vectors (the payload's last record does). Any values decode: what they are is for the caller's
     checks (:func:`~gossip.tensors.all_finite`, norms) to judge.
 
     Not thread-safe; one decoder per payload. After a :class:`SchemaMismatch` the decoder is
@@ -295,6 +296,8 @@ class StateDecoder(_Received):
         out: the flat float32 buffer to fill (contiguous, ``parts × schema.numel``
             elements, any device); a new one if omitted.
         parts: how many vectors of the schema's size the payload holds, back to back.
+        min_record: the fewest bytes a record that ends no vector may hold (records cut
+            finer only to test how cells and elements are put together: 1).
 
     Raises:
         ValueError: unknown codec, or ``out`` is not a contiguous 1-D float32 tensor.
@@ -303,9 +306,10 @@ class StateDecoder(_Received):
     """
 
     def __init__(self, schema: StateSchema, codec: str, out: torch.Tensor | None = None, *,
-                 parts: int = 1) -> None:
+                 parts: int = 1, min_record: int = lowbit.MIN_RECORD) -> None:
         _require_little_endian()
         self._dtype = _codec_dtype(codec)  # None: int8
+        self._min_record = min_record
         if type(parts) is not int or parts < 1:
             raise ValueError(f"parts must be an int >= 1, not {parts!r}")
         if out is None:
@@ -318,6 +322,7 @@ class StateDecoder(_Received):
         self._codec = codec
         self._numel = schema.numel
         self.total_bytes = encoded_nbytes(codec, schema.numel, parts)
+        self._vector_bytes = max(encoded_nbytes(codec, schema.numel, 1), 1)
         self._received = 0
         self._decoded = 0  # int8: the end of the last dequantized record
         self._error: str | None = None
@@ -415,6 +420,10 @@ class StateDecoder(_Received):
                 # spin our receive loop until the caller's deadline.
                 self._fail("empty record in a tensor payload")
             return (0, 0, 0)
+        end = self._received + nbytes
+        if nbytes < self._min_record and end % self._vector_bytes:
+            self._fail(f"record of {nbytes} bytes, not a vector's last, under the "
+                       f"{self._min_record} bytes a data record holds at the least")
         if self._dtype is not None:
             return (0, 0, 0)
         try:

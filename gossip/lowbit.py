@@ -103,9 +103,10 @@ MARGIN = 4.0  # θ = 2 · MARGIN · the largest difference last seen in the bloc
 MIN_PERIOD = 2.0 ** -100  # smaller periods are refused (and never sent)
 MAX_PERIOD = float(torch.finfo(torch.bfloat16).max)
 FLOOR = 2.0 ** -16  # the least period, relative to the block's largest value sent
-# Bytes a data record of a mod payload holds at the least, but the payload's last: each record
-# costs the receiver an AEAD open and a pass of its receive loop, so a payload cut into
-# one-byte records would cost 21 bytes on the wire and a loop's turn per byte of it.
+# Bytes a data record of any codec holds at the least, but one that ends a vector (for a mod
+# payload, its last; gossip.codec's decoders hold every codec to it): each record costs the
+# receiver an AEAD open and a turn of its receive loop, so a payload cut into one-byte records
+# would cost 21 bytes on the wire and a loop's turn per byte of it.
 MIN_RECORD = 1 << 14
 _FLOAT_MAX = float(torch.finfo(torch.float32).max)
 

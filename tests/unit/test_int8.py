@@ -17,6 +17,10 @@ from gossip.codec import StateDecoder, encode_chunks, encoded_nbytes
 from gossip.errors import SchemaMismatch
 from gossip.schema import StateSchema, TensorSpec
 
+# These tests cut payloads into records finer than a peer may send (StateDecoder's
+# min_record), to test how elements and cells are put together.
+FINE = 1
+
 CELL = 68  # bytes of a whole block: a float32 scale and 64 int8 values
 MAX_SCALE = struct.unpack("<f", bytes.fromhex("0302017c"))[0]  # as docs/PROTOCOL.md says
 SLACK = 2.0**-15  # float32 rounding of x / scale and of q * scale, in units of the scale
@@ -35,7 +39,7 @@ def decode(payload: bytes, numel: int, parts: int = 1, records: list[int] | None
            ) -> torch.Tensor:
     """Decode ``payload``, fed as records of the given sizes (default: one record per
     vector, as whole cells of one vector must be)."""
-    dec = StateDecoder(schema_of(numel), "int8", parts=parts)
+    dec = StateDecoder(schema_of(numel), "int8", parts=parts, min_record=FINE)
     sizes = records or [len(payload) // parts] * parts
     at = 0
     for size in sizes:
@@ -109,7 +113,7 @@ def test_encoded_size_is_known_from_numel_alone(numel: int) -> None:
     assert schema_of(numel).encoded_size("int8") == expected
     for parts in (1, 2, 3):
         assert encoded_nbytes("int8", numel, parts) == parts * expected
-        assert StateDecoder(schema_of(numel), "int8", parts=parts).total_bytes == parts * expected
+        assert StateDecoder(schema_of(numel), "int8", parts=parts, min_record=FINE).total_bytes == parts * expected
     if numel <= 1000:
         for parts in (1, 2):
             assert len(encode(torch.randn(parts * numel), parts=parts)) == parts * expected
@@ -323,7 +327,7 @@ def test_decoder_accepts_any_bytes_like_record() -> None:
     x = torch.randn(200)
     payload = encode(x)
     expected = decode(payload, 200)
-    dec = StateDecoder(schema_of(200), "int8")
+    dec = StateDecoder(schema_of(200), "int8", min_record=FINE)
     dec.feed(payload[:68])  # bytes
     dec.feed(bytearray(payload[68:136]))  # writable
     dec.feed(memoryview(b"\0" + payload)[137:205])  # read-only, not 4-byte aligned
@@ -335,7 +339,7 @@ def test_decoder_accepts_any_bytes_like_record() -> None:
 def test_window_and_wrote_dequantize_from_a_scratch_record() -> None:
     x = torch.randn(200)
     payload = encode(x)  # 3 whole cells and a short one of 8: 216 bytes
-    dec = StateDecoder(schema_of(200), "int8")
+    dec = StateDecoder(schema_of(200), "int8", min_record=FINE)
     window = dec.window(1 << 20)
     assert window is not None and len(window) == 216  # at most what remains
     window[:136] = payload[:136]
@@ -370,7 +374,7 @@ def test_window_and_wrote_dequantize_from_a_scratch_record() -> None:
 def test_decoder_refuses_records_that_are_not_whole_blocks(sizes: list[int],
                                                            match: str) -> None:
     # numel 200: three whole blocks and a short one of 8, 216 bytes; two vectors, 432.
-    dec = StateDecoder(schema_of(200), "int8", parts=2)
+    dec = StateDecoder(schema_of(200), "int8", parts=2, min_record=FINE)
     with pytest.raises(SchemaMismatch, match=match):
         for size in sizes:
             dec.feed(bytes(size))
@@ -432,7 +436,7 @@ def test_records_of_any_size_decode_or_are_refused(data: st.DataObject, numel: i
                                                    parts: int, cuts: list[int]) -> None:
     payload = encode(torch.randn(parts * numel), parts=parts)
     bounds = sorted({min(c, len(payload)) for c in cuts} | {0, len(payload)})
-    dec = StateDecoder(schema_of(numel), "int8", parts=parts)
+    dec = StateDecoder(schema_of(numel), "int8", parts=parts, min_record=FINE)
     try:
         for lo, hi in zip(bounds, bounds[1:]):
             dec.feed(payload[lo:hi])
@@ -463,7 +467,7 @@ def test_stream_round_trip_property(shapes: list[tuple[int, ...]], parts: int,
     payload = b"".join(records)
     assert len(payload) == encoded_nbytes("int8", numel, parts)
     assert all(0 < len(r) <= max_record for r in records)
-    dec = StateDecoder(schema, "int8", parts=parts)
+    dec = StateDecoder(schema, "int8", parts=parts, min_record=FINE)
     for record in records:
         dec.feed(record)
     got = dec.result()
@@ -483,7 +487,7 @@ def test_cuda_flat_encodes_and_decodes_the_same_bytes() -> None:
     x[100] = math.nan
     payload = encode(x, max_record=1000, parts=2)
     assert encode(x.cuda(), max_record=1000, parts=2) == payload
-    dec = StateDecoder(schema_of(2500), "int8", torch.zeros(5000, device="cuda"), parts=2)
+    dec = StateDecoder(schema_of(2500), "int8", torch.zeros(5000, device="cuda"), parts=2, min_record=FINE)
     for record in encode_chunks(x, "int8", 1000, parts=2):
         dec.feed(record)
     cpu = decode(payload, 2500, 2)

@@ -19,6 +19,10 @@ from gossip.errors import SchemaMismatch
 from gossip.schema import StateSchema, TensorSpec
 from tests.unit.test_int8 import reference as int8_reference
 
+# These tests cut payloads into records finer than a peer may send (StateDecoder's
+# min_record), to test how elements and cells are put together.
+FINE = 1
+
 HALF_TOL = {"bf16": 2.0**-8, "fp16": 2.0**-11}  # relative rounding error bound
 ELEMENTWISE = ("fp32", "bf16", "fp16")  # codecs with a fixed size per element (int8: test_int8)
 
@@ -49,7 +53,7 @@ def encode(flat: torch.Tensor, codec: str, max_record: int = 1 << 20) -> bytes:
 
 
 def decode(schema: StateSchema, codec: str, payload: bytes, step: int) -> torch.Tensor:
-    dec = StateDecoder(schema, codec)
+    dec = StateDecoder(schema, codec, min_record=FINE)
     for i in range(0, len(payload), step):
         dec.feed(payload[i : i + step])
     return dec.result()
@@ -142,7 +146,7 @@ def test_codecs_and_itemsize() -> None:
         with pytest.raises(ValueError, match="codec"):
             encode_chunks(torch.zeros(1), bad)
         with pytest.raises(ValueError, match="codec"):
-            StateDecoder(schema, bad)
+            StateDecoder(schema, bad, min_record=FINE)
 
 
 def test_big_endian_host_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -301,7 +305,7 @@ def test_empty_state_streams_nothing() -> None:
     assert schema.numel == 0
     flat = tensors.new_flat(schema)
     assert list(encode_chunks(flat, "fp16")) == []
-    dec = StateDecoder(schema, "fp16")
+    dec = StateDecoder(schema, "fp16", min_record=FINE)
     assert dec.done and dec.remaining_bytes == 0
     dec.feed(b"")
     assert dec.result().numel() == 0
@@ -317,7 +321,7 @@ def test_decoder_tracks_progress_and_accepts_any_bytes_like(codec: str) -> None:
     payload = encode(flat, codec)
     size = itemsize(codec)
     out = torch.full((7,), -1.0)
-    dec = StateDecoder(schema, codec, out=out)
+    dec = StateDecoder(schema, codec, out=out, min_record=FINE)
     assert dec.total_bytes == dec.remaining_bytes == 7 * size and not dec.done
     dec.feed(payload[: 2 * size])  # bytes (read-only)
     dec.feed(bytearray(payload[2 * size : 3 * size]))  # writable
@@ -334,8 +338,8 @@ def test_decoder_rejects_oversize_and_misaligned_records(codec: str) -> None:
     schema = schema_of(("a", (4,), "float32"))
     size = itemsize(codec)
     with pytest.raises(SchemaMismatch, match="exceeds"):
-        StateDecoder(schema, codec).feed(bytes(5 * size))
-    dec = StateDecoder(schema, codec)
+        StateDecoder(schema, codec, min_record=FINE).feed(bytes(5 * size))
+    dec = StateDecoder(schema, codec, min_record=FINE)
     dec.feed(bytes(3 * size))
     with pytest.raises(SchemaMismatch, match="exceeds"):
         dec.feed(bytes(2 * size))
@@ -344,17 +348,17 @@ def test_decoder_rejects_oversize_and_misaligned_records(codec: str) -> None:
     with pytest.raises(SchemaMismatch):
         dec.result()
     with pytest.raises(SchemaMismatch, match="not whole"):
-        StateDecoder(schema, codec).feed(bytes(size + 1))
+        StateDecoder(schema, codec, min_record=FINE).feed(bytes(size + 1))
 
 
 def test_decoder_rejects_wrong_out_and_non_contiguous_records() -> None:
     schema = schema_of(("a", (4,), "float32"))
     with pytest.raises(SchemaMismatch):
-        StateDecoder(schema, "fp32", out=torch.zeros(5))
+        StateDecoder(schema, "fp32", out=torch.zeros(5), min_record=FINE)
     with pytest.raises(ValueError):
-        StateDecoder(schema, "fp32", out=torch.zeros(4, dtype=torch.float16))
+        StateDecoder(schema, "fp32", out=torch.zeros(4, dtype=torch.float16), min_record=FINE)
     with pytest.raises(TypeError):
-        StateDecoder(schema, "fp32").feed(memoryview(bytes(32))[::2])
+        StateDecoder(schema, "fp32", min_record=FINE).feed(memoryview(bytes(32))[::2])
 
 
 # --- validation helpers ----------------------------------------------------------------
@@ -405,7 +409,7 @@ def test_stream_round_trip_property(
     assert len(payload) == schema.encoded_size(codec)
     # Feed the payload re-cut at arbitrary element boundaries.
     bounds = sorted({min(c, schema.numel) * size for c in cuts} | {0, len(payload)})
-    dec = StateDecoder(schema, codec)
+    dec = StateDecoder(schema, codec, min_record=FINE)
     for lo, hi in zip(bounds, bounds[1:]):
         dec.feed(payload[lo:hi])
     got = dec.result()
@@ -433,7 +437,7 @@ def test_cuda_model_pinned_flat_round_trip() -> None:
         payload = encode(flat, codec, max_record=record)
         assert payload == encode(flat.cuda(), codec, max_record=record)  # device flat too
         got = decode(schema, codec, payload, step=len(payload) if codec == "int8" else 12)
-        dec = StateDecoder(schema, codec, out=torch.zeros(schema.numel, device="cuda"))
+        dec = StateDecoder(schema, codec, out=torch.zeros(schema.numel, device="cuda"), min_record=FINE)
         dec.feed(payload)
         assert torch.equal(dec.result().cpu(), got)
     # A delta is added in each tensor's own dtype (w16 rounds in bfloat16): the same sums on
@@ -478,7 +482,7 @@ def test_golden_bytes_on_every_device(device: str, codec: str) -> None:
     if codec == "int8":
         assert payload == int8_reference(x.tolist())  # an encoder written from the spec
     schema = schema_of(("x", (1000,), "float32"))
-    dec = StateDecoder(schema, codec, out=torch.zeros(1000, device=device))
+    dec = StateDecoder(schema, codec, out=torch.zeros(1000, device=device), min_record=FINE)
     for at in range(0, len(payload), 68 * 4):
         dec.feed(payload[at : at + 68 * 4])
     assert torch.equal(dec.result().cpu(), decode(schema, codec, payload, 68 * 4))
@@ -486,7 +490,7 @@ def test_golden_bytes_on_every_device(device: str, codec: str) -> None:
 
 def test_decoder_window_takes_records_in_place() -> None:
     schema = schema_of(("w", (2, 3), "float32"))
-    dec = StateDecoder(schema, "fp32")
+    dec = StateDecoder(schema, "fp32", min_record=FINE)
     assert len(dec.window(16)) == 16  # at most the limit
     window = dec.window(1 << 20)
     assert window is not None and len(window) == 24  # at most what remains
@@ -503,7 +507,7 @@ def test_decoder_window_of_a_half_codec_is_a_scratch_record(codec: str) -> None:
     schema = schema_of(("w", (5,), "float32"))
     values = torch.tensor([1.0, -2.5, 3.0, 0.125, 1024.0])
     payload = encode(values, codec)
-    dec = StateDecoder(schema, codec)
+    dec = StateDecoder(schema, codec, min_record=FINE)
     size = len(payload) // 5
     window = dec.window(3 * size)
     assert len(window) == 3 * size
@@ -521,13 +525,13 @@ def test_decoder_window_of_a_half_codec_is_a_scratch_record(codec: str) -> None:
 
 def test_decoder_window_checks_like_feed() -> None:
     schema = schema_of(("w", (2,), "float32"))
-    dec = StateDecoder(schema, "fp32")
+    dec = StateDecoder(schema, "fp32", min_record=FINE)
     with pytest.raises(SchemaMismatch, match="empty record"):
         dec.wrote(0)
-    dec = StateDecoder(schema, "fp32")
+    dec = StateDecoder(schema, "fp32", min_record=FINE)
     with pytest.raises(SchemaMismatch, match="exceeds"):
         dec.wrote(12)
-    dec = StateDecoder(schema, "bf16")
+    dec = StateDecoder(schema, "bf16", min_record=FINE)
     dec.window(2)
     with pytest.raises(SchemaMismatch, match="not whole"):
         dec.wrote(3)

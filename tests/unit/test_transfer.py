@@ -5,7 +5,7 @@ import torch
 import trio
 import trio.testing
 
-from gossip import tensors
+from gossip import lowbit, tensors
 from gossip.errors import ChannelClosed, PeerGone, RemoteProtocolError, SchemaMismatch
 from gossip.messages import Close, StateHeader, StateRequest
 from gossip.transfer import receive_state, send_state
@@ -157,7 +157,7 @@ async def test_a_cancelled_receive_closes_the_channel(autojump_clock):
     schema = tensors.StateSchema.from_module(model())
     header = StateHeader(schema.fingerprint, "fp32", 0, 0, schema.encoded_size("fp32"))
     await alice.send_message(header)
-    await alice.send(bytes(1024))  # a first record, then the rest is late
+    await alice.send(bytes(lowbit.MIN_RECORD))  # a first record, then the rest is late
     with trio.move_on_after(5):  # the caller's deadline for the exchange
         await receive_state(bob, schema, "fp32")
     # The rest of the state may still arrive; it must never be read as a message.

@@ -1,6 +1,6 @@
 """Violations of an exchange that count as strikes (PROTOCOL.md sections 7.4 and 9.8): a
-``Commit`` answered with one that does not decode, and a ``mod`` payload cut into records
-smaller than :data:`gossip.lowbit.MIN_RECORD`. On real loopback sockets."""
+``Commit`` answered with one that does not decode, and a payload of any codec cut into
+records smaller than :data:`gossip.lowbit.MIN_RECORD`. On real loopback sockets."""
 
 from __future__ import annotations
 
@@ -85,3 +85,24 @@ async def test_a_mod_payload_in_records_below_the_least_is_a_strike() -> None:
             # b's exchange, the cut one, and the rounds of a's own that earned the attacker
             # its newcomer tokens (each with b); the two records under the least, refused.
             assert (stats.committed, stats.invalid) == (4, 2)
+
+
+async def test_a_payload_of_any_codec_in_records_below_the_least_is_a_strike() -> None:
+    # Element-wise and int8 records must hold whole elements or cells, which 4 and 68 bytes
+    # do: without the least, a payload cut so would cost the target an AEAD open per element.
+    model = torch.nn.Linear(256, 512)
+    for codec, fine in (("fp32", 4), ("int8", 68)):
+        config = dataclasses.replace(TARGET, codec=codec)
+        async with two_nodes(model, nudged(model, 2), config) as (a, b, done):
+            small = HostilePeer(SWARM, nudged(model, 3), codec=codec, patience=DEADLINE,
+                                rng=random.Random(2))
+            with trio.fail_after(DEADLINE):
+                await a.average_now()
+                whole = await small.small_records(a.address, lowbit.MIN_RECORD + fine)
+                assert whole.reaction is Reaction.ACCEPTED, (codec, whole)
+                await a.average_now()
+                outcome = await small.small_records(a.address, fine)
+                assert outcome.reaction is Reaction.CLOSED, (codec, outcome)
+                await trio.testing.wait_all_tasks_blocked()
+                stats = a.statistics()
+                assert (stats.committed, stats.invalid) == (3, 1), (codec, stats)
