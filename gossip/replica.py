@@ -57,6 +57,10 @@ node's optimizer steps, moved on each exchange towards the swarm's by a signed `
 It never goes back: a move down becomes a *debt* that the node's next optimizer steps pay off
 instead of counting, so a node ahead of the swarm holds its step while the others catch up
 (learning-rate schedules never reverse, and checkpoints, named by step, stay in order).
+Moves up are bounded in sum: they add at most :data:`~gossip.standing.MOVE_SLACK` to the step,
+earned back at :data:`~gossip.standing.LEAD_RATE` per optimizer step, so that hosts holding
+the swarm's median (a key holder's majority) take a step at most that far ahead of the node's
+own pace, where before each exchange could double it.
 ``samples`` counts samples this node trained on; ``weight`` is the push-sum weight (see
 :mod:`gossip.mixing`). Counting saturates at the protocol's range
 (:data:`~gossip.messages.MAX_COUNT`), so every counter stays one a peer would accept.
@@ -84,6 +88,7 @@ from .correction import DEFAULT_LEAK, Correction, Stray
 from .member import Member
 from .messages import MAX_COUNT, MAX_WEIGHT
 from .outer import Outer
+from .standing import LEAD_RATE, MOVE_SLACK
 from .staging import Staging, device_of
 from .tensors import StateSchema
 
@@ -140,6 +145,9 @@ class Replica:
         self._samples = 0
         self._weight = 1.0
         self._local = 0  # this process's optimizer steps
+        # What moves up may still add to the step: MOVE_SLACK at the start, spent by moves up,
+        # earned back at LEAD_RATE per optimizer step, never more than MOVE_SLACK saved.
+        self._lead = MOVE_SLACK
         self._revision = 0  # changes of the state made outside the optimizer
         self.loads = 0  # states taken whole (downloads): a pipelined node's stages take them
         self._watch: tuple[int, Callable[[], None]] | None = None
@@ -229,6 +237,7 @@ class Replica:
             self._step = min(self._step + steps - paid, MAX_COUNT)
             self._samples = min(self._samples + samples, MAX_COUNT)
             self._local += steps
+            self._lead = min(self._lead + LEAD_RATE * steps, MOVE_SLACK)
             if self.by_samples:
                 self._weight = min(self._weight + samples, MAX_WEIGHT)
             if self._watch is not None and self._local >= self._watch[0]:
@@ -547,7 +556,9 @@ class Replica:
             return
         paid = min(self._debt, move)
         self._debt -= paid
-        self._step = min(self._step + move - paid, MAX_COUNT)
+        up = min(move - paid, self._lead)  # past the debt, as far as our own steps allow
+        self._lead -= up
+        self._step = min(self._step + up, MAX_COUNT)
 
     def load(self, flat: torch.Tensor, *, step: int, buffers: dict[str, int]) -> None:
         """Replace the live state by a downloaded one (parameters, float buffers, integer
