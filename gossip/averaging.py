@@ -316,9 +316,13 @@ class Averaging:
         # A newcomer's payload moves us by nothing (gossip.standing), and a correction that
         # moved on its side only would leave the swarm's sum of corrections off for good
         # (gossip.correction): with a newcomer, or before we have a gradient estimate of our
-        # own, only the state is swapped.
+        # own, only the state is swapped. So it is with a member we never picked for a round
+        # of ours: estimates add up where states do not (gossip.correction, "Bounds in sum"),
+        # and a key holder's identities then reach our correction only at its share of the
+        # hosts we pick, not as often as its offers' budget allows.
         corrected = (offer.correction and rank is not Standing.NEWCOMER
-                     and self.replica.estimating and self._plan.correct)
+                     and self._trust.picked(peer) and self.replica.estimating
+                     and self._plan.correct)
         side = _Side(False, rank, corrected, "accept", channel, offer.step)
         await self._exchange(peer, side, partial(self._accept, channel, offer))
 

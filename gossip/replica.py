@@ -57,6 +57,7 @@ node's optimizer steps, moved on each exchange towards the swarm's by a signed `
 It never goes back: a move down becomes a *debt* that the node's next optimizer steps pay off
 instead of counting, so a node ahead of the swarm holds its step while the others catch up
 (learning-rate schedules never reverse, and checkpoints, named by step, stay in order).
+Moves up are bounded in sum, by the node's own pace (:class:`~gossip.counters.Lead`).
 ``samples`` counts samples this node trained on; ``weight`` is the push-sum weight (see
 :mod:`gossip.mixing`). Counting saturates at the protocol's range
 (:data:`~gossip.messages.MAX_COUNT`), so every counter stays one a peer would accept.
@@ -73,7 +74,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -81,6 +81,7 @@ import trio
 
 from . import tensors
 from .correction import DEFAULT_LEAK, Correction, Stray
+from .counters import Counters, Lead
 from .member import Member
 from .messages import MAX_COUNT, MAX_WEIGHT
 from .outer import Outer
@@ -92,23 +93,6 @@ __all__ = ["Replica", "Counters", "offload", "offload_for", "MAX_SPREAD", "OFFLO
 OFFLOAD_NUMEL = 1 << 18  # models this large (1 MiB of float32) copy and mix in a thread
 MAX_SPREAD = 16  # steps a committed delta is spread over at most: momentum's memory
 SPACING_WEIGHT = 0.2  # the weight of the newest gap in the average steps between deltas
-
-
-@dataclass(frozen=True)
-class Counters:
-    """A replica's counters, read together. ``debt`` and ``local`` are this process's (not
-    checkpointed): the steps still to take without counting, and the optimizer steps taken."""
-
-    step: int
-    samples: int
-    weight: float
-    debt: int = field(default=0, compare=False)
-    local: int = field(default=0, compare=False)
-
-    @property
-    def heading(self) -> int:
-        """Where the step is headed: ``step`` less the debt still to pay."""
-        return self.step - self.debt
 
 
 class Replica:
@@ -140,6 +124,7 @@ class Replica:
         self._samples = 0
         self._weight = 1.0
         self._local = 0  # this process's optimizer steps
+        self._lead = Lead()  # how far moves up may still take the step (gossip.counters)
         self._revision = 0  # changes of the state made outside the optimizer
         self.loads = 0  # states taken whole (downloads): a pipelined node's stages take them
         self._watch: tuple[int, Callable[[], None]] | None = None
@@ -229,6 +214,7 @@ class Replica:
             self._step = min(self._step + steps - paid, MAX_COUNT)
             self._samples = min(self._samples + samples, MAX_COUNT)
             self._local += steps
+            self._lead.earn(steps)
             if self.by_samples:
                 self._weight = min(self._weight + samples, MAX_WEIGHT)
             if self._watch is not None and self._local >= self._watch[0]:
@@ -547,7 +533,7 @@ class Replica:
             return
         paid = min(self._debt, move)
         self._debt -= paid
-        self._step = min(self._step + move - paid, MAX_COUNT)
+        self._step = min(self._step + self._lead.spend(move - paid), MAX_COUNT)
 
     def load(self, flat: torch.Tensor, *, step: int, buffers: dict[str, int]) -> None:
         """Replace the live state by a downloaded one (parameters, float buffers, integer

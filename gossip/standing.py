@@ -85,9 +85,9 @@ from .member import Member
 from .messages import MAX_COUNT as MAX_STEP
 
 __all__ = ["FOUNDING", "Standing", "standing", "seniority", "Records", "pick", "step_ceiling",
-           "PeerSteps", "by_host", "host_of", "step_move", "MOVE_SLACK", "NewcomerBudget",
-           "NEWCOMER_BURST", "MEMBER_SHARE", "MEMBER_BURST", "MAX_HOSTS", "MAX_RECORDS",
-           "PROOFS_PER_HOST", "Proofs"]
+           "PeerSteps", "by_host", "host_of", "step_move", "MOVE_SLACK", "LEAD_RATE",
+           "NewcomerBudget", "NEWCOMER_BURST", "MEMBER_SHARE", "MEMBER_BURST", "MAX_HOSTS",
+           "MAX_RECORDS", "PROOFS_PER_HOST", "Proofs"]
 
 NEWCOMER_BURST = 2  # newcomer exchanges one host may have saved up
 MEMBER_SHARE = 2.0  # x 1/hosts: the member exchanges one host earns per round of ours
@@ -267,6 +267,11 @@ def step_ceiling(members: Iterable[Member], host: Callable[[Member], str] | None
 
 
 MOVE_SLACK = 100_000  # a move up is at most our step plus this (step_move)
+# Moves up add to a step at most MOVE_SLACK in all, earned back at this many steps per
+# optimizer step of the node's own (gossip.replica): whoever holds the median, a step runs at
+# most 1 + LEAD_RATE times the node's own pace past that, and a node four times slower than
+# the swarm's median keeps up with it.
+LEAD_RATE = 3
 
 
 class PeerSteps:

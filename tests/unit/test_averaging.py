@@ -641,6 +641,10 @@ async def test_a_correction_that_is_not_finite_or_far_too_long_is_a_strike(attac
             await until(lambda: sees_ready(a, b), a)
         for model, optimizer in zip(models, optimizers):
             one_step(model, optimizer)
+        with trio.fail_after(DEADLINE):  # B picks A once: B swaps estimates with A's offers
+            await until(lambda: sees_ready(b, a), b)
+            assert await b.average_now() is Result.COMMITTED
+        committed = a.statistics().committed
         correction = a.replica.correction_state()
         honest = b.replica.snapshot
 
@@ -658,7 +662,7 @@ async def test_a_correction_that_is_not_finite_or_far_too_long_is_a_strike(attac
                 assert a.statistics().invalid == strike
             assert await a.average_now() is Result.NO_PEER  # B is in quarantine now
         stats = a.statistics()
-        assert (stats.committed, stats.quarantined) == (0, 1)
+        assert (stats.committed, stats.quarantined) == (committed, 1)
         after = a.replica.correction_state()  # and nothing moved
         assert all(torch.equal(after[k], v) for k, v in correction.items())
 

@@ -12,6 +12,7 @@ import torch
 
 from gossip import tensors
 from gossip.replica import MAX_SPREAD, OFFLOAD_NUMEL, Counters, Replica, offload
+from gossip.standing import LEAD_RATE, MOVE_SLACK
 
 
 def linear(dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.nn.Module:
@@ -86,6 +87,25 @@ def test_a_step_moves_up_at_once_and_a_move_down_is_paid_from_the_next_steps() -
     queue(replica, filled(replica, torch.zeros(replica.schema.numel)), step_move=-2)
     queue(replica, filled(replica, torch.zeros(replica.schema.numel)), step_move=5)
     assert replica.counters().step == 13  # a move up pays the debt first
+
+
+def test_moves_up_add_at_most_the_lead_the_nodes_own_steps_earn() -> None:
+    # MOVE_SLACK at first, then LEAD_RATE per optimizer step, however far the moves ask.
+    replica = Replica(linear())
+    zeros = torch.zeros(replica.schema.numel)
+    queue(replica, filled(replica, zeros), step_move=MOVE_SLACK + 7)
+    assert replica.counters().step == MOVE_SLACK
+    queue(replica, filled(replica, zeros), step_move=5)
+    assert replica.counters().step == MOVE_SLACK  # nothing left
+    replica.advance(2)  # counts 2, earns 2 x LEAD_RATE
+    queue(replica, filled(replica, zeros), step_move=MOVE_SLACK)
+    assert replica.counters().step == MOVE_SLACK + 2 + 2 * LEAD_RATE
+    queue(replica, filled(replica, zeros), step_move=-4)  # a debt: paying it back is no lead
+    queue(replica, filled(replica, zeros), step_move=4)
+    assert replica.counters().heading == MOVE_SLACK + 2 + 2 * LEAD_RATE
+    replica.advance(10 * MOVE_SLACK)  # what is saved stops at MOVE_SLACK
+    queue(replica, filled(replica, zeros), step_move=3 * MOVE_SLACK)
+    assert replica.counters().step == 12 * MOVE_SLACK + 2 + 2 * LEAD_RATE
 
 
 def test_queue_takes_the_merged_weight_and_keeps_samples_trained_since_the_offer() -> None:
